@@ -1,0 +1,228 @@
+"""The public entry points: :func:`plan`, :func:`estimate` and :func:`parallelize`."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from autopar.cluster import Cluster
+from autopar.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SEARCH_KEYS = ("dp", "tp", "microbatch_size", "zero", "sequence_parallel", "time_limit_s")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A hand-written parallel configuration, scored by :func:`estimate`.
+
+    Degrees left out are 1, except ``dp``, which fills the world. ``microbatch_size``
+    defaults to each data-parallel rank's whole share of the global batch.
+    """
+
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    microbatch_size: int | None = None
+    schedule: str | None = None
+    virtual_stages: int = 1
+    recompute: str = "none"
+    zero: int = 0
+    sequence_parallel: bool = False
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
+    return value
+
+
+def _budget(memory_budget: float | None, hw) -> float:
+    if memory_budget is None:
+        return float(hw.usable_memory_bytes)
+    if not isinstance(memory_budget, (int, float)) or memory_budget <= 0:
+        raise ConfigError(f"memory_budget={memory_budget!r}: expected a positive number of bytes")
+    return float(memory_budget)
+
+
+def detect_cluster() -> Cluster:
+    """The cluster of the running job: world size from torch.distributed (1 if not
+    initialized), CUDA → the profile matching the GPU name, otherwise ``cpu``."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    gpu = "cpu"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        gpu = "h100-sxm" if "h100" in name or "h200" in name else (
+            "a100-80g" if "a100" in name else "h100-sxm")
+    per_node = local if local > 0 and world % local == 0 else world
+    return Cluster(gpu=gpu, nodes=world // per_node, gpus_per_node=per_node)
+
+
+def _batch_of(example_inputs: Any) -> int:
+    import torch
+
+    first = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise ConfigError("example_inputs must be a tensor or a tuple of tensors whose first "
+                          "dim is the batch")
+    return int(first.shape[0])
+
+
+def _check_heads(graph, tp: int) -> None:
+    """A forced tensor-parallel degree must divide every attention's head count."""
+    if tp <= 1:
+        return
+    for n in graph.nodes:
+        if n.target.startswith("aten.scaled_dot_product_attention") and n.out is not None \
+                and len(n.out.shape) >= 3:
+            heads = n.out.shape[-3]
+            if heads % tp:
+                raise ConfigError(
+                    f"tensor-parallel degree tp={tp} does not divide the {heads} attention heads "
+                    f"of module '{n.module_path}'; choose tp among "
+                    f"{[d for d in range(1, heads + 1) if heads % d == 0]}")
+
+
+def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | None,
+                loss_fn, precision: str, optimizer: str, memory_budget, space: dict,
+                name: str | None = None):
+    from autopar.assemble import assemble
+    from autopar.capture import capture
+    from autopar.solvers.search import candidates, search
+    from autopar.strategies.analysis import analyze
+
+    unknown = sorted(set(space) - set(SEARCH_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown planning option(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(SEARCH_KEYS)}")
+    _check_choice("precision", precision, PRECISIONS)
+    _check_choice("optimizer", optimizer, OPTIMIZERS)
+    if not isinstance(cluster, Cluster):
+        raise ConfigError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
+    hw = cluster.hardware()
+    budget = _budget(memory_budget, hw)
+    gb = global_batch if global_batch is not None else _batch_of(example_inputs)
+    if not isinstance(gb, int) or gb < 1:
+        raise ConfigError(f"global_batch={global_batch!r}: expected a positive integer")
+    world = cluster.world_size
+    tp = space.get("tp")
+    if tp is not None and (tp < 1 or world % tp):
+        raise ConfigError(f"tp={tp} does not divide the {world} devices of the cluster")
+    graph = capture(model, example_inputs, loss_fn=loss_fn, name=name)
+    _check_heads(graph, tp or 1)
+    an = analyze(graph)
+    cands = candidates(world, gb, dp=space.get("dp"), tp=tp,
+                       microbatch_size=space.get("microbatch_size"), zero=space.get("zero"))
+    res = search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node, precision=precision,
+                 optimizer=optimizer, memory_budget=budget,
+                 sequence_parallel=space.get("sequence_parallel"),
+                 time_limit_s=space.get("time_limit_s"))
+    peak = hw.matmul_flops.get(precision, hw.matmul_flops.get("fp32", 1.0))
+    plan = assemble(an, res.built, res.solution, cluster_desc=cluster.describe(),
+                    global_batch=gb, peak_flops=peak)
+    plan.solver["memory_budget_bytes"] = budget
+    return plan, res
+
+
+def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch: int | None = None,
+         loss_fn: Callable | None = None, precision: str = "bf16", optimizer: str = "adamw",
+         memory_budget: float | None = None, **space) -> "Plan":
+    """Find the fastest plan for ``model`` on ``cluster`` that fits in memory.
+
+    ``example_inputs`` is one global batch (real or ``meta`` tensors); ``global_batch``
+    overrides its size. ``space`` narrows the search: ``dp``, ``tp``,
+    ``microbatch_size``, ``zero`` (0 or 3), ``sequence_parallel`` (True/False), and
+    ``time_limit_s``. Without a cluster, plans for the running job (see
+    :func:`detect_cluster`).
+    """
+    cluster = cluster or detect_cluster()
+    p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=global_batch,
+                       loss_fn=loss_fn, precision=precision, optimizer=optimizer,
+                       memory_budget=memory_budget, space=space)
+    return p
+
+
+make_plan = plan  # parallelize() takes a keyword named ``plan``
+
+
+def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None,
+             global_batch: int | None = None, loss_fn: Callable | None = None,
+             precision: str = "bf16", optimizer: str = "adamw",
+             memory_budget: float | None = None) -> "Plan":
+    """Score a hand-written configuration with the same cost model as :func:`plan`.
+
+    The intra-op layout within the given degrees is still chosen by the solver (so
+    ``tp=8`` gives the best 8-way tensor-parallel layout).
+    """
+    if not isinstance(spec, Spec):
+        raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
+    for name in ("pp", "cp", "ep"):
+        if getattr(spec, name) != 1:
+            raise ConfigError(f"Spec({name}={getattr(spec, name)}) is not supported yet; "
+                              f"this version plans data and tensor parallelism (dp, tp)")
+    if spec.recompute != "none":
+        raise ConfigError(f"Spec(recompute={spec.recompute!r}) is not supported yet; use 'none'")
+    if spec.zero not in (0, 3):
+        raise ConfigError(f"Spec(zero={spec.zero}) is not supported yet; use 0 or 3")
+    cluster = cluster or detect_cluster()
+    world = cluster.world_size
+    if spec.tp < 1 or world % spec.tp:
+        raise ConfigError(f"Spec(tp={spec.tp}) does not divide the {world} devices of the cluster")
+    dp = spec.dp if spec.dp is not None else world // spec.tp
+    if dp * spec.tp != world:
+        raise ConfigError(f"Spec(dp={dp}, tp={spec.tp}) uses {dp * spec.tp} devices but the "
+                          f"cluster has {world}")
+    gb = global_batch if global_batch is not None else _batch_of(example_inputs)
+    if gb % dp:
+        raise ConfigError(f"the global batch {gb} is not divisible by dp={dp}")
+    mb = spec.microbatch_size or gb // dp
+    space = {"dp": dp, "tp": spec.tp, "microbatch_size": mb, "zero": spec.zero,
+             "sequence_parallel": spec.sequence_parallel if spec.tp > 1 else None}
+    p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=gb, loss_fn=loss_fn,
+                       precision=precision, optimizer=optimizer, memory_budget=memory_budget,
+                       space=space)
+    p.notes.append(f"scored hand-written configuration {spec}")
+    return p
+
+
+def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
+                cluster: Cluster | None = None, loss_fn: Callable | None = None,
+                **plan_kwargs) -> "ParallelModel":
+    """Plan (unless ``plan`` is given) and apply the plan inside a running job.
+
+    Must run on every rank of a job started by torchrun or ``init_process_group``.
+    Rank 0 plans and broadcasts the plan, so every rank applies the same one.
+    """
+    import torch.distributed as dist
+
+    from autopar.plan import Plan
+    from autopar.runtime import apply_plan
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("parallelize() must run inside a distributed job: start it with "
+                          "torchrun, or call torch.distributed.init_process_group first")
+    if plan is None:
+        if example_inputs is None:
+            raise ConfigError("parallelize() needs example_inputs (one global batch) or a plan")
+        cluster = cluster or detect_cluster()
+        text = [None]
+        if dist.get_rank() == 0:
+            text[0] = make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn,
+                                **plan_kwargs).to_json()
+        dist.broadcast_object_list(text, src=0)
+        plan = Plan.from_json(text[0])
+    elif not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
+    if math.prod(plan.mesh.values()) != dist.get_world_size():
+        raise ConfigError(f"the plan is for {math.prod(plan.mesh.values())} devices but the job "
+                          f"has {dist.get_world_size()}; plan for this world size")
+    return apply_plan(model, plan, loss_fn=loss_fn)

@@ -1,0 +1,126 @@
+"""Turn a solved problem into a :class:`~autopar.plan.Plan`: placements of every
+parameter and activation, one ModulePlan per module for the lowering, the predicted
+step time with its breakdown, memory by category, throughput and MFU."""
+
+from __future__ import annotations
+
+from autopar.graph import Graph
+from autopar.plan import ModulePlan, Plan
+from autopar.solvers.ilp import Solution
+from autopar.solvers.problem import evaluate
+from autopar.strategies.analysis import GraphAnalysis
+from autopar.strategies.build import Built, NodeStrategy
+
+
+def chosen_strategies(g: Graph, built: Built, sol: Solution) -> dict[str, NodeStrategy]:
+    """The strategy of every op/input node (instances share their canonical node's)."""
+    by_canon = {name: built.strategies[k][sol.choice[k]] for k, name in enumerate(built.names)}
+    return {n.name: by_canon[g.canonical.get(n.name, n.name)]
+            for n in g.nodes if g.canonical.get(n.name, n.name) in by_canon}
+
+
+def _tp(pl: tuple[str, ...] | list[str], axis: int | None) -> str:
+    return "R" if axis is None else pl[axis]
+
+
+def module_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], axis: int | None,
+                 params: dict[str, list[str]], times: dict[str, float]) -> dict[str, ModulePlan]:
+    """One ModulePlan per module that owns parameters (its style on the tp axis)."""
+    g = an.graph
+    ops_by_module: dict[str, list] = {}
+    for n in g.nodes:
+        if n.kind == "op":
+            ops_by_module.setdefault(n.module_path, []).append(n)
+    result: dict[str, ModulePlan] = {}
+    owners: dict[str, list[str]] = {}
+    for fqn, info in g.params.items():
+        for name in [fqn] + list(info.aliases):
+            path, _, local = name.rpartition(".")
+            owners.setdefault(path, []).append(local)
+    for path, locals_ in owners.items():
+        ops = [o for o in ops_by_module.get(path, []) if o.target != "getitem"]
+        if not ops:
+            continue
+        first, last = ops[0], ops[-1]
+        s_first, s_last = chosen[first.name], chosen[last.name]
+        act_pos = next((k for k, i in enumerate(first.inputs) if g.node(i).kind != "param"), 0)
+        producer = first.inputs[act_pos] if first.inputs else None
+        in_layout = _tp(chosen[producer].out, axis) if producer in chosen else "R"
+        desired = _tp(s_first.ins[act_pos], axis) if s_first.ins else "R"
+        output = _tp(s_last.out, axis)
+        mtype = first.module_type
+        pl = {loc: params[f"{path}.{loc}" if path else loc] for loc in locals_
+              if (f"{path}.{loc}" if path else loc) in params}
+        result[path] = ModulePlan(path, mtype, _style(mtype, pl, desired, output),
+                                  in_layout, desired, output, pl,
+                                  sum(times.get(o.name, 0.0) for o in ops))
+    return result
+
+
+def _style(mtype: str, params: dict[str, list[str]], desired: str, output: str) -> str:
+    """Name the tensor-parallel style the placements amount to."""
+    w = params.get("weight")
+    tpw = w[-1] if w else "R"
+    if mtype == "Linear" and tpw in ("S(0)", "S(1)"):
+        return "colwise" if tpw == "S(0)" else "rowwise"
+    if mtype == "Embedding" and tpw in ("S(0)", "S(1)"):
+        return "rowwise" if tpw == "S(0)" else "colwise"
+    if desired.startswith("S("):
+        return "sequence_parallel"
+    return "replicate"
+
+
+def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: dict,
+             global_batch: int, peak_flops: float) -> Plan:
+    """Build the Plan for solution ``sol`` of ``built``."""
+    g = an.graph
+    st = built.settings
+    mesh = st.mesh
+    chosen = chosen_strategies(g, built, sol)
+    dp_axis = mesh.names.index("dp") if "dp" in mesh.names else None
+    tp_axis = mesh.names.index("tp") if "tp" in mesh.names else None
+    params: dict[str, list[str]] = {}
+    for pnode, (op, pos) in an.param_owner.items():
+        fqn = g.node(pnode).target
+        pl = list(chosen[op].ins[pos])
+        if dp_axis is not None and st.zero == 3 and mesh.sizes[dp_axis] > 1:
+            pl[dp_axis] = "S(0)"
+        params[fqn] = pl
+        for alias in g.params[fqn].aliases if fqn in g.params else []:
+            params[alias] = list(pl)
+    acts = {name: list(s.out) for name, s in chosen.items()}
+    ev = evaluate(built.problem, sol.choice)
+    times = {}
+    for k, name in enumerate(built.names):
+        sc = built.problem.nodes[k].strategies[sol.choice[k]]
+        times[name] = sc.compute_s + sc.comm_s
+    per_node = {n.name: times.get(g.canonical.get(n.name, n.name), 0.0) for n in g.nodes}
+    modules = module_plans(an, chosen, tp_axis, params, per_node)
+    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    for k, node in enumerate(built.problem.nodes):
+        s = built.strategies[k][sol.choice[k]]
+        for cat, v in s.memory.items():
+            memory[cat] += node.multiplicity * v
+    memory["gathered_params"] = sum(
+        n.gather_multiplicity * n.strategies[sol.choice[k]].gather_bytes
+        for k, n in enumerate(built.problem.nodes))
+    memory["total"] = ev.memory_bytes
+    model_flops = 3.0 * g.forward_flops * global_batch / g.batch_size
+    world = mesh.size
+    mfu = model_flops / (ev.step_time_s * world * peak_flops) if ev.step_time_s > 0 else 0.0
+    sp = any(m.style == "sequence_parallel" for m in modules.values()
+             if m.module_type in ("LayerNorm", "RMSNorm"))
+    blocks = sorted({lay.path for lay in g.layers}, key=lambda p: [
+        int(t) if t.isdigit() else t for t in p.split(".")])
+    breakdown = {"compute_s": ev.compute_s, "comm_s": ev.comm_s, "reshard_s": ev.reshard_s,
+                 "param_comm_s": ev.param_comm_s,
+                 "exposed_param_comm_s": ev.exposed_param_comm_s,
+                 "exposed_comm_s": ev.comm_s + ev.exposed_param_comm_s}
+    return Plan(
+        model=g.model_name, graph_hash=g.fingerprint(), cluster=cluster_desc,
+        mesh=mesh.as_dict(), global_batch=global_batch, microbatch_size=st.microbatch_size,
+        num_microbatches=st.num_microbatches, zero=st.zero, sequence_parallel=sp,
+        precision=st.precision, optimizer=st.optimizer, params=params, activations=acts,
+        modules=modules, blocks=blocks, step_time_s=ev.step_time_s, breakdown=breakdown,
+        memory=memory, throughput=global_batch / ev.step_time_s if ev.step_time_s else 0.0,
+        mfu=mfu, solver=dict(sol.stats), notes=[])

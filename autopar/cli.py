@@ -1,0 +1,117 @@
+"""The ``autopar`` command line: ``plan`` a model for a cluster, ``demo`` a local run."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+from autopar.errors import AutoparError, ConfigError
+
+
+def parse_bytes(text: str) -> float:
+    """``"40GB"`` -> 4e10, ``"80GiB"`` -> 80·2^30, a plain number is bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"memory size {text!r} is not like '40GB', '80GiB' or a byte count")
+    value, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return value * scale
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", default="h100-sxm", help="hardware profile name or JSON path")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU inside a node")
+    p.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU across nodes")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print the best plan for a model on a cluster")
+    p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory")
+    _add_cluster_args(p)
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    p.add_argument("--seq-len", type=int, help="sequence length (zoo models)")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw", "sgd"])
+    p.add_argument("--memory-budget", type=parse_bytes, help="per device, e.g. 40GB")
+    p.add_argument("--dp", type=int, help="fix the data-parallel degree")
+    p.add_argument("--tp", type=int, help="fix the tensor-parallel degree")
+    p.add_argument("--zero", type=int, choices=[0, 3], help="fix the ZeRO stage")
+    p.add_argument("--microbatch", type=int, help="fix the micro-batch size")
+    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    sub.add_parser("models", help="list the zoo models")
+    d = sub.add_parser("demo", help="train a small GPT on local CPU processes under its plan")
+    d.add_argument("--ranks", type=int, default=4)
+    d.add_argument("--steps", type=int, default=3)
+    return ap
+
+
+def _load_model(spec: str, seq_len: int | None):
+    from autopar.examples import zoo
+
+    if ":" in spec and spec.split(":")[0].endswith(".py"):
+        return zoo.load(spec)
+    return zoo.get(spec, batch_size=2, seq_len=seq_len)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``autopar plan``: capture on meta, search, print the summary, write JSON."""
+    import autopar
+
+    t0 = time.perf_counter()
+    cluster = autopar.Cluster(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                              intra_node_bandwidth=args.intra_node_bandwidth,
+                              inter_node_bandwidth=args.inter_node_bandwidth)
+    model, inputs = _load_model(args.model, args.seq_len)
+    space = {k: v for k, v in (("dp", args.dp), ("tp", args.tp), ("zero", args.zero),
+                               ("microbatch_size", args.microbatch)) if v is not None}
+    plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
+                        precision=args.precision, optimizer=args.optimizer,
+                        memory_budget=args.memory_budget, **space)
+    if ":" not in args.model:
+        plan.model = args.model
+    print(plan.summary())
+    print(f"\nplanned in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json())
+        print(f"plan written to {args.json}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """``autopar models``: one line per zoo model."""
+    from autopar.examples import zoo
+
+    for name in zoo.names():
+        print(f"{name:14s} {zoo.describe(name)}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``autopar demo``: a small GPT trained under its plan beside a single process."""
+    from autopar.demo import run_demo
+
+    run_demo(ranks=args.ranks, steps=args.steps)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``autopar`` console script."""
+    args = _build_parser().parse_args(argv)
+    handler = {"plan": cmd_plan, "models": cmd_models, "demo": cmd_demo}[args.command]
+    try:
+        return handler(args)
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

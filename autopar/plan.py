@@ -1,0 +1,199 @@
+"""The Plan: the only thing that crosses from planning to running.
+
+A Plan is plain data with a versioned JSON round-trip. It says how to lay the model
+out on a named device mesh — per parameter and per activation placements, and, for
+the lowering, one :class:`ModulePlan` per module that owns parameters — and carries
+what the cost model predicted for it and how the solver found it.
+
+Placements are written per mesh axis, in mesh order, as strings: ``"R"``
+(Replicate), ``"S(d)"`` (Shard along tensor dim d) and ``"P"`` (Partial sum); see
+:mod:`autopar.sharding` for the conversion to ``torch.distributed.tensor`` classes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+from autopar.errors import PlanFormatError
+
+PLAN_FORMAT_VERSION = 1
+
+TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
+
+
+@dataclass
+class ModulePlan:
+    """How the lowering treats one module that owns parameters.
+
+    Attributes:
+        path: module path in the user's model, e.g. ``"blocks.0.attn.q"``.
+        module_type: class name, e.g. ``"Linear"``, ``"Embedding"``, ``"LayerNorm"``.
+        style: tensor-parallel style on the ``tp`` axis: "replicate" (no tensor
+            parallelism), "colwise" (Linear weight split along its output features,
+            Embedding along its embedding dim), "rowwise" (Linear weight split along
+            its input features, Embedding along its vocabulary) or
+            "sequence_parallel" (replicated parameters, activations split along the
+            sequence dim).
+        input_layout: ``tp``-axis placement of the activation the module receives.
+        desired_input_layout: ``tp``-axis placement the module computes on (the
+            lowering redistributes from ``input_layout`` to it).
+        output_layout: ``tp``-axis placement the module hands on (the lowering
+            reduces a partial result to it).
+        params: local parameter name -> placements on every mesh axis.
+        time_s: predicted forward + backward time of the module's ops per step.
+    """
+
+    path: str
+    module_type: str
+    style: str = "replicate"
+    input_layout: str = "R"
+    desired_input_layout: str = "R"
+    output_layout: str = "R"
+    params: dict[str, list[str]] = field(default_factory=dict)
+    time_s: float = 0.0
+
+
+@dataclass
+class Plan:
+    """A complete parallelization plan with its predicted costs.
+
+    Attributes:
+        model: the model's name (class name or zoo name).
+        graph_hash: fingerprint of the captured graph the plan was made for.
+        cluster: the cluster description (gpu, nodes, gpus_per_node, bandwidths).
+        mesh: ordered mesh axes and their sizes, e.g. ``{"dp": 4, "tp": 2}``.
+        global_batch: samples per optimizer step over all ranks.
+        microbatch_size: samples per forward/backward pass on one data-parallel rank.
+        num_microbatches: gradient-accumulation steps per optimizer step.
+        zero: ZeRO stage over ``dp`` (0 = replicated parameters, 3 = fully sharded).
+        sequence_parallel: True when norms and pointwise ops run on sequence shards.
+        precision: "fp32", "bf16" or "fp16".
+        optimizer: "adam", "adamw" or "sgd".
+        params: parameter FQN -> placements per mesh axis.
+        activations: graph node name -> placements of its output per mesh axis.
+        modules: module path -> :class:`ModulePlan`.
+        blocks: module paths of the repeated layers, in order (the units that the
+            lowering wraps with ``fully_shard`` and activation checkpointing).
+        step_time_s: predicted seconds per optimizer step.
+        breakdown: predicted seconds by term (compute_s, comm_s, exposed_comm_s, ...).
+        memory: predicted peak bytes per device by category (params, grads,
+            optimizer, activations, total).
+        throughput: predicted samples per second.
+        mfu: predicted model FLOPs utilization (model FLOPs / (time x peak x devices)).
+        solver: solver statistics (name, status, variables, constraints, time_s, ...).
+        notes: human-readable remarks from the planner.
+    """
+
+    model: str
+    graph_hash: str
+    cluster: dict[str, Any]
+    mesh: dict[str, int]
+    global_batch: int
+    microbatch_size: int
+    num_microbatches: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    params: dict[str, list[str]] = field(default_factory=dict)
+    activations: dict[str, list[str]] = field(default_factory=dict)
+    modules: dict[str, ModulePlan] = field(default_factory=dict)
+    blocks: list[str] = field(default_factory=list)
+    step_time_s: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    throughput: float = 0.0
+    mfu: float = 0.0
+    solver: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    version: int = PLAN_FORMAT_VERSION
+
+    @property
+    def memory_per_device_bytes(self) -> float:
+        """Predicted peak memory per device, in bytes."""
+        return float(self.memory.get("total", 0.0))
+
+    @property
+    def world_size(self) -> int:
+        """Number of devices the plan runs on."""
+        n = 1
+        for s in self.mesh.values():
+            n *= s
+        return n
+
+    def degree(self, axis: str) -> int:
+        """Size of mesh axis ``axis`` (1 when the mesh has no such axis)."""
+        return int(self.mesh.get(axis, 1))
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Serialize to JSON text (round-trips through :meth:`from_json`)."""
+        data = asdict(self)
+        return json.dumps(data, indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Parse a plan written by :meth:`to_json`; raises PlanFormatError if malformed."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise PlanFormatError(
+                f"the plan is not valid JSON ({e}); pass the text written by Plan.to_json() "
+                "or `autopar plan --json`") from None
+        if not isinstance(data, dict):
+            raise PlanFormatError("the plan JSON must be an object with the fields of autopar.Plan")
+        version = data.get("version")
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanFormatError(
+                f"plan format version {version!r} is not supported (this autopar reads version "
+                f"{PLAN_FORMAT_VERSION}); re-run `autopar plan` to write a current plan")
+        known = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls)
+                    if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - data.keys())
+        if missing:
+            raise PlanFormatError(f"the plan is missing the field(s) {', '.join(missing)}; "
+                                  "re-run `autopar plan` to write a complete plan")
+        unknown = sorted(data.keys() - known)
+        if unknown:
+            raise PlanFormatError(f"the plan has unknown field(s) {', '.join(unknown)}")
+        try:
+            data["modules"] = {k: ModulePlan(**v) for k, v in data.get("modules", {}).items()}
+            plan = cls(**data)
+        except TypeError as e:
+            raise PlanFormatError(f"the plan has a malformed field: {e}") from None
+        _check_plan(plan)
+        return plan
+
+    def summary(self) -> str:
+        """A readable multi-line description of the plan (see :mod:`autopar.summary`)."""
+        from autopar.summary import plan_summary
+
+        return plan_summary(self)
+
+
+def _check_plan(plan: Plan) -> None:
+    """Validate the types and consistency of a parsed plan."""
+    from autopar.sharding import check_placement
+
+    if not isinstance(plan.mesh, dict) or not plan.mesh or not all(
+            isinstance(v, int) and v >= 1 for v in plan.mesh.values()):
+        raise PlanFormatError("the plan's mesh must map axis names to positive integers")
+    naxes = len(plan.mesh)
+    for what, table in (("parameter", plan.params), ("activation", plan.activations)):
+        for name, pls in table.items():
+            if not isinstance(pls, list) or len(pls) != naxes:
+                raise PlanFormatError(
+                    f"{what} {name!r} has placements {pls!r}; expected one per mesh axis "
+                    f"({', '.join(plan.mesh)})")
+            for p in pls:
+                check_placement(p)
+    for path, mp in plan.modules.items():
+        if mp.style not in TP_STYLES:
+            raise PlanFormatError(f"module {path!r} has unknown style {mp.style!r}; "
+                                  f"expected one of {', '.join(TP_STYLES)}")
+    if plan.zero not in (0, 1, 2, 3):
+        raise PlanFormatError(f"zero stage {plan.zero!r} is not one of 0, 1, 2, 3")
+    if plan.microbatch_size < 1 or plan.num_microbatches < 1:
+        raise PlanFormatError("microbatch_size and num_microbatches must be positive")

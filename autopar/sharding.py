@@ -1,0 +1,144 @@
+"""Sharding vocabulary: placements on a named device mesh.
+
+A tensor's layout on a mesh is one placement per mesh axis, using
+``torch.distributed.tensor``'s classes: ``Shard(d)`` splits tensor dim ``d`` evenly
+over the axis, ``Replicate()`` keeps a full copy on every device of the axis, and
+``Partial()`` holds a summand of the true value on each device.
+
+Plans write placements as short strings — ``"S(0)"``, ``"R"``, ``"P"`` — and
+strategies are named the Colossal-AI way, one letter group per tensor dim:
+``S0RS1`` is a 3-d tensor split along dim 0 over mesh axis 0 and along dim 2 over
+mesh axis 1 (``P1`` appended marks a partial sum over axis 1), and a strategy reads
+``S0RS1 = S0RR x S1R`` (output = input x weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from typing import TYPE_CHECKING, Any
+
+from autopar.errors import ConfigError, PlanFormatError
+
+if TYPE_CHECKING:  # the planner itself works on strings and never imports torch.distributed
+    from torch.distributed.tensor.placement_types import Placement
+else:
+    Placement = Any
+
+__all__ = ["Mesh", "parse_placement", "format_placement", "to_torch", "layout_name",
+           "check_placement"]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A named device mesh: axis names and sizes, outermost first.
+
+    Ranks are laid out row-major (the last axis varies fastest), so the innermost
+    axis groups neighbouring ranks — inside one node when it fits.
+    """
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.sizes):
+            raise ConfigError(f"mesh names {self.names} and sizes {self.sizes} differ in length")
+        if any(s < 1 for s in self.sizes):
+            raise ConfigError(f"mesh sizes must be positive, got {self.sizes}")
+
+    @classmethod
+    def from_dict(cls, axes: dict[str, int]) -> "Mesh":
+        """Build from an ordered ``{name: size}`` mapping."""
+        return cls(tuple(axes), tuple(int(v) for v in axes.values()))
+
+    def as_dict(self) -> dict[str, int]:
+        """The ordered ``{name: size}`` mapping."""
+        return dict(zip(self.names, self.sizes))
+
+    @property
+    def ndim(self) -> int:
+        """Number of mesh axes."""
+        return len(self.sizes)
+
+    @property
+    def size(self) -> int:
+        """Number of devices."""
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def axis(self, name: str) -> int:
+        """Index of the axis called ``name``."""
+        return self.names.index(name)
+
+    def stride(self, axis: int) -> int:
+        """Rank distance between neighbours along ``axis`` (row-major layout)."""
+        st = 1
+        for s in self.sizes[axis + 1:]:
+            st *= s
+        return st
+
+
+@lru_cache(maxsize=None)
+def check_placement(text: str) -> str:
+    """Validate a placement string (``"R"``, ``"P"`` or ``"S(d)"``) and return it."""
+    if text in ("R", "P"):
+        return text
+    if isinstance(text, str) and text.startswith("S(") and text.endswith(")"):
+        try:
+            int(text[2:-1])
+            return text
+        except ValueError:
+            pass
+    raise PlanFormatError(f"placement {text!r} is not one of 'R', 'P' or 'S(<dim>)'")
+
+
+def parse_placement(text: str) -> "Placement":
+    """Parse ``"R"``, ``"P"`` or ``"S(d)"`` into a ``torch.distributed.tensor`` placement
+    (``Replicate()``, ``Partial()``, ``Shard(d)``)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    t = check_placement(text)
+    if t == "R":
+        return Replicate()
+    if t == "P":
+        return Partial()
+    return Shard(int(t[2:-1]))
+
+
+def format_placement(p: "Placement") -> str:
+    """The short string of a torch placement (inverse of :func:`parse_placement`)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P"
+    raise PlanFormatError(f"unsupported placement {p!r}")
+
+
+def to_torch(placements: list[str] | tuple[str, ...]) -> tuple["Placement", ...]:
+    """Convert a plan's placement strings to a tuple of torch placements."""
+    return tuple(parse_placement(p) for p in placements)
+
+
+def layout_name(placements: tuple[str, ...] | list[str], ndim: int) -> str:
+    """Colossal-style name of a tensor layout, e.g. ``("S(0)", "S(2)") -> "S0RS1"``.
+
+    One group per tensor dim: ``R`` when no mesh axis splits it, else ``S`` followed
+    by the splitting mesh axes; ``P<axes>`` is appended for partial sums.
+    """
+    dims = ["" for _ in range(ndim)]
+    partial = ""
+    for axis, p in enumerate(placements):
+        if p == "P":
+            partial += str(axis)
+        elif p.startswith("S("):
+            d = int(p[2:-1]) % max(ndim, 1)
+            dims[d] += str(axis)
+    body = "".join(f"S{a}" if a else "R" for a in dims) or "scalar"
+    return body + (f"P{partial}" if partial else "")

@@ -1,0 +1,479 @@
+"""Enumerate every op's strategies on a mesh and price them: the bridge from a captured
+graph to a solver :class:`~autopar.solvers.problem.Problem`.
+
+For each canonical op node (one per distinct layer position) a strategy picks, per
+mesh axis, one label of the op's rule to split (or none). The ``dp`` axis is fixed to
+the batch label (data parallelism); the other axes are free. Module ops (a Linear,
+Embedding or norm module) may also convert their output (reduce a partial sum, gather
+or slice) and their input, which is where the parallel styles of the lowering put
+collectives; everywhere else producer and consumer must agree, since the code between
+modules runs on plain local tensors.
+
+Costs (seconds per micro-batch, bytes per device):
+
+* compute: the roofline time of the op's FLOPs and bytes divided by the number of
+  devices that split its work, forward plus backward (``backward_factors``);
+* resharding: for each mesh axis whose placement changes, one collective over that
+  axis (S→R all-gather, P→R all-reduce, P→S reduce-scatter, S(i)→S(j) all-to-all;
+  R→S is a local slice), forward and, for tensors that need gradients, the dual
+  conversion of the gradient backward;
+* parameters: weight gradients that come out partial over ``tp`` are all-reduced
+  over ``tp`` each micro-batch; over ``dp``, ZeRO-0 all-reduces gradients once per
+  step, ZeRO-3 all-gathers parameters in forward and backward and reduce-scatters
+  gradients each micro-batch;
+* memory: parameter, gradient and optimizer state of the parameters each op owns,
+  and the activations autograd saves for backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from autopar.cost_models.comm import collective_time, group_link
+from autopar.cost_models.compute import backward_factors, compute_time, is_matmul
+from autopar.cost_models.memory import (activation_bytes_per_element, saved_for_backward,
+                                        state_bytes)
+from autopar.graph import OpNode, TensorMeta
+from autopar.sharding import Mesh, layout_name
+from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
+from autopar.strategies.analysis import GraphAnalysis
+from autopar.strategies.rules import OpRule
+
+Placements = tuple[str, ...]
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a problem is built for, besides the graph."""
+
+    mesh: Mesh
+    microbatch_size: int
+    num_microbatches: int
+    zero: int
+    precision: str
+    optimizer: str
+    memory_budget: float
+    hw: object
+    gpus_per_node: int
+    overlap: float = 1.0
+    sequence_parallel: bool | None = None
+
+
+@dataclass
+class NodeStrategy:
+    """One strategy of one node, with everything the plan needs to record."""
+
+    name: str
+    out: Placements
+    raw_out: Placements
+    ins: tuple[Placements, ...]
+    grads: tuple[Placements, ...]
+    memory: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Built:
+    """A problem plus the strategy details behind each of its choices."""
+
+    problem: Problem
+    names: list[str]
+    strategies: list[list[NodeStrategy]]
+    settings: Settings
+
+
+def _placements(labels, assign: tuple[str | None, ...]) -> Placements:
+    out = []
+    for lab in assign:
+        out.append("R" if labels is None or lab is None or lab not in labels
+                   else f"S({labels.index(lab)})")
+    return tuple(out)
+
+
+class _Builder:
+    def __init__(self, an: GraphAnalysis, st: Settings) -> None:
+        self.an, self.st, self.g = an, st, an.graph
+        self.mesh = st.mesh
+        self.links = [group_link(self.mesh.sizes, a, st.gpus_per_node, st.hw)
+                      for a in range(self.mesh.ndim)]
+        self.dp_axis = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
+        self.factor = st.microbatch_size / self.g.batch_size
+        self.act_elt = activation_bytes_per_element(st.precision)
+        self.states = state_bytes(st.precision, st.optimizer)
+        self.dtype = st.precision
+        self.saved_owner = self._saved_owner()
+
+    # ---- shapes ---------------------------------------------------------------
+    def meta(self, name: str) -> TensorMeta | None:
+        """Output metadata of node ``name`` at the micro-batch size."""
+        m = self.g.node(name).out
+        bd = self.an.batch_dim.get(name)
+        if m is None or bd is None or bd >= len(m.shape):
+            return m
+        shape = list(m.shape)
+        shape[bd] = max(1, round(shape[bd] * self.factor))
+        return TensorMeta(tuple(shape), m.dtype)
+
+    def nbytes(self, m: TensorMeta | None) -> float:
+        if m is None:
+            return 0.0
+        return m.numel * (self.act_elt if m.is_float else m.nbytes / max(m.numel, 1))
+
+    def scaled(self, n: OpNode) -> float:
+        """Batch factor of an op's work (1 for ops that see no batch dim)."""
+        touches = self.an.batch_dim.get(n.name) is not None or any(
+            self.an.batch_dim.get(i) is not None for i in n.inputs)
+        return self.factor if touches else 1.0
+
+    # ---- enumeration ------------------------------------------------------------
+    def assignments(self, n: OpNode, rule: OpRule) -> list[tuple[str | None, ...]]:
+        """Every legal label-per-axis assignment of op ``n``."""
+        labels = sorted({lab for labs in rule.ins if labs for lab in labs}
+                        - rule.forbid)
+        labels = [lab for lab in labels if lab in rule.out or lab in rule.reduce]
+        per_axis: list[list[str | None]] = []
+        for a, size in enumerate(self.mesh.sizes):
+            if size == 1:
+                per_axis.append([None])
+            elif a == self.dp_axis:
+                per_axis.append([self.an.batch_label.get(n.name)])
+            elif rule.kind == "creation":
+                per_axis.append([None])
+            else:
+                per_axis.append([None] + labels)
+        result = []
+        for combo in itertools.product(*per_axis):
+            if self._divisible(n, rule, combo):
+                result.append(combo)
+        return result
+
+    def _divisible(self, n: OpNode, rule: OpRule, combo) -> bool:
+        degree: dict[str, int] = {}
+        for lab, size in zip(combo, self.mesh.sizes):
+            if lab is not None:
+                degree[lab] = degree.get(lab, 1) * size
+        if not degree:
+            return True
+        tensors = [(labs, self.meta(i)) for labs, i in zip(rule.ins, n.inputs)]
+        tensors.append((rule.out, self.meta(n.name)))
+        for labs, m in tensors:
+            if labs is None or m is None:
+                continue
+            for lab, size in zip(labs, m.shape):
+                if lab in degree and size % degree[lab]:
+                    return False
+        return True
+
+    def strategies(self, n: OpNode) -> tuple[list[NodeStrategy], list[StrategyCost]]:
+        """All strategies of op ``n`` with their costs."""
+        rule = self.an.rules[n.name]
+        out_meta = self.meta(n.name)
+        nd = len(out_meta.shape) if out_meta is not None else 0
+        strategies, costs = [], []
+        for combo in self.assignments(n, rule):
+            raw = []
+            for lab in combo:
+                if lab is None:
+                    raw.append("R")
+                elif lab in rule.out:
+                    raw.append(f"S({rule.out.index(lab)})")
+                else:
+                    raw.append("P")
+            raw_t = tuple(raw)
+            ins = tuple(_placements(labs, combo) for labs in rule.ins)
+            grads = tuple(self._grad(labs, combo, rule, p) for labs, p in zip(rule.ins, ins))
+            if not self._sp_allowed(n, rule, ins):
+                continue
+            for out in self._deliveries(n, raw_t, nd):
+                ns, sc = self._price(n, rule, combo, raw_t, out, ins, grads)
+                strategies.append(ns)
+                costs.append(sc)
+        return strategies, costs
+
+    def _sp_allowed(self, n: OpNode, rule: OpRule, ins: tuple[Placements, ...]) -> bool:
+        """Honour a forced sequence-parallel choice for norm modules (None = free)."""
+        sp = self.st.sequence_parallel
+        if sp is None or rule.kind != "norm" or not ins:
+            return True
+        split = any(ins[0][a].startswith("S(") for a in self._free_axes())
+        return split == sp
+
+    def _grad(self, labs, combo, rule: OpRule, place: Placements) -> Placements:
+        g = []
+        for lab, p in zip(combo, place):
+            lacks = labs is None or lab not in labs
+            g.append("P" if p == "R" and lab is not None and lacks and lab not in rule.reduce
+                     else p)
+        return tuple(g)
+
+    def _deliveries(self, n: OpNode, raw: Placements, nd: int) -> list[Placements]:
+        """Output placements a module op may hand on (its raw one, converted on the free
+        axes); other ops hand on their raw output."""
+        if n.name not in self.an.module_ops:
+            return [raw] if "P" not in [raw[a] for a in self._free_axes()] else []
+        opts = []
+        m = self.meta(n.name)
+        per_axis = []
+        for a in range(self.mesh.ndim):
+            if a not in self._free_axes():
+                per_axis.append([raw[a]])
+                continue
+            cand = ["R"] + [f"S({d})" for d in range(nd)
+                            if m is not None and m.shape[d] % self.mesh.sizes[a] == 0]
+            per_axis.append(cand)
+        for combo in itertools.product(*per_axis):
+            if self._shard_counts_ok(combo, m):
+                opts.append(tuple(combo))
+        return opts
+
+    def _shard_counts_ok(self, pl: Placements, m: TensorMeta | None) -> bool:
+        deg: dict[str, int] = {}
+        for p, s in zip(pl, self.mesh.sizes):
+            if p.startswith("S("):
+                deg[p] = deg.get(p, 1) * s
+        return m is None or all(m.shape[int(p[2:-1])] % d == 0 for p, d in deg.items())
+
+    def _free_axes(self) -> list[int]:
+        return [a for a, s in enumerate(self.mesh.sizes) if s > 1 and a != self.dp_axis]
+
+    # ---- pricing ----------------------------------------------------------------
+    def convert(self, src: Placements, dst: Placements, nbytes: float) -> float:
+        """Seconds to redistribute a tensor of ``nbytes`` (whole) from src to dst."""
+        t = 0.0
+        for a, (s, d) in enumerate(zip(src, dst)):
+            if s == d:
+                continue
+            local = nbytes
+            for b, p in enumerate(src):
+                if b != a and p.startswith("S("):
+                    local /= self.mesh.sizes[b]
+            n, link = self.mesh.sizes[a], self.links[a]
+            if s.startswith("S(") and d == "R":
+                t += collective_time("all_gather", local, n, link)
+            elif s == "P" and d == "R":
+                t += collective_time("all_reduce", local, n, link)
+            elif s == "P" and d.startswith("S("):
+                t += collective_time("reduce_scatter", local, n, link)
+            elif s.startswith("S(") and d.startswith("S("):
+                t += collective_time("all_to_all", local / n, n, link)
+            elif s.startswith("S(") and d == "P":
+                return INF
+        return t
+
+    def convert_both(self, src: Placements, dst: Placements, grad_src: Placements,
+                     nbytes: float, needs_grad: bool) -> float:
+        """Forward conversion plus, when gradients flow, the gradient's way back."""
+        t = self.convert(src, dst, nbytes)
+        if needs_grad:
+            back = tuple("R" if p == "P" else p for p in src)
+            t += self.convert(grad_src, back, nbytes)
+        return t
+
+    def _price(self, n: OpNode, rule: OpRule, combo, raw: Placements, out: Placements,
+               ins: tuple[Placements, ...], grads: tuple[Placements, ...]):
+        shard = 1
+        for lab, size in zip(combo, self.mesh.sizes):
+            if lab is not None:
+                shard *= size
+        f = self.scaled(n)
+        elt_scale = self.act_elt / 4.0
+        flops = n.flops * f / shard
+        nbytes = n.bytes * f * elt_scale / shard
+        mm = is_matmul(n.target)
+        fwd = compute_time(flops, nbytes, matmul=mm, dtype=self.dtype, hw=self.st.hw) \
+            if (flops or nbytes) else 0.0
+        bwd = 0.0
+        if n.requires_grad and (flops or nbytes):
+            ff, bf = backward_factors(n.target)
+            if ff or bf:
+                bwd = compute_time(flops * ff, nbytes * bf, matmul=mm, dtype=self.dtype,
+                                   hw=self.st.hw)
+        comm = 0.0
+        if out != raw:
+            grad_out = out
+            comm += self.convert_both(raw, out, grad_out, self.nbytes(self.meta(n.name)),
+                                      n.requires_grad)
+        memory = self._memory(n, rule, ins, out)
+        micro_pc, step_pc, tp_pc, gather = self._param_costs(n, ins, grads)
+        comm += tp_pc
+        name = f"{layout_name(out, len(rule.out))} = " + " x ".join(
+            layout_name(p, len(labs) if labs else 0) for p, labs in zip(ins, rule.ins))
+        if out != raw:
+            name += f"  [{layout_name(raw, len(rule.out))} -> {layout_name(out, len(rule.out))}]"
+        ns = NodeStrategy(name, out, raw, ins, grads, memory)
+        sc = StrategyCost(name, fwd + bwd, bwd, comm, micro_pc, step_pc,
+                          sum(memory.values()), gather)
+        return ns, sc
+
+    def _memory(self, n: OpNode, rule: OpRule, ins, out) -> dict[str, float]:
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        kinds = [self.g.node(i).kind for i in n.inputs]
+        if n.requires_grad:
+            for idx in saved_for_backward(n.target, len(n.inputs)):
+                if idx == -1:
+                    key, m, pl = (n.name, -1), self.meta(n.name), out
+                elif idx < len(n.inputs) and kinds[idx] != "param":
+                    key, m, pl = (n.inputs[idx], 0), self.meta(n.inputs[idx]), ins[idx]
+                else:
+                    continue
+                if self.saved_owner.get(key) != n.name or m is None:
+                    continue
+                mem["activations"] += self.nbytes(m) / _degree(pl, self.mesh)
+        dp = self.mesh.sizes[self.dp_axis] if self.dp_axis is not None else 1
+        for pos, i in enumerate(n.inputs):
+            if kinds[pos] != "param" or self.an.param_owner.get(i) != (n.name, pos):
+                continue
+            info = self.g.params.get(self.g.node(i).target)
+            numel = self.g.node(i).out.numel / _degree(ins[pos], self.mesh)
+            if info is not None and not info.trainable:
+                mem["params"] += numel * self.g.node(i).out.nbytes / max(
+                    self.g.node(i).out.numel, 1)
+                continue
+            zdiv = dp if self.st.zero == 3 else 1
+            mem["params"] += numel * self.states.param / zdiv
+            mem["grads"] += numel * self.states.grad / (dp if self.st.zero >= 2 else 1)
+            mem["optimizer"] += numel * self.states.optimizer / (dp if self.st.zero >= 1 else 1)
+        return mem
+
+    def _param_costs(self, n: OpNode, ins, grads) -> tuple[float, float, float, float]:
+        """(per-micro-batch dp comm, per-step dp comm, tp gradient comm, gathered bytes)."""
+        micro = step = tp = gather = 0.0
+        dpa = self.dp_axis
+        for pos, i in enumerate(n.inputs):
+            node = self.g.node(i)
+            if node.kind != "param" or self.an.param_owner.get(i) != (n.name, pos):
+                continue
+            info = self.g.params.get(node.target)
+            if info is not None and not info.trainable:
+                continue
+            local = node.out.numel / _degree(ins[pos], self.mesh)
+            for a in self._free_axes():
+                if grads[pos][a] == "P":
+                    tp += collective_time("all_reduce", local * 4.0, self.mesh.sizes[a],
+                                          self.links[a])
+            if dpa is None or self.mesh.sizes[dpa] == 1:
+                continue
+            dpn, link = self.mesh.sizes[dpa], self.links[dpa]
+            grad_bytes = local * 4.0  # gradients are reduced in fp32 (MixedPrecisionPolicy)
+            if self.st.zero == 3:
+                w = local * self.act_elt
+                micro += 2 * collective_time("all_gather", w, dpn, link)
+                micro += collective_time("reduce_scatter", grad_bytes, dpn, link)
+                gather += w
+            elif self.st.zero in (1, 2):
+                step += collective_time("reduce_scatter", grad_bytes, dpn, link)
+                step += collective_time("all_gather", local * self.states.param, dpn, link)
+            else:
+                step += collective_time("all_reduce", grad_bytes, dpn, link)
+        return micro, step, tp, gather
+
+    def _saved_owner(self) -> dict[tuple[str, int], str]:
+        """Each saved tensor is charged to the first op (in graph order) that saves it."""
+        owner: dict[tuple[str, int], str] = {}
+        for n in self.g.nodes:
+            if n.kind != "op" or not n.requires_grad:
+                continue
+            for idx in saved_for_backward(n.target, len(n.inputs)):
+                key = (n.name, -1) if idx == -1 else (
+                    (n.inputs[idx], 0) if idx < len(n.inputs) else None)
+                if key is not None:
+                    owner.setdefault(key, n.name)
+        return owner
+
+
+def _degree(pl: Placements, mesh: Mesh) -> int:
+    d = 1
+    for p, s in zip(pl, mesh.sizes):
+        if p.startswith("S("):
+            d *= s
+    return d
+
+
+def build_problem(an: GraphAnalysis, st: Settings) -> Built:
+    """Build the solver problem for graph analysis ``an`` under settings ``st``."""
+    b = _Builder(an, st)
+    g = an.graph
+    canon = g.canonical
+    index: dict[str, int] = {}
+    nodes: list[NodeChoice] = []
+    details: list[list[NodeStrategy]] = []
+    names: list[str] = []
+    for n in g.nodes:
+        if n.kind not in ("op", "input") or canon.get(n.name, n.name) != n.name:
+            continue
+        if n.kind == "input":
+            pl = tuple("S(0)" if a == b.dp_axis and an.batch_dim.get(n.name) == 0
+                       and st.mesh.sizes[a] > 1 else "R" for a in range(st.mesh.ndim))
+            ns = [NodeStrategy(layout_name(pl, len(n.out.shape) if n.out else 0), pl, pl, (), ())]
+            sc = [StrategyCost(ns[0].name)]
+        else:
+            ns, sc = b.strategies(n)
+        if not sc:
+            from autopar.errors import NoFeasiblePlanError
+            raise NoFeasiblePlanError(f"operator {n.target} in '{n.module_path}' has no strategy "
+                                      f"on mesh {st.mesh.as_dict()}")
+        index[n.name] = len(nodes)
+        layer = n.layer is not None
+        nodes.append(NodeChoice(n.name, sc, an.multiplicity.get(n.name, 1),
+                                2 if layer else 1))
+        details.append(ns)
+        names.append(n.name)
+    edges = _edges(b, index, details, names)
+    ties = _ties(b, index, details)
+    prob = Problem(nodes, edges, ties, st.num_microbatches, st.memory_budget, 0.0, st.overlap)
+    return Built(prob, names, details, st)
+
+
+def _edges(b: _Builder, index: dict[str, int], details, names: list[str]) -> list[EdgeChoice]:
+    g, an = b.g, b.an
+    canon = g.canonical
+    counts: dict[tuple[int, int, int], int] = {}
+    for n in g.nodes:
+        if n.kind != "op":
+            continue
+        v = index[canon.get(n.name, n.name)]
+        for pos, i in enumerate(n.inputs):
+            if g.node(i).kind == "param":
+                continue
+            u = index[canon.get(i, i)]
+            counts[(u, v, pos)] = counts.get((u, v, pos), 0) + 1
+    edges = []
+    free = b._free_axes()
+    for (u, v, pos), mult in counts.items():
+        un, vn = g.node(names[u]), g.node(names[v])
+        module_consumer = vn.name in an.module_ops
+        nbytes = b.nbytes(b.meta(un.name))
+        cost: dict[tuple[int, int], float] = {}
+        for i, su in enumerate(details[u]):
+            for j, sv in enumerate(details[v]):
+                need = sv.ins[pos]
+                if any(su.out[a] != need[a] for a in range(len(need)) if a not in free):
+                    continue
+                if su.out == need:
+                    cost[(i, j)] = 0.0
+                elif module_consumer:
+                    c = b.convert_both(su.out, need, sv.grads[pos], nbytes, un.requires_grad)
+                    if c != INF:
+                        cost[(i, j)] = c
+        edges.append(EdgeChoice(u, v, cost, mult))
+    return edges
+
+
+def _ties(b: _Builder, index: dict[str, int], details) -> list[Tie]:
+    """Ops that read the same parameter must agree on its placement."""
+    ties = []
+    canon = b.g.canonical
+    for p, users in b.an.param_consumers.items():
+        first = users[0]
+        a = index[canon.get(first[0], first[0])]
+        for other in users[1:]:
+            c = index[canon.get(other[0], other[0])]
+            if c == a and other[1] == first[1]:
+                continue
+            keys = sorted({s.ins[first[1]] for s in details[a]} |
+                          {s.ins[other[1]] for s in details[c]})
+            ga = [[i for i, s in enumerate(details[a]) if s.ins[first[1]] == k] for k in keys]
+            gb = [[j for j, s in enumerate(details[c]) if s.ins[other[1]] == k] for k in keys]
+            ties.append(Tie(a, c, ga, gb))
+    return ties

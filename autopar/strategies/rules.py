@@ -1,0 +1,418 @@
+"""Sharding rules: each operator described as an einsum-like labelling of its dims.
+
+Every tensor dim of an op's inputs and output gets a label. Sharding a label over a
+mesh axis splits every dim that carries it; a tensor without the label is replicated
+over that axis. The output is then
+
+* ``Shard(d)`` when the label sits at output dim ``d``;
+* ``Partial`` when the label is in ``reduce`` (a contraction or a summing reduction:
+  each device holds a summand of the true result);
+* invalid otherwise (the label may not be split).
+
+Labels in ``forbid`` are never split (normalized dims of a norm, the softmax dim,
+attention's head dim, a sliced or concatenated dim, ...). This one description
+covers linear/matmul/bmm/einsum, embeddings, norms, softmax, pointwise ops with
+broadcasting, reductions, views, attention and the loss, and it lets a generic
+enumerator produce every legal strategy of every op (see ``enumerate.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from autopar.errors import UnsupportedOpError
+from autopar.graph import OpNode, TensorMeta
+
+Labels = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """Labels per dim of each tensor input (node.inputs order) and of the output.
+
+    ``ins[i] is None`` means the input must stay replicated on every axis.
+    """
+
+    ins: tuple[Labels | None, ...]
+    out: Labels
+    reduce: frozenset[str] = frozenset()
+    forbid: frozenset[str] = frozenset()
+    kind: str = "generic"
+
+
+@dataclass
+class _Fresh:
+    """Generator of labels that occur once (never shardable together with others)."""
+
+    n: int = 0
+    made: set[str] = field(default_factory=set)
+
+    def __call__(self) -> str:
+        self.n += 1
+        name = f"_{self.n}"
+        self.made.add(name)
+        return name
+
+
+def _op(target: str) -> str:
+    """``"aten.linear.default" -> "linear"``."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
+
+
+def _dims(meta: TensorMeta | None) -> int:
+    return len(meta.shape) if meta is not None else 0
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def _base(n: int) -> Labels:
+    return tuple(f"d{i}" for i in range(n))
+
+
+def broadcast_rule(in_metas: list[TensorMeta | None], out: TensorMeta, fresh: _Fresh) -> OpRule:
+    """Pointwise op with numpy broadcasting: dims aligned from the right share labels."""
+    n = len(out.shape)
+    out_l = _base(n)
+    ins: list[Labels | None] = []
+    for m in in_metas:
+        if m is None:
+            ins.append(None)
+            continue
+        k = len(m.shape)
+        labs = []
+        for j in range(k):
+            o = n - k + j
+            if o >= 0 and m.shape[j] == out.shape[o]:
+                labs.append(out_l[o])
+            else:
+                labs.append(fresh())
+        ins.append(tuple(labs))
+    return OpRule(tuple(ins), out_l, kind="pointwise")
+
+
+def view_rule(src: tuple[int, ...], dst: tuple[int, ...], fresh: _Fresh) -> OpRule:
+    """A reshape: dims grouped by equal running products; the leading non-unit dim of
+    each group keeps its label across the reshape (so a split of it stays a split of
+    the leading dim), the others are unsplittable."""
+    in_l = [fresh() for _ in src]
+    out_l = [fresh() for _ in dst]
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [i], [j]
+        pi = src[i] if i < len(src) else 1
+        pj = dst[j] if j < len(dst) else 1
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj and i < len(src):
+                pi *= src[i]; gi.append(i); i += 1
+            elif j < len(dst):
+                pj *= dst[j]; gj.append(j); j += 1
+            else:
+                break
+        a = next((k for k in gi if k < len(src) and src[k] != 1), None)
+        b = next((k for k in gj if k < len(dst) and dst[k] != 1), None)
+        if a is not None and b is not None:
+            out_l[b] = in_l[a]
+    return OpRule((tuple(in_l),), tuple(out_l), kind="view")
+
+
+def permute_rule(ndim: int, perm: list[int]) -> OpRule:
+    """Output dim k is input dim perm[k]."""
+    base = _base(ndim)
+    return OpRule((base,), tuple(base[p % ndim] for p in perm), kind="view")
+
+
+def _matmul_rule(a: TensorMeta, b: TensorMeta, fresh: _Fresh) -> OpRule:
+    """torch.matmul semantics, including 1-d operands and broadcast batch dims."""
+    na, nb = len(a.shape), len(b.shape)
+    m, k, n = "m", "k", "n"
+    la = (k,) if na == 1 else (m, k)
+    lb = (k,) if nb == 1 else (k, n)
+    batch_a, batch_b = a.shape[:-2] if na > 2 else (), b.shape[:-2] if nb > 2 else ()
+    nbatch = max(len(batch_a), len(batch_b))
+    bl = [f"b{i}" for i in range(nbatch)]
+    pa = tuple(bl[nbatch - len(batch_a) + i] if batch_a[i] == _bcast(batch_a, batch_b, nbatch, i, True)
+               else fresh() for i in range(len(batch_a)))
+    pb = tuple(bl[nbatch - len(batch_b) + i] if batch_b[i] == _bcast(batch_a, batch_b, nbatch, i, False)
+               else fresh() for i in range(len(batch_b)))
+    out = tuple(bl) + ((m,) if na > 1 else ()) + ((n,) if nb > 1 else ())
+    return OpRule((pa + la, pb + lb), out, reduce=frozenset({k}), kind="matmul")
+
+
+def _bcast(sa: tuple[int, ...], sb: tuple[int, ...], n: int, i: int, first: bool) -> int:
+    """Broadcast size of the batch dim that dim i of the first/second operand maps to."""
+    own, other = (sa, sb) if first else (sb, sa)
+    pos = n - len(own) + i
+    j = pos - (n - len(other))
+    o = other[j] if 0 <= j < len(other) else 1
+    return max(own[i], o)
+
+
+def _einsum_rule(eq: str) -> OpRule:
+    lhs, _, rhs = eq.replace(" ", "").partition("->")
+    ins = tuple(tuple(t) for t in lhs.split(","))
+    out = tuple(rhs)
+    used = {c for t in ins for c in t}
+    return OpRule(ins, out, reduce=frozenset(used - set(out)), kind="matmul")
+
+
+_POINTWISE = frozenset("""
+add sub mul div neg exp log log1p tanh sigmoid gelu silu relu pow rsqrt sqrt where masked_fill
+clamp clamp_min clamp_max dropout to _to_copy type_as clone contiguous alias detach abs sin cos
+reciprocal erf maximum minimum eq ne lt gt le ge logical_not logical_and logical_or bitwise_not
+mish hardtanh leaky_relu softplus elu sign square floor ceil round fill lift_fresh_copy
+native_dropout _assert_tensor_metadata zeros_like ones_like full_like empty_like rand_like
+""".split())
+_CREATION = frozenset("arange zeros ones full empty scalar_tensor randn rand tensor linspace".split())
+_SUM_REDUCTIONS = frozenset("sum mean".split())
+_OTHER_REDUCTIONS = frozenset("amax amin max min var std prod argmax argmin logsumexp all any".split())
+
+
+def rule_for(node: OpNode, in_metas: list[TensorMeta | None]) -> OpRule:
+    """The sharding rule of ``node`` given its tensor inputs' metadata (in order).
+
+    Raises UnsupportedOpError for an op with no rule.
+    """
+    fresh = _Fresh()
+    op = _op(node.target)
+    out = node.out
+    args = node.args
+    handler = _HANDLERS.get(op)
+    if handler is not None:
+        return handler(node, in_metas, fresh)
+    if op in _POINTWISE and out is not None:
+        return broadcast_rule(in_metas, out, fresh)
+    if op in _CREATION:
+        return OpRule(tuple(None for _ in in_metas), tuple(fresh() for _ in range(_dims(out))),
+                      kind="creation")
+    if op in _SUM_REDUCTIONS or op in _OTHER_REDUCTIONS:
+        return _reduction_rule(node, in_metas, fresh, op in _SUM_REDUCTIONS)
+    raise UnsupportedOpError(
+        f"operator {node.target} (in module '{node.module_path or '<root>'}') has no sharding "
+        f"rule; rewrite it with supported operators or keep it outside the parallel region "
+        f"(args: {args!r})")
+
+
+def _arg(node: OpNode, i: int, default=None):
+    return node.args[i] if len(node.args) > i and node.args[i] is not None else default
+
+
+def _reduction_rule(node: OpNode, in_metas, fresh: _Fresh, summing: bool) -> OpRule:
+    x = in_metas[0]
+    nd = _dims(x)
+    base = _base(nd)
+    dims = _arg(node, 1, None)
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, list) or not dims:
+        dims = list(range(nd))
+    dims = sorted({_norm_dim(d, nd) for d in dims if isinstance(d, int)})
+    keep = bool(_arg(node, 2, False)) if not isinstance(_arg(node, 2), str) else False
+    out_l = []
+    for i in range(nd):
+        if i in dims:
+            if keep:
+                out_l.append(fresh())
+        else:
+            out_l.append(base[i])
+    red = frozenset(base[d] for d in dims)
+    return OpRule((base,) + tuple(None for _ in in_metas[1:]), tuple(out_l)[:_dims(node.out)],
+                  reduce=red if summing else frozenset(),
+                  forbid=frozenset() if summing else red, kind="reduction")
+
+
+def _linear(node, in_metas, fresh):
+    x = in_metas[0]
+    batch = tuple(f"b{i}" for i in range(_dims(x) - 1))
+    ins = [batch + ("k",), ("n", "k")]
+    if len(in_metas) > 2:
+        ins.append(("n",))
+    return OpRule(tuple(ins), batch + ("n",), reduce=frozenset({"k"}), kind="matmul")
+
+
+def _addmm(node, in_metas, fresh):
+    bias = in_metas[0]
+    bl = ("n",) if _dims(bias) == 1 else ("m", "n")[: _dims(bias)]
+    return OpRule((bl, ("m", "k"), ("k", "n")), ("m", "n"), reduce=frozenset({"k"}), kind="matmul")
+
+
+def _mm(node, in_metas, fresh):
+    return OpRule((("m", "k"), ("k", "n")), ("m", "n"), reduce=frozenset({"k"}), kind="matmul")
+
+
+def _bmm(node, in_metas, fresh):
+    ins = (("b", "m", "k"), ("b", "k", "n"))
+    if _op(node.target) == "baddbmm":
+        ins = (("b", "m", "n"),) + ins
+    return OpRule(ins, ("b", "m", "n"), reduce=frozenset({"k"}), kind="matmul")
+
+
+def _matmul(node, in_metas, fresh):
+    return _matmul_rule(in_metas[0], in_metas[1], fresh)
+
+
+def _einsum(node, in_metas, fresh):
+    return _einsum_rule(str(node.args[0]))
+
+
+def _embedding(node, in_metas, fresh):
+    idx = in_metas[1]
+    batch = tuple(f"b{i}" for i in range(_dims(idx)))
+    return OpRule((("v", "h"), batch), batch + ("h",), reduce=frozenset({"v"}), kind="embedding")
+
+
+def _norm(node, in_metas, fresh):
+    x = in_metas[0]
+    nd = _dims(x)
+    shape = _arg(node, 1, [])
+    k = len(shape) if isinstance(shape, list) else 1
+    base = _base(nd)
+    normed = base[nd - k:]
+    ins: list[Labels | None] = [base]
+    for m in in_metas[1:]:
+        ins.append(normed[len(normed) - _dims(m):] if m is not None else None)
+    return OpRule(tuple(ins), base, forbid=frozenset(normed), kind="norm")
+
+
+def _softmax(node, in_metas, fresh):
+    nd = _dims(in_metas[0])
+    base = _base(nd)
+    d = _norm_dim(int(_arg(node, 1, -1)), nd)
+    return OpRule((base,), base, forbid=frozenset({base[d]}), kind="softmax")
+
+
+def _cross_entropy(node, in_metas, fresh):
+    logits, target = in_metas[0], in_metas[1]
+    nd = _dims(logits)
+    if nd == 1:
+        lab: Labels = ("c",)
+        tl: Labels = ()
+    else:
+        lab = ("n", "c") + tuple(f"e{i}" for i in range(nd - 2))
+        tl = ("n",) + lab[2:]
+    red_arg = _arg(node, 3, 1)
+    reduction = red_arg if isinstance(red_arg, int) else 1
+    out = tl if reduction == 0 else ()
+    ins: list[Labels | None] = [lab, tl]
+    ins += [None] * (len(in_metas) - 2)
+    reduce = frozenset() if reduction == 0 else frozenset(tl)
+    return OpRule(tuple(ins), out, reduce=reduce, forbid=frozenset({"c"}), kind="loss")
+
+
+def _sdpa(node, in_metas, fresh):
+    q, k, v = in_metas[:3]
+    nd = _dims(q)
+    batch = tuple(f"b{i}" for i in range(nd - 2))
+    causal = _arg(node, 5, False) is True
+    ql, kl, vl = batch + ("L", "E"), batch + ("S", "E"), batch + ("S", "Ev")
+    ins: list[Labels | None] = [ql, kl, vl]
+    for m in in_metas[3:]:
+        if m is None:
+            ins.append(None)
+        else:
+            full = batch + ("L", "S")
+            ins.append(tuple(full[len(full) - _dims(m) + i] if m.shape[i] != 1 else fresh()
+                             for i in range(_dims(m))))
+    forbid = {"S", "E"} | ({"L"} if causal else set())
+    return OpRule(tuple(ins), batch + ("L", "Ev"), forbid=frozenset(forbid), kind="attention")
+
+
+def _view(node, in_metas, fresh):
+    return view_rule(in_metas[0].shape, node.out.shape, fresh)
+
+
+def _permute(node, in_metas, fresh):
+    return permute_rule(_dims(in_metas[0]), list(node.args[1]))
+
+
+def _transpose(node, in_metas, fresh):
+    nd = _dims(in_metas[0])
+    if _op(node.target) == "t":
+        perm = list(range(nd))[::-1]
+    else:
+        a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
+        perm = list(range(nd))
+        perm[a], perm[b] = perm[b], perm[a]
+    return permute_rule(nd, perm)
+
+
+def _expand(node, in_metas, fresh):
+    src, dst = in_metas[0].shape, node.out.shape
+    off = len(dst) - len(src)
+    out_l = [fresh() for _ in dst]
+    in_l = []
+    for i, s in enumerate(src):
+        if s == dst[off + i]:
+            out_l[off + i] = f"d{i}"
+            in_l.append(f"d{i}")
+        else:
+            in_l.append(fresh())
+    return OpRule((tuple(in_l),), tuple(out_l), kind="view")
+
+
+def _slice(node, in_metas, fresh):
+    x = in_metas[0]
+    nd = _dims(x)
+    base = _base(nd)
+    d = _norm_dim(int(_arg(node, 1, 0)), nd)
+    if x.shape[d] == node.out.shape[d] and (_arg(node, 4, 1) in (1, None)):
+        return OpRule((base,), base, kind="view")
+    out = tuple(fresh() if i == d else base[i] for i in range(nd))
+    return OpRule((base,), out, forbid=frozenset({base[d]}), kind="view")
+
+
+def _select(node, in_metas, fresh):
+    nd = _dims(in_metas[0])
+    base = _base(nd)
+    d = _norm_dim(int(node.args[1]), nd)
+    return OpRule((base,), base[:d] + base[d + 1:], forbid=frozenset({base[d]}), kind="view")
+
+
+def _split(node, in_metas, fresh):
+    nd = _dims(in_metas[0])
+    base = _base(nd)
+    op = _op(node.target)
+    d = 0 if op == "unbind" and len(node.args) < 2 else _norm_dim(int(_arg(node, 2 if op != "unbind" else 1, 0)), nd)
+    out = base if op != "unbind" else base[:d] + base[d + 1:]
+    return OpRule((base,), out, forbid=frozenset({base[d]}), kind="view")
+
+
+def _getitem(node, in_metas, fresh):
+    nd = _dims(node.out)
+    base = _base(nd)
+    return OpRule((base,), base, kind="view")
+
+
+def _cat(node, in_metas, fresh):
+    nd = _dims(node.out)
+    base = _base(nd)
+    op = _op(node.target)
+    d = _norm_dim(int(_arg(node, 1, 0)), nd)
+    if op == "stack":
+        ins_l = base[:d] + base[d + 1:]
+        return OpRule(tuple(ins_l for _ in in_metas), base, forbid=frozenset({base[d]}), kind="view")
+    return OpRule(tuple(base for _ in in_metas), base, forbid=frozenset({base[d]}), kind="view")
+
+
+def _squeeze_unsqueeze(node, in_metas, fresh):
+    return view_rule(in_metas[0].shape, node.out.shape, fresh)
+
+
+_HANDLERS: dict[str, Callable[[OpNode, list, _Fresh], OpRule]] = {
+    "linear": _linear, "addmm": _addmm, "mm": _mm, "bmm": _bmm, "baddbmm": _bmm,
+    "matmul": _matmul, "einsum": _einsum, "embedding": _embedding,
+    "layer_norm": _norm, "rms_norm": _norm,
+    "softmax": _softmax, "_softmax": _softmax, "log_softmax": _softmax, "_log_softmax": _softmax,
+    "cross_entropy_loss": _cross_entropy, "nll_loss": _cross_entropy,
+    "nll_loss_forward": _cross_entropy,
+    "scaled_dot_product_attention": _sdpa,
+    "view": _view, "_unsafe_view": _view, "reshape": _view, "flatten": _view, "unflatten": _view,
+    "squeeze": _squeeze_unsqueeze, "unsqueeze": _squeeze_unsqueeze,
+    "permute": _permute, "transpose": _transpose, "t": _transpose, "expand": _expand,
+    "slice": _slice, "select": _select, "split": _split, "split_with_sizes": _split,
+    "chunk": _split, "unbind": _split, "getitem": _getitem, "cat": _cat, "stack": _cat,
+}

@@ -1,0 +1,90 @@
+"""A readable description of a Plan: the layout, the prediction and how it was found."""
+
+from __future__ import annotations
+
+import re
+
+from autopar.plan import Plan
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number readable."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def fmt_time(s: float) -> str:
+    """Seconds with a unit suited to the magnitude."""
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return out
+
+
+def _pattern(path: str, blocks: list[str]) -> str:
+    for b in blocks:
+        if path == b or path.startswith(b + "."):
+            prefix = re.sub(r"\.\d+$", ".*", b)
+            return prefix + path[len(b):]
+    return path
+
+
+def plan_summary(plan: Plan) -> str:
+    """The multi-line summary printed by ``autopar plan`` and ``Plan.summary()``."""
+    c = plan.cluster
+    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
+    lines = [
+        f"autopar plan for {plan.model}  (graph {plan.graph_hash})",
+        f"cluster   {c.get('nodes')} node(s) x {c.get('gpus_per_node')} {c.get('gpu')}"
+        f"  = {plan.world_size} devices",
+        f"mesh      {mesh}",
+        f"batch     global {plan.global_batch} = dp {plan.degree('dp')} x micro-batch "
+        f"{plan.microbatch_size} x {plan.num_microbatches} accumulation step(s)",
+        f"data par. ZeRO-{plan.zero} ({'parameters, gradients and optimizer state sharded' if plan.zero == 3 else 'replicated parameters, gradients all-reduced'})",
+        f"tensor p. {'tp=' + str(plan.degree('tp')) if plan.degree('tp') > 1 else 'none'}"
+        f"{', sequence parallel' if plan.sequence_parallel else ''}",
+        f"precision {plan.precision}, optimizer {plan.optimizer}",
+        "",
+        f"predicted step time  {fmt_time(plan.step_time_s)}   throughput "
+        f"{plan.throughput:.2f} samples/s   MFU {plan.mfu * 100:.1f}%",
+    ]
+    b = plan.breakdown
+    if b:
+        lines.append("  " + "   ".join(f"{k.removesuffix('_s').replace('_', ' ')} "
+                                       f"{fmt_time(v)}" for k, v in b.items()))
+    m = plan.memory
+    lines.append(f"memory per device    {fmt_bytes(m.get('total', 0.0))}   ("
+                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m.items() if k != "total" and v)
+                 + ")")
+    lines.append("")
+    groups: dict[tuple, list[str]] = {}
+    for path, mp in plan.modules.items():
+        key = (_pattern(path, plan.blocks), mp.module_type, mp.style, mp.input_layout,
+               mp.desired_input_layout, mp.output_layout,
+               ", ".join(f"{k}={'/'.join(v)}" for k, v in mp.params.items()))
+        groups.setdefault(key, []).append(path)
+    rows = [[k[0], k[1], k[2], f"{k[3]}->{k[4]}", k[5], k[6], str(len(v))]
+            for k, v in groups.items()]
+    if rows:
+        lines += _table(rows, ["module", "type", "tp style", "input", "output",
+                               "params (" + "/".join(plan.mesh) + ")", "count"])
+        lines.append("")
+    s = plan.solver
+    if s:
+        lines.append("solver    " + ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
+    for note in plan.notes:
+        lines.append(f"note      {note}")
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""The intra-op placement problem, as plain numbers, and its objective.
+
+A :class:`Problem` is what every intra-op solver (the ILP, the exhaustive reference,
+or a researcher's heuristic) reads: one decision per canonical op node — which of
+its strategies to use — with the costs of each choice and of each pair of choices
+on connected nodes. It carries no torch objects.
+
+The objective, in seconds per optimizer step, for a choice ``s`` of one strategy
+per node (``m_v`` = how many identical instances node ``v`` stands for, ``n`` =
+micro-batches per step):
+
+    T(s) = n · Σ_v m_v (compute_v + comm_v) + n · Σ_e m_e cost_e(s_u, s_v) + E(s)
+
+where ``compute`` is forward + backward time, ``comm`` the activation collectives on
+the critical path, and E the parameter communication that cannot hide behind
+compute:
+
+    E(s) = max(0, Σ_v m_v step_param_comm_v − overlap · Σ_v m_v bwd_compute_v)
+         + n · max(0, Σ_v m_v micro_param_comm_v − overlap · Σ_v m_v compute_v)   ... (*)
+
+The ILP models each max with one non-negative variable. ``step_param_comm`` is paid
+once per step (DDP's gradient all-reduce), ``micro_param_comm`` once per micro-batch
+(FSDP's all-gathers and reduce-scatters); ``overlap`` in [0, 1] is the fraction of
+compute that this communication may hide behind (1.0 = perfect overlap on separate
+streams, as DDP's bucketed all-reduce and FSDP's prefetching aim for).
+
+Memory per device, which must not exceed ``memory_budget``:
+
+    M(s) = fixed_memory + Σ_v m_v memory_v(s_v) + Σ_v g_v gather_v(s_v)
+
+where ``gather`` is transient memory (e.g. all-gathered parameters of the layers
+in flight) counted ``g_v`` times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StrategyCost:
+    """Costs of one strategy of one node (seconds per micro-batch unless stated)."""
+
+    name: str
+    compute_s: float = 0.0
+    bwd_compute_s: float = 0.0
+    comm_s: float = 0.0
+    micro_param_comm_s: float = 0.0
+    step_param_comm_s: float = 0.0
+    memory_bytes: float = 0.0
+    gather_bytes: float = 0.0
+
+
+@dataclass
+class NodeChoice:
+    """One decision: a canonical node and its candidate strategies."""
+
+    name: str
+    strategies: list[StrategyCost]
+    multiplicity: int = 1
+    gather_multiplicity: int = 0
+
+
+@dataclass
+class EdgeChoice:
+    """A producer -> consumer edge; ``cost[(i, j)]`` is the resharding time (seconds
+    per micro-batch, forward + backward) when the producer uses strategy i and the
+    consumer strategy j. Pairs missing from ``cost`` are not allowed together."""
+
+    u: int
+    v: int
+    cost: dict[tuple[int, int], float]
+    multiplicity: int = 1
+
+
+@dataclass
+class Tie:
+    """Nodes ``a`` and ``b`` must pick strategies of the same group: for every k,
+    strategy of a in groups_a[k] <=> strategy of b in groups_b[k] (e.g. two ops reading
+    one tied parameter must agree on its placement)."""
+
+    a: int
+    b: int
+    groups_a: list[list[int]]
+    groups_b: list[list[int]]
+
+
+@dataclass
+class Problem:
+    """An intra-op placement problem (see the module docstring for the objective)."""
+
+    nodes: list[NodeChoice]
+    edges: list[EdgeChoice]
+    ties: list[Tie] = field(default_factory=list)
+    num_microbatches: int = 1
+    memory_budget: float = float("inf")
+    fixed_memory: float = 0.0
+    overlap: float = 1.0
+
+    @property
+    def num_choices(self) -> int:
+        """Number of (node, strategy) pairs."""
+        return sum(len(n.strategies) for n in self.nodes)
+
+
+@dataclass
+class Evaluation:
+    """The objective and its parts for one assignment (seconds, bytes)."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    exposed_param_comm_s: float
+    param_comm_s: float
+    memory_bytes: float
+    feasible: bool
+
+
+def evaluate(p: Problem, choice: list[int]) -> Evaluation:
+    """Score an assignment of one strategy index per node, exactly as the ILP does."""
+    n = p.num_microbatches
+    comp = bwd = comm = micro_pc = step_pc = mem = 0.0
+    for node, i in zip(p.nodes, choice):
+        s = node.strategies[i]
+        m = node.multiplicity
+        comp += m * s.compute_s
+        bwd += m * s.bwd_compute_s
+        comm += m * s.comm_s
+        micro_pc += m * s.micro_param_comm_s
+        step_pc += m * s.step_param_comm_s
+        mem += m * s.memory_bytes + node.gather_multiplicity * s.gather_bytes
+    reshard = 0.0
+    feasible = True
+    for e in p.edges:
+        c = e.cost.get((choice[e.u], choice[e.v]))
+        if c is None:
+            feasible = False
+            continue
+        reshard += e.multiplicity * c
+    for t in p.ties:
+        ga = next(k for k, g in enumerate(t.groups_a) if choice[t.a] in g)
+        gb = next(k for k, g in enumerate(t.groups_b) if choice[t.b] in g)
+        feasible &= ga == gb
+    mem += p.fixed_memory
+    feasible &= mem <= p.memory_budget * (1 + 1e-9)
+    e_step = max(0.0, step_pc - p.overlap * bwd)
+    e_micro = max(0.0, micro_pc - p.overlap * comp)
+    exposed = e_step + n * e_micro
+    total = n * (comp + comm + reshard) + exposed
+    return Evaluation(total, n * comp, n * (comm + reshard), n * reshard, exposed,
+                      step_pc + n * micro_pc, mem, feasible)
