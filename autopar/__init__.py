@@ -13,7 +13,7 @@ from autopar.api import Spec, detect_cluster, estimate, parallelize, plan
 from autopar.cluster import Cluster
 from autopar.errors import (AutoparError, CaptureError, ConfigError, LoweringError,
                             NoFeasiblePlanError, PlanFormatError, UnsupportedOpError)
-from autopar.plan import ModulePlan, Plan
+from autopar.plans import ModulePlan, Plan
 
 __version__ = "0.1.0"
 

@@ -204,7 +204,7 @@ def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
     """
     import torch.distributed as dist
 
-    from autopar.plan import Plan
+    from autopar.plans import Plan
     from autopar.runtime import apply_plan
 
     if not (dist.is_available() and dist.is_initialized()):

@@ -5,7 +5,7 @@ step time with its breakdown, memory by category, throughput and MFU."""
 from __future__ import annotations
 
 from autopar.graph import Graph
-from autopar.plan import ModulePlan, Plan
+from autopar.plans import ModulePlan, Plan
 from autopar.solvers.ilp import Solution
 from autopar.solvers.problem import evaluate
 from autopar.strategies.analysis import GraphAnalysis

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 
 def fmt_bytes(n: float) -> str:

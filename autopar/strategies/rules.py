@@ -402,9 +402,13 @@ def _squeeze_unsqueeze(node, in_metas, fresh):
     return view_rule(in_metas[0].shape, node.out.shape, fresh)
 
 
+def _outer(node, in_metas, fresh):
+    return OpRule((("i",), ("j",)), ("i", "j"), kind="matmul")
+
+
 _HANDLERS: dict[str, Callable[[OpNode, list, _Fresh], OpRule]] = {
     "linear": _linear, "addmm": _addmm, "mm": _mm, "bmm": _bmm, "baddbmm": _bmm,
-    "matmul": _matmul, "einsum": _einsum, "embedding": _embedding,
+    "matmul": _matmul, "einsum": _einsum, "outer": _outer, "embedding": _embedding,
     "layer_norm": _norm, "rms_norm": _norm,
     "softmax": _softmax, "_softmax": _softmax, "log_softmax": _softmax, "_log_softmax": _softmax,
     "cross_entropy_loss": _cross_entropy, "nll_loss": _cross_entropy,
