@@ -98,7 +98,10 @@ class _Builder:
         self.links = [group_link(self.mesh.sizes, a, st.gpus_per_node, st.hw)
                       for a in range(self.mesh.ndim)]
         self.dp_axis = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
-        self.factor = st.microbatch_size / self.g.batch_size
+        dp = self.mesh.sizes[self.dp_axis] if self.dp_axis is not None else 1
+        # tensors are sized for one micro-batch on every dp rank together; the dp split
+        # then leaves microbatch_size samples per device
+        self.factor = st.microbatch_size * dp / self.g.batch_size
         self.act_elt = activation_bytes_per_element(st.precision)
         self.states = state_bytes(st.precision, st.optimizer)
         self.dtype = st.precision
@@ -138,8 +141,8 @@ class _Builder:
                 per_axis.append([None])
             elif a == self.dp_axis:
                 per_axis.append([self.an.batch_label.get(n.name)])
-            elif rule.kind == "creation":
-                per_axis.append([None])
+            elif rule.kind == "creation" or n.name == self.g.loss:
+                per_axis.append([None])  # the loss is computed whole on every tp rank
             else:
                 per_axis.append([None] + labels)
         result = []
@@ -183,13 +186,22 @@ class _Builder:
             raw_t = tuple(raw)
             ins = tuple(_placements(labs, combo) for labs in rule.ins)
             grads = tuple(self._grad(labs, combo, rule, p) for labs, p in zip(rule.ins, ins))
-            if not self._sp_allowed(n, rule, ins):
+            if not self._sp_allowed(n, rule, ins) or self._local_partial_grad(n, grads):
                 continue
             for out in self._deliveries(n, raw_t, nd):
                 ns, sc = self._price(n, rule, combo, raw_t, out, ins, grads)
                 strategies.append(ns)
                 costs.append(sc)
         return strategies, costs
+
+    def _local_partial_grad(self, n: OpNode, grads: tuple[Placements, ...]) -> bool:
+        """Outside modules the code runs on local tensors, where nothing would reduce a
+        partial gradient of a replicated input: such strategies are not lowerable."""
+        if n.name in self.an.module_ops:
+            return False
+        free = self._free_axes()
+        return any(self.g.node(i).requires_grad and any(g[a] == "P" for a in free)
+                   for i, g in zip(n.inputs, grads) if self.g.node(i).kind != "param")
 
     def _sp_allowed(self, n: OpNode, rule: OpRule, ins: tuple[Placements, ...]) -> bool:
         """Honour a forced sequence-parallel choice for norm modules (None = free)."""

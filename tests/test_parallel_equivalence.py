@@ -1,0 +1,98 @@
+"""Losses of parallel runs equal a single-process run (3 SGD steps, fp32, gloo)."""
+
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+
+TINY = {
+    "gpt": dict(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4),
+    "llama": dict(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  ffn_dim=64),
+}
+BATCH, SEQ, STEPS, LR = 8, 16, 3, 0.1
+
+
+def make(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from autopar.examples.gpt import GPT, GPTConfig
+        return GPT(GPTConfig(**TINY[kind]))
+    from autopar.examples.llama import Llama, LlamaConfig
+    return Llama(LlamaConfig(**TINY[kind]))
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, 128, (BATCH, SEQ), generator=g)
+    return x, y
+
+
+def reference(kind: str) -> list[float]:
+    from autopar.capture import default_loss
+    model = make(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = data()
+    losses = []
+    for _ in range(STEPS):
+        loss = default_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def parallel_run(kind: str, space: dict) -> tuple[list[float], dict]:
+    import autopar
+    model = make(kind)
+    x, y = data()
+    pm = autopar.parallelize(model, (x,), precision="fp32", **space)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        losses.append(float(pm.step(x, y)))
+        opt.step()
+        opt.zero_grad()
+    return losses, {"mesh": pm.plan.mesh, "zero": pm.plan.zero,
+                    "sp": pm.plan.sequence_parallel, "mb": pm.plan.num_microbatches}
+
+
+def run_many(kind: str, cases: list[dict]):
+    return [parallel_run(kind, c) for c in cases]
+
+
+CASES_4 = [
+    {},                                            # auto-chosen plan
+    {"dp": 4, "tp": 1, "zero": 0},
+    {"dp": 1, "tp": 4},
+    {"dp": 2, "tp": 2, "zero": 0},
+    {"dp": 4, "tp": 1, "zero": 3},
+    {"dp": 2, "tp": 2, "zero": 3},
+    {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 0},
+    {"dp": 4, "tp": 1, "zero": 0, "microbatch_size": 1},
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_four_ranks_match_single_process(kind):
+    ref = reference(kind)
+    results = run_ranks(4, run_many, kind, CASES_4)
+    for case, (losses, info) in zip(CASES_4, results):
+        assert losses == pytest.approx(ref, abs=1e-5), (case, info, losses, ref)
+    # the forced layouts really were applied
+    assert results[2][1]["mesh"] == {"dp": 1, "tp": 4}
+    assert results[4][1]["zero"] == 3
+    assert results[6][1]["sp"] is True
+    assert results[7][1]["mb"] == 2
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2])
+def test_one_and_two_ranks_match_single_process(world):
+    ref = reference("gpt")
+    cases = [{}, {"dp": 1, "tp": world}, {"dp": world, "tp": 1, "zero": 3 if world > 1 else 0}]
+    for case, (losses, _) in zip(cases, run_ranks(world, run_many, "gpt", cases)):
+        assert losses == pytest.approx(ref, abs=1e-5), (case, losses, ref)
