@@ -29,7 +29,14 @@ class Solution:
 
 
 class IntraOpILP:
-    """Builds and solves the ILP for one :class:`Problem`."""
+    """Builds and solves the ILP for one :class:`Problem`.
+
+    Times enter the model in microseconds and memory in thousandths of the budget, so
+    that CBC's absolute tolerances (~1e-6 to 1e-9) are far below every cost that matters.
+    """
+
+    TIME = 1e6
+    MEMORY = 1e-9
 
     def __init__(self, problem: Problem) -> None:
         self.p = problem
@@ -82,12 +89,13 @@ class IntraOpILP:
         p = self.p
         if p.memory_budget == float("inf"):
             return
-        terms = [(n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes) * x
-                 for n, xs in zip(p.nodes, self.x) for s, x in zip(n.strategies, xs)]
-        self.model += pulp.lpSum(terms) + p.fixed_memory <= p.memory_budget, "memory"
+        k = 1e3 / p.memory_budget if p.memory_budget > 0 else self.MEMORY  # budget = 1000 units
+        terms = [k * (n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes)
+                 * x for n, xs in zip(p.nodes, self.x) for s, x in zip(n.strategies, xs)]
+        self.model += pulp.lpSum(terms) + k * p.fixed_memory <= k * p.memory_budget, "memory"
 
     def _sum(self, attr: str) -> pulp.LpAffineExpression:
-        return pulp.lpSum(n.multiplicity * getattr(s, attr) * x
+        return pulp.lpSum(self.TIME * n.multiplicity * getattr(s, attr) * x
                           for n, xs in zip(self.p.nodes, self.x)
                           for s, x in zip(n.strategies, xs) if getattr(s, attr))
 
@@ -97,7 +105,7 @@ class IntraOpILP:
         Σ m·micro_param_comm − overlap·Σ m·compute, and E ≥ 0."""
         p = self.p
         n = p.num_microbatches
-        edge_cost = pulp.lpSum(e.multiplicity * c * self.y[k][ij]
+        edge_cost = pulp.lpSum(self.TIME * e.multiplicity * c * self.y[k][ij]
                                for k, e in enumerate(p.edges) for ij, c in e.cost.items() if c)
         e_step = pulp.LpVariable("exposed_step", 0)
         e_micro = pulp.LpVariable("exposed_micro", 0)

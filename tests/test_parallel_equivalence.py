@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks
+from autopar.launch import run_ranks
 
 TINY = {
     "gpt": dict(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4),

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in spawned processes and collect rank 0's result."""
+"""Run a function on N local gloo processes (spawned) and collect rank 0's result:
+the launcher behind `autopar demo` and the multi-process tests."""
 
 from __future__ import annotations
 
