@@ -1,75 +1,377 @@
-"""Repeated-layer detection: find the blocks of a ModuleList/Sequential and group the
-structurally identical ones, so later passes solve one representative per distinct
-layer."""
+"""Repeated layers: find the blocks of a ModuleList / Sequential, group the structurally
+identical ones, and replicate a captured block to a model's full depth.
+
+A *layer instance* is a module whose path is ``<parent>.<int>`` where ``<parent>`` (not
+the root) holds at least two indexed children that run ops in the graph. An op belongs
+to the outermost such module on its module path, so lists nested inside a block (a MoE
+layer's experts) belong to that block. Structurally identical layers share a
+``signature``; :func:`detect_layers` maps every node of a layer to the node at the same
+position of the first layer with its signature (``Graph.canonical``), so the planner
+solves one representative per distinct layer.
+
+:func:`replicate_layers` is the other half of capture's fast path: the model is captured
+with each long homogeneous block list cut to its first two blocks, and the second block
+is copied to the full depth here (checked to give the graph a full capture gives).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from autopar.graph import Graph, Layer
+import re
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import chain
+from typing import Any
+
+from torch import nn
+
+from autopar.graph import Graph, Layer, OpNode, ParamInfo
 
 
-def layer_path(module_path: str) -> str | None:
-    """The outermost ``<parent>.<int>`` prefix of a module path, e.g.
-    ``"blocks.3.attn.q" -> "blocks.3"``; None when the path has no indexed part."""
+def indexed_prefixes(module_path: str) -> list[str]:
+    """The ``<parent>.<int>`` prefixes of a module path, outermost first (the root's own
+    children are not counted): ``"blocks.3.moe.experts.1.w" -> ["blocks.3",
+    "blocks.3.moe.experts.1"]``."""
     parts = module_path.split(".") if module_path else []
-    for i, p in enumerate(parts):
-        if p.isdigit() and i > 0:
-            return ".".join(parts[: i + 1])
-    return None
+    return [".".join(parts[: i + 1]) for i in range(1, len(parts)) if parts[i].isdigit()]
 
 
-def _strip_refs(args):
-    """Arguments with tensor references (``"%name"``, also inside lists) blanked."""
-    if isinstance(args, list):
-        return [_strip_refs(a) for a in args]
-    return "%" if isinstance(args, str) and args.startswith("%") else args
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
 
 
-def _signature(g: Graph, names: list[str], prefix: str) -> str:
+def _rel(path: str, prefix: str) -> str:
+    if path == prefix:
+        return ""
+    return path[len(prefix) + 1:] if path.startswith(prefix + ".") else path
+
+
+def layer_signature(g: Graph, names: list[str], prefix: str,
+                    known: set[str] | None = None) -> str:
+    """Hash of a layer's op sequence: per node its target, inputs renamed relative to the
+    layer (``L<k>`` = the layer's k-th node, ``ext:<k>`` = the k-th distinct outside
+    tensor by first use, parameters by shape and dtype), its arguments with tensor
+    references renamed the same way, output metadata, and module path relative to the
+    layer. Structurally identical layers get equal signatures."""
     local = {n: k for k, n in enumerate(names)}
     ext: dict[str, int] = {}
+    known = known if known is not None else {n.name for n in g.nodes}
+
+    def ref(name: str) -> str:
+        if name in local:
+            return f"L{local[name]}"
+        src = g.node(name)
+        if src.kind == "param" and src.out is not None:
+            return f"param:{src.out.shape}:{src.out.dtype}"
+        return f"ext:{ext.setdefault(name, len(ext))}"
+
     h = hashlib.sha256()
     for n in names:
         node = g.node(n)
-        refs = []
-        for i in node.inputs:
-            src = g.node(i)
-            if i in local:
-                refs.append(f"L{local[i]}")
-            elif src.kind == "param":
-                refs.append(f"P{src.out.shape if src.out else ()}")
-            else:
-                refs.append(f"E{ext.setdefault(i, len(ext))}")
-        args = _strip_refs(node.args)
-        h.update(repr((node.target, refs, args, node.out, node.module_type,
-                       node.module_path[len(prefix):])).encode())
+        refs = [ref(i) for i in node.inputs]
+        args = rename_refs(node.args, lambda s: "%" + ref(s) if s in known else None)
+        h.update(repr((node.target, refs, args, node.out, node.outs,
+                       _rel(node.module_path, prefix), node.module_type)).encode())
     return h.hexdigest()[:16]
 
 
+def rename_refs(args: Any, fn) -> Any:
+    """``args`` with every tensor reference ``"%name"`` (also inside lists) replaced by
+    ``fn(name)``; references for which ``fn`` returns None are kept."""
+    if isinstance(args, list):
+        return [rename_refs(a, fn) for a in args]
+    if isinstance(args, str) and args.startswith("%"):
+        new = fn(args[1:])
+        return args if new is None else new
+    return args
+
+
 def detect_layers(g: Graph) -> None:
-    """Fill ``g.layers``, ``g.canonical`` and each node's ``layer`` in place."""
-    groups: dict[str, list[str]] = {}
-    order: list[str] = []
+    """Fill ``g.layers``, ``g.canonical`` and each op node's ``layer`` in place."""
+    children: dict[str, set[str]] = {}
     for n in g.nodes:
+        if n.kind == "op":
+            for p in indexed_prefixes(n.module_path):
+                children.setdefault(_parent(p), set()).add(p)
+    groups: dict[str, list[str]] = {}
+    for n in g.nodes:
+        n.layer = None
         if n.kind != "op":
             continue
-        lp = layer_path(n.module_path)
-        if lp is None:
-            continue
-        if lp not in groups:
-            groups[lp] = []
-            order.append(lp)
-        groups[lp].append(n.name)
-    parents: dict[str, int] = {}
-    for lp in order:
-        parents[lp.rpartition(".")[0]] = parents.get(lp.rpartition(".")[0], 0) + 1
-    layers = [lp for lp in order if parents[lp.rpartition(".")[0]] >= 2]
-    g.layers = [Layer(lp, int(lp.rpartition(".")[2]), _signature(g, groups[lp], lp), groups[lp])
-                for lp in layers]
-    first: dict[str, Layer] = {}
+        lp = next((p for p in indexed_prefixes(n.module_path)
+                   if len(children[_parent(p)]) >= 2), None)
+        if lp is not None:
+            groups.setdefault(lp, []).append(n.name)
+    known = {n.name for n in g.nodes}
+    g.layers = [Layer(lp, int(lp.rpartition(".")[2]), layer_signature(g, names, lp, known),
+                      names) for lp, names in groups.items()]
     g.canonical = {n.name: n.name for n in g.nodes}
+    first: dict[str, Layer] = {}
     for k, lay in enumerate(g.layers):
         rep = first.setdefault(lay.signature, lay)
         for a, b in zip(lay.nodes, rep.nodes):
             g.canonical[a] = b
             g.node(a).layer = k
+
+
+class _Names:
+    """Fresh node names: ``linear_12`` -> ``linear_13``, ``linear_14``, ... never reused."""
+
+    def __init__(self, used: set[str]) -> None:
+        self.used = set(used)
+        self.next: dict[str, int] = {}
+        for name in used:
+            base, num = _split_name(name)
+            self.next[base] = max(self.next.get(base, 1), num + 1)
+
+    def fresh(self, name: str) -> str:
+        base, _ = _split_name(name)
+        while True:
+            k = self.next.get(base, 1)
+            self.next[base] = k + 1
+            cand = f"{base}_{k}"
+            if cand not in self.used:
+                self.used.add(cand)
+                return cand
+
+    def take(self, preferred: str, fallback: str) -> str:
+        """``preferred`` when unused, else a fresh name derived from ``fallback``."""
+        if preferred not in self.used:
+            self.used.add(preferred)
+            return preferred
+        return self.fresh(fallback)
+
+
+def _split_name(name: str) -> tuple[str, int]:
+    m = re.fullmatch(r"(.*?)_(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else (name, 0)
+
+
+def _reindex(path: str, list_path: str, src: int, dst: int) -> str:
+    """``blocks.1.attn.q -> blocks.<dst>.attn.q`` (paths outside ``list_path.src`` kept)."""
+    old = f"{list_path}.{src}"
+    if path == old:
+        return f"{list_path}.{dst}"
+    if path.startswith(old + "."):
+        return f"{list_path}.{dst}" + path[len(old):]
+    return path
+
+
+def replicate_layers(g: Graph, list_path: str, count: int) -> Graph | None:
+    """The graph of the same model with ``count`` blocks in the list at ``list_path``,
+    built from ``g``, a capture holding only its first two blocks: block 1's nodes and
+    parameters are copied for blocks 2..count-1, each copy reading the previous block's
+    outputs where block 1 reads block 0's. Returns None (capture then exports the full
+    model) unless the two captured blocks have equal signatures, run back to back,
+    block 1 reads nothing of block 0 but the tensors block 0 carries forward, and nothing
+    after the list reads block 0."""
+    by_path = {lay.path: lay for lay in g.layers}
+    l0, l1 = by_path.get(f"{list_path}.0"), by_path.get(f"{list_path}.1")
+    if l0 is None or l1 is None or l0.signature != l1.signature or len(l0.nodes) != len(l1.nodes):
+        return None
+    pos = {n.name: k for k, n in enumerate(g.nodes)}
+    i0, i1 = [pos[x] for x in l0.nodes], [pos[x] for x in l1.nodes]
+    m = len(i0)
+    if i0 != list(range(i0[0], i0[0] + m)) or i1 != list(range(i0[0] + m, i0[0] + 2 * m)):
+        return None
+    at0 = {x: k for k, x in enumerate(l0.nodes)}
+    at1 = {x: k for k, x in enumerate(l1.nodes)}
+    pfx0, pfx1 = f"{list_path}.0.", f"{list_path}.1."
+    for a, b in zip(l0.nodes, l1.nodes):
+        na, nb = g.node(a), g.node(b)
+        if (na.target, na.out, na.outs, len(na.inputs)) != (nb.target, nb.out, nb.outs,
+                                                            len(nb.inputs)):
+            return None
+        for x, y in zip(na.inputs, nb.inputs):
+            if y in at1:
+                ok = at0.get(x) == at1[y]
+            elif y in at0:
+                ok = x not in at0 and x not in at1  # block 0 carries x's role forward
+            elif g.node(y).kind == "param" and x != y:
+                tx, ty = g.node(x).target, g.node(y).target
+                ok = tx.startswith(pfx0) and ty == pfx1 + tx[len(pfx0):]
+            else:
+                ok = x == y  # a tensor from before the list, read by every block
+            if not ok:
+                return None
+    end = i1[-1]
+    if any(i in at0 for n in g.nodes[end + 1:] for i in n.inputs):
+        return None
+    block_params = [n for n in g.nodes if n.kind == "param" and n.target.startswith(pfx1)]
+    if any(g.params[p.target].aliases for p in block_params if p.target in g.params):
+        return None
+    return _expand(g, list_path, count, l1.nodes, at0, block_params, end)
+
+
+def _expand(g: Graph, list_path: str, count: int, block: list[str], at0: dict[str, int],
+            block_params: list[OpNode], end: int) -> Graph | None:
+    names = _Names({n.name for n in g.nodes})
+    fx_tag = list_path.replace(".", "_")
+    # renamed[k][old name] = name of the copy in block k (k = 1 is the captured block)
+    renamed: list[dict[str, str]] = [{}, {x: x for x in block}]
+    for p in block_params:
+        renamed[1][p.name] = p.name
+    for k in range(2, count):
+        ren: dict[str, str] = {}
+        for p in block_params:
+            ren[p.name] = names.take(p.name.replace(f"{fx_tag}_1_", f"{fx_tag}_{k}_", 1),
+                                     p.name)
+        for x in block:
+            ren[x] = names.fresh(x)
+        renamed.append(ren)
+
+    def source(name: str, k: int) -> str:
+        """What block k reads where block 1 reads ``name``."""
+        if name in renamed[1]:
+            return renamed[k][name]
+        if name in at0:
+            return renamed[k - 1][block[at0[name]]]
+        return name
+
+    last = dict(renamed[count - 1])
+    pos = {n.name: k for k, n in enumerate(g.nodes)}
+    param_last = {p.name for i, p in enumerate(block_params)
+                  if i + 1 == len(block_params) or pos[block_params[i + 1].name] != pos[p.name] + 1}
+    run: list[OpNode] = []
+    nodes: list[OpNode] = []
+    params: dict[str, ParamInfo] = {}
+    for idx, n in enumerate(g.nodes):
+        if idx > end:
+            n = replace(n, inputs=[last.get(i, i) for i in n.inputs],
+                        args=rename_refs(n.args, lambda s: "%" + last[s] if s in last else None))
+        nodes.append(n)
+        if n.kind == "param":
+            params[n.target] = g.params[n.target]
+        if n.name in renamed[1] and n.kind == "param":
+            run.append(n)
+            if n.name in param_last:
+                for k in range(2, count):
+                    for p in run:
+                        fqn = _reindex(p.target, list_path, 1, k)
+                        info = g.params[p.target]
+                        params[fqn] = replace(info, name=fqn, aliases=[],
+                                              module_path=_reindex(info.module_path,
+                                                                   list_path, 1, k))
+                        nodes.append(replace(p, name=renamed[k][p.name], target=fqn))
+                run = []
+        if idx == end:
+            for k in range(2, count):
+                for x in block:
+                    b = g.node(x)
+                    nodes.append(replace(
+                        b, name=renamed[k][x], inputs=[source(i, k) for i in b.inputs],
+                        args=rename_refs(b.args, lambda s, k=k: "%" + source(s, k)),
+                        params=[_reindex(p, list_path, 1, k) for p in b.params],
+                        module_path=_reindex(b.module_path, list_path, 1, k), layer=None))
+    out = Graph(nodes, params, [], {}, list(g.inputs), g.loss, g.batch_size, g.seq_len,
+                g.model_name, g.fx)
+    detect_layers(out)
+    sigs = {lay.signature for lay in out.layers if lay.path.startswith(list_path + ".")
+            and lay.index >= 1}
+    count_found = sum(1 for lay in out.layers if _parent(lay.path) == list_path)
+    return out if len(sigs) == 1 and count_found == count else None
+
+
+# --- cutting block lists for the capture's fast path ---------------------------------------
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def repeated_lists(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """(path, container, length) of every outermost ModuleList / Sequential (not the
+    root, not inside another list's block) holding more than two blocks, indexed 0..n-1,
+    that are distinct objects of one class with identical submodules, parameters,
+    buffers, hooks and plain attributes (an index-like int such as ``layer_idx`` may
+    differ), and whose tensors belong to their own block only."""
+    owners: dict[int, list[str]] = {}
+    for n, t in chain(model.named_parameters(remove_duplicate=False),
+                      model.named_buffers(remove_duplicate=False)):
+        owners.setdefault(id(t), []).append(n)
+    mods = dict(model.named_modules())
+    found = []
+    for path, m in mods.items():
+        if not path or not isinstance(m, _CONTAINERS) or len(m) <= 2:
+            continue
+        parts = path.split(".")
+        ancestors = (mods.get(".".join(parts[:i])) for i in range(1, len(parts)))
+        if any(isinstance(a, _CONTAINERS) and len(a) >= 2 for a in ancestors):
+            continue
+        kids = list(m)
+        if list(m._modules) != [str(i) for i in range(len(kids))] or \
+                len({id(k) for k in kids}) != len(kids) or not _same_blocks(kids):
+            continue
+        if all(o.startswith(f"{path}.{k}.") for k, kid in enumerate(kids)
+               for t in chain(kid.parameters(), kid.buffers()) for o in owners[id(t)]):
+            found.append((path, m, len(kids)))
+    return found
+
+
+def _structure(m: nn.Module) -> tuple:
+    return (tuple((n, type(x), len(x._forward_hooks), len(x._forward_pre_hooks))
+                  for n, x in m.named_modules()),
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                  for n, p in m.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers()))
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(_plain(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _same_blocks(kids: list[nn.Module]) -> bool:
+    """True when every block matches block 0 (see :func:`repeated_lists`)."""
+    ref = kids[0]
+    shape = _structure(ref)
+    for k, kid in enumerate(kids[1:], start=1):
+        if type(kid) is not type(ref) or _structure(kid) != shape:
+            return False
+        for (_, a), (_, b) in zip(ref.named_modules(), kid.named_modules()):
+            va = {key: v for key, v in vars(a).items() if not key.startswith("_")}
+            vb = {key: v for key, v in vars(b).items() if not key.startswith("_")}
+            if va.keys() != vb.keys():
+                return False
+            for key, x in va.items():
+                y = vb[key]
+                if _plain(x) != _plain(y):
+                    return False
+                index_like = type(x) is int and type(y) is int and y - x == k
+                if _plain(x) and x != y and not index_like:
+                    return False
+    return True
+
+
+@contextlib.contextmanager
+def cut_lists(lists: list[tuple[str, nn.Module, int]]) -> Iterator[list[int]]:
+    """Cut each container to its first two blocks for the duration of the block; yields
+    a list that becomes non-empty if anything calls ``len()`` on a cut container (the
+    forward's shapes may then depend on the depth). Everything is restored on exit."""
+    used_len: list[int] = []
+    saved = []
+    try:
+        for _, m, _ in lists:
+            saved.append((m, m.__class__, list(m._modules.items())))
+            for key in list(m._modules)[2:]:
+                del m._modules[key]
+            m.__class__ = _len_spy(m.__class__, used_len, m)
+        yield used_len
+    finally:
+        for m, cls, items in saved:
+            m.__class__ = cls
+            m._modules.clear()
+            m._modules.update(items)
+
+
+def _len_spy(cls: type, hits: list[int], watched: nn.Module) -> type:
+    """A subclass of ``cls`` (same names) whose ``__len__`` records calls on ``watched``
+    (a slice of it, a new container, may take its length freely)."""
+
+    def __len__(self) -> int:
+        if self is watched:
+            hits.append(1)
+        return cls.__len__(self)
+
+    return type(cls.__name__, (cls,), {"__len__": __len__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})

@@ -1,12 +1,20 @@
 """The model zoo: named models for the CLI and the benchmarks, built on any device
-(``meta`` by default, so the largest plan without allocating a weight)."""
+(``meta`` by default, so the largest ones plan without allocating a weight), and a
+loader for a user's own ``path/to/file.py:factory``.
+
+Shapes come from the papers named in each entry's description; the Megatron-LM GPT
+family and the Llama 3 shapes are those of ``reference_configs.md`` (Narayanan et al.,
+SC'21, Table 1; Meta's Llama 3 release).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,63 +24,93 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
 
+MLP_INPUT = 784  # the MLP entry reads flattened 28x28 images (MNIST-sized)
+
 
 @dataclass(frozen=True)
 class Entry:
-    """A zoo model: how to build it and its standard training sequence length."""
+    """A zoo model: its configuration, standard training sequence length (None for
+    models that do not read token ids) and a one-line description."""
 
-    build: Callable[[int], nn.Module]
+    config: GPTConfig | LlamaConfig | None
     seq_len: int | None
     about: str
 
+    def build(self, seq_len: int | None) -> nn.Module:
+        """The model, with position tables long enough for ``seq_len`` tokens."""
+        if self.config is None:
+            return MLP(in_dim=MLP_INPUT)
+        cfg = dataclasses.replace(self.config, max_seq_len=max(self.config.max_seq_len,
+                                                               seq_len or 0))
+        return GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
 
-def _gpt(layers: int, dim: int, heads: int, vocab: int = 51200, seq: int = 2048) -> Entry:
-    return Entry(lambda s: GPT(GPTConfig(vocab_size=vocab, max_seq_len=max(s, seq), dim=dim,
-                                         n_layers=layers, n_heads=heads)), seq,
-                 f"GPT, {layers} layers, hidden {dim}, {heads} heads, vocab {vocab}")
+    @property
+    def vocab_size(self) -> int | None:
+        """Vocabulary size (None for the MLP)."""
+        return self.config.vocab_size if self.config is not None else None
 
 
-def _llama(layers: int, dim: int, heads: int, kv: int, ffn: int, vocab: int = 128256,
-           seq: int = 8192) -> Entry:
-    return Entry(lambda s: Llama(LlamaConfig(vocab_size=vocab, max_seq_len=max(s, seq), dim=dim,
-                                             n_layers=layers, n_heads=heads, n_kv_heads=kv,
-                                             ffn_dim=ffn, rope_theta=500000.0)), seq,
-                 f"Llama, {layers} layers, hidden {dim}, {heads}/{kv} heads, ffn {ffn}")
+def _gpt(title: str, layers: int, dim: int, heads: int, *, vocab: int = 51200,
+         seq: int = 2048, note: str = "") -> Entry:
+    cfg = GPTConfig(vocab_size=vocab, max_seq_len=seq, dim=dim, n_layers=layers, n_heads=heads)
+    return Entry(cfg, seq, f"{title}: GPT, {layers} layers, hidden {dim}, {heads} heads, "
+                           f"vocab {vocab}{note}, seq {seq}, tied embeddings")
+
+
+def _llama(title: str, layers: int, dim: int, heads: int, kv: int, ffn: int, *,
+           vocab: int = 128256, seq: int = 8192) -> Entry:
+    cfg = LlamaConfig(vocab_size=vocab, max_seq_len=seq, dim=dim, n_layers=layers,
+                      n_heads=heads, n_kv_heads=kv, ffn_dim=ffn, rope_theta=500000.0)
+    return Entry(cfg, seq, f"{title}: Llama, {layers} layers, hidden {dim}, {heads} heads "
+                           f"({kv} KV), FFN {ffn}, vocab {vocab}, seq {seq}, rope theta 500000")
+
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", SC'21, Table 1: name -> (heads, hidden, layers); vocab 51200, seq 2048.
+_MEGATRON = {
+    "gpt-1.7b": (24, 2304, 24), "gpt-3.6b": (32, 3072, 30), "gpt-7.5b": (32, 4096, 36),
+    "gpt-18.4b": (48, 6144, 40), "gpt-39.1b": (64, 8192, 48), "gpt-76.1b": (80, 10240, 60),
+    "gpt-145.6b": (96, 12288, 80), "gpt-310.1b": (128, 16384, 96),
+    "gpt-529.6b": (128, 20480, 105), "gpt-1t": (160, 25600, 128),
+}
+
+# GPT-2's vocabulary of 50257 tokens, padded up to 50304 (a multiple of 64) as GPT-2
+# trainers do (nanoGPT's train config) so the embedding and head shard evenly.
+_GPT2_NOTE = " (GPT-2's 50257 padded to a multiple of 64)"
 
 
 def _entries() -> dict[str, Entry]:
-    # GPT-2 vocab 50257 padded to 50304 (a multiple of 128), as GPT-2 trainers do.
     e = {
-        "tiny-gpt": _gpt(2, 32, 4, vocab=128, seq=16),
-        "tiny-llama": _llama(2, 32, 4, 2, 64, vocab=128, seq=16),
-        "mlp": Entry(lambda s: MLP(), None, "MLP classifier, 4 hidden layers of 1024"),
-        "gpt2-small": _gpt(12, 768, 12, vocab=50304, seq=1024),
-        "gpt2-medium": _gpt(24, 1024, 16, vocab=50304, seq=1024),
-        "gpt2-large": _gpt(36, 1280, 20, vocab=50304, seq=1024),
-        "gpt2-xl": _gpt(48, 1600, 25, vocab=50304, seq=1024),
-        "gpt3-175b": _gpt(96, 12288, 96),
-        "llama3-8b": _llama(32, 4096, 32, 8, 14336),
-        "llama3-70b": _llama(80, 8192, 64, 8, 28672),
-        "llama3-405b": _llama(126, 16384, 128, 8, 53248),
+        "tiny-gpt": _gpt("tiny GPT for tests", 2, 32, 4, vocab=128, seq=16),
+        "tiny-llama": _llama("tiny Llama for tests", 2, 32, 4, 2, 64, vocab=128, seq=16),
+        "mlp": Entry(None, None, f"MLP classifier: {MLP_INPUT} inputs, 4 hidden layers of "
+                                 "1024 with GeLU, 10 classes"),
+        "gpt2-small": _gpt("GPT-2 small (Radford et al. 2019)", 12, 768, 12, vocab=50304,
+                           seq=1024, note=_GPT2_NOTE),
+        "gpt2-medium": _gpt("GPT-2 medium", 24, 1024, 16, vocab=50304, seq=1024,
+                            note=_GPT2_NOTE),
+        "gpt2-large": _gpt("GPT-2 large", 36, 1280, 20, vocab=50304, seq=1024,
+                           note=_GPT2_NOTE),
+        "gpt2-xl": _gpt("GPT-2 XL", 48, 1600, 25, vocab=50304, seq=1024, note=_GPT2_NOTE),
     }
-    # Narayanan et al., SC'21, Table 1 (shapes in shared reference_configs.md)
-    for name, (heads, dim, layers) in {
-            "gpt-1.7b": (24, 2304, 24), "gpt-3.6b": (32, 3072, 30), "gpt-7.5b": (32, 4096, 36),
-            "gpt-18.4b": (48, 6144, 40), "gpt-39.1b": (64, 8192, 48),
-            "gpt-76.1b": (80, 10240, 60), "gpt-145.6b": (96, 12288, 80),
-            "gpt-310.1b": (128, 16384, 96), "gpt-529.6b": (128, 20480, 105),
-            "gpt-1t": (160, 25600, 128)}.items():
-        e[name] = _gpt(layers, dim, heads)
+    for name, (heads, dim, layers) in _MEGATRON.items():
+        size = name.removeprefix("gpt-").upper()
+        e[name] = _gpt(f"Megatron-LM GPT {size} (Narayanan et al. SC'21, Table 1)", layers,
+                       dim, heads)
+    e["gpt3-175b"] = _gpt("GPT-3 175B (Brown et al. 2020)", 96, 12288, 96)
+    e["llama3-8b"] = _llama("Llama 3 8B", 32, 4096, 32, 8, 14336)
+    e["llama3-70b"] = _llama("Llama 3 70B", 80, 8192, 64, 8, 28672)
+    e["llama3-405b"] = _llama("Llama 3 405B", 126, 16384, 128, 8, 53248)
     return e
 
 
 def names() -> list[str]:
-    """Names of the zoo models."""
+    """Names of the zoo models, smallest families first."""
     return list(_entries())
 
 
 def describe(name: str) -> str:
-    """One line about a zoo model."""
+    """One line about zoo model ``name``."""
     return _entry(name).about
 
 
@@ -84,39 +122,93 @@ def _entry(name: str) -> Entry:
     return entries[name]
 
 
-def get(name: str, *, batch_size: int = 2, seq_len: int | None = None,
+def get(name: str, *, batch_size: int = 1, seq_len: int | None = None,
         device: str = "meta") -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Build zoo model ``name`` on ``device`` with example inputs of ``batch_size``."""
+    """Zoo model ``name`` built on ``device``, with example inputs: token ids of shape
+    (batch_size, seq_len) (seq_len defaults to the model's training length), or for the
+    MLP float features of shape (batch_size, 784)."""
     e = _entry(name)
-    seq = seq_len or e.seq_len
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r}: expected a positive integer")
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+        raise ConfigError(f"seq_len={seq_len!r}: expected a positive integer")
+    seq = seq_len if seq_len is not None else e.seq_len
     with torch.device(device):
-        model = e.build(seq or 0)
-        if seq is None:
-            x = torch.randn(batch_size, 784)
+        model = e.build(seq)
+        if e.vocab_size is None:
+            x = torch.randn(batch_size, MLP_INPUT)
         else:
-            x = torch.randint(0, 100, (batch_size, seq))
+            x = torch.randint(0, e.vocab_size, (batch_size, seq))
     return model, (x,)
 
 
-def load(spec: str, **kwargs: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Load ``path/to/file.py:factory``; the factory returns a model or (model, inputs)."""
-    path, _, attr = spec.rpartition(":")
-    if not path or not attr:
-        raise ConfigError(f"model spec {spec!r} is not of the form path/to/file.py:factory")
+def load(spec: str, *, batch_size: int = 1, seq_len: int | None = None,
+         **kwargs: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Load ``path/to/file.py:factory`` and call ``factory(**kwargs)``.
+
+    The factory returns ``(model, example_inputs)``, or a model alone: then the inputs
+    are token ids of shape (batch_size, seq_len) for the model's first nn.Embedding,
+    seq_len defaulting to the model config's maximum length (``max_seq_len``,
+    ``n_positions`` or ``max_position_embeddings``).
+    """
+    path, sep, attr = spec.rpartition(":")
+    if not sep or not path or not attr:
+        raise ConfigError(f"model spec {spec!r} is neither a zoo name nor of the form "
+                          f"path/to/file.py:factory; zoo models: {', '.join(names())}")
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"model file {path!r} does not exist")
-    mod_spec = importlib.util.spec_from_file_location(file.stem, file)
+    module_name = f"autopar_user_model_{file.stem}"
+    mod_spec = importlib.util.spec_from_file_location(module_name, file)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ConfigError(f"{path} is not a Python file that can be imported")
     module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    sys.modules[module_name] = module  # so dataclasses and pickling inside it work
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 — the user's file: report, do not crash
+        sys.modules.pop(module_name, None)
+        raise ConfigError(f"importing {path} failed: {type(e).__name__}: {e}") from None
     factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"{path} has no callable named {attr!r}")
-    result = factory(**kwargs)
+    if factory is None or not callable(factory):
+        found = sorted(n for n, v in vars(module).items() if callable(v) and
+                       not n.startswith("_") and getattr(v, "__module__", "") == module_name)
+        raise ConfigError(f"{path} has no callable named {attr!r}; it defines "
+                          f"{', '.join(found) or 'no public callables'}")
+    try:
+        result = factory(**kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"{spec}() raised {type(e).__name__}: {e}") from None
     if isinstance(result, nn.Module):
-        raise ConfigError(f"{spec} returned a model without example inputs; return "
-                          "(model, example_inputs) so autopar knows the input shapes")
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
-        inputs = result[1] if isinstance(result[1], tuple) else (result[1],)
-        return result[0], inputs
-    raise ConfigError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+        return result, _guess_inputs(result, spec, batch_size, seq_len)
+    if isinstance(result, (tuple, list)) and len(result) == 2 and \
+            isinstance(result[0], nn.Module):
+        inputs = tuple(result[1]) if isinstance(result[1], (tuple, list)) else (result[1],)
+        if inputs and all(isinstance(t, torch.Tensor) for t in inputs):
+            return result[0], inputs
+    raise ConfigError(f"{spec} must return a model or (model, example_inputs) with tensor "
+                      f"inputs, got {_kind(result)}")
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, (tuple, list)):
+        return f"{type(v).__name__} of ({', '.join(type(x).__name__ for x in v)})"
+    return type(v).__name__
+
+
+def _guess_inputs(model: nn.Module, spec: str, batch_size: int,
+                  seq_len: int | None) -> tuple[torch.Tensor, ...]:
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    if seq_len is None:
+        for key in ("max_seq_len", "n_positions", "max_position_embeddings"):
+            seq_len = getattr(cfg, key, None) if cfg is not None else None
+            if isinstance(seq_len, int):
+                break
+    if emb is None or not isinstance(seq_len, int):
+        raise ConfigError(f"{spec} returned a model alone and its inputs cannot be guessed "
+                          "(no token embedding or no sequence length); return "
+                          "(model, example_inputs) instead")
+    p = next(iter(model.parameters()), None)
+    device = p.device if p is not None else torch.device("cpu")
+    return (torch.randint(0, emb.num_embeddings, (batch_size, seq_len), device=device),)

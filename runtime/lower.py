@@ -1,17 +1,15 @@
-"""Lowering: apply a Plan to a live model with PyTorch's distributed stack.
+"""Lowering: check a Plan against the live model and the running job, then apply it
+with PyTorch's distributed stack, in torchtitan's order:
 
-* the mesh: ``init_device_mesh`` with axes ("dp", "tp");
-* tensor and sequence parallelism: every module that owns parameters becomes a
-  DTensor module on the ``tp`` sub-mesh with ``distribute_module``: its parameters are
-  distributed with the plan's ``tp`` placements, its input is read as the plan's
-  ``input_layout`` and redistributed to ``desired_input_layout``, and its output is
-  redistributed to ``output_layout`` and handed on as a local tensor — exactly what
-  ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` do, for any layout the
-  solver chose. Between modules the model runs on plain local tensors;
-* ZeRO-3: FSDP2 ``fully_shard`` on each repeated block and the root, over ``dp``;
-* ZeRO-0: replicated parameters, gradients averaged over ``dp`` after backward;
-* a ``meta`` model is materialized with ``to_empty`` (only local shards are allocated)
-  and re-initialized with each module's ``reset_parameters``.
+1. the meshes (:mod:`~autopar.runtime.mesh`): ``init_device_mesh`` over ("dp", "tp");
+2. tensor / sequence parallelism (:mod:`~autopar.runtime.tensor_parallel`):
+   ``parallelize_module`` styles on the ``tp`` mesh;
+3. data parallelism (:mod:`~autopar.runtime.data_parallel`): FSDP2 ``fully_shard``
+   per block and on the root, over ``dp``;
+4. materialization (:mod:`~autopar.runtime.materialize`) of a ``meta`` model.
+
+Every check runs before anything is changed, and all of them depend only on the
+plan and the model, so every rank raises the same LoweringError.
 """
 
 from __future__ import annotations
@@ -19,104 +17,155 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_module, distribute_tensor
 
 from autopar.errors import LoweringError
-from autopar.plans import ModulePlan, Plan
-from autopar.sharding import parse_placement
+from autopar.plans import Plan
+from autopar.runtime.data_parallel import PRECISION_DTYPES, apply_data_parallel, check_tied_units
+from autopar.runtime.materialize import check_materializable, is_meta_model, materialize
+from autopar.runtime.mesh import MESH_AXES, PlanMeshes, build_meshes
+from autopar.runtime.tensor_parallel import (apply_tensor_parallel, check_module_plan,
+                                             style_placements, tied_parameter_groups)
+
+__all__ = ["check_process_group", "check_plan", "default_device", "lower"]
 
 
-def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The plan's device mesh; the world size must match it."""
+def check_process_group(plan: Plan) -> None:
+    """The default process group must exist and have as many ranks as the plan's mesh."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise LoweringError("apply_plan() needs an initialized default process group; run under "
+                            "torchrun, or call torch.distributed.init_process_group() first")
     world = dist.get_world_size()
     if plan.world_size != world:
-        raise LoweringError(f"the plan is for {plan.world_size} devices ({plan.mesh}) but the job "
-                            f"has {world} processes; plan for {world} devices")
-    return init_device_mesh(device_type, tuple(plan.mesh.values()),
-                            mesh_dim_names=tuple(plan.mesh))
+        raise LoweringError(f"the plan's mesh {plan.mesh} has {plan.world_size} devices but the "
+                            f"process group has {world} ranks; run with {plan.world_size} "
+                            f"processes, or make a plan for {world} devices")
 
 
-def _tp_index(plan: Plan) -> int:
-    return list(plan.mesh).index("tp")
+def default_device() -> torch.device:
+    """This rank's device: its current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def _module(model: nn.Module, path: str) -> nn.Module:
+def _module(model: nn.Module, path: str, plan: Plan, where: str) -> nn.Module:
     try:
-        return model.get_submodule(path) if path else model
+        return model.get_submodule(path)
     except AttributeError:
-        raise LoweringError(f"the plan names module '{path}', which the model does not have; "
-                            "was the plan made for another model?") from None
+        raise LoweringError(f"{where} names module '{path}', which the model does not have; "
+                            f"was the plan made for another model (plan.model = "
+                            f"'{plan.model}')? Re-plan for this model") from None
 
 
-def _convert(x, mesh: DeviceMesh, src: str, dst: str):
-    """Read local tensor ``x`` as placement ``src`` on ``mesh`` and redistribute to ``dst``."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    d = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [parse_placement(src)],
-                                                            run_check=False)
-    return d.redistribute(mesh, [parse_placement(dst)]) if src != dst or not isinstance(
-        x, DTensor) else d
+def _check_shape(plan: Plan) -> None:
+    axes = list(plan.mesh)
+    if any(a not in MESH_AXES for a in axes) or axes != [a for a in MESH_AXES if a in axes]:
+        raise LoweringError(f"the plan's mesh axes {axes} are not supported; this runtime lowers "
+                            f"meshes with the axes 'dp' (outer) and 'tp' (inner)")
+    dp = plan.degree("dp")
+    if plan.global_batch != plan.microbatch_size * plan.num_microbatches * dp:
+        raise LoweringError(f"the plan's global_batch {plan.global_batch} is not microbatch_size "
+                            f"{plan.microbatch_size} x num_microbatches {plan.num_microbatches} x "
+                            f"dp {dp}; fix the plan's batch sizes")
+    if plan.precision not in PRECISION_DTYPES:
+        raise LoweringError(f"precision {plan.precision!r} is not supported; use one of "
+                            f"{', '.join(PRECISION_DTYPES)}")
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
-    """Turn every planned module into a DTensor module on the tp sub-mesh."""
-    axis = _tp_index(plan)
-    done: dict[int, nn.Parameter] = {}
+def _allowed_dp(plan: Plan) -> set[str]:
+    if plan.degree("dp") == 1 or plan.zero in (1, 2):
+        return {"R", "S(0)"}
+    return {"S(0)"} if plan.zero == 3 else {"R"}
+
+
+def _check_params(model: nn.Module, plan: Plan, groups: list[list[str]]) -> None:
+    """Each parameter's planned placements must be what its module's style (tp) and
+    ``plan.zero`` (dp) produce; tied parameters must get one placement."""
+    axes = list(plan.mesh)
+    allowed_dp = _allowed_dp(plan)
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    unknown = sorted(set(plan.params) - names)
+    if unknown:
+        raise LoweringError(f"plan.params names parameter '{unknown[0]}', which the model does "
+                            f"not have; was the plan made for another model (plan.model = "
+                            f"'{plan.model}')? Re-plan for this model")
+    tp_of: dict[str, tuple[str, str, str]] = {}
+    for fqn, _ in model.named_parameters(remove_duplicate=False):
+        path, _, local = fqn.rpartition(".")
+        mp = plan.modules.get(path)
+        style = mp.style if mp else "replicate"
+        want = style_placements(model.get_submodule(path), style)[local]
+        tp_of[fqn] = (want, style, path)
+        planned = plan.params.get(fqn)
+        if planned is None:
+            raise LoweringError(f"the plan gives no placements for parameter '{fqn}'; plan.params "
+                                f"must list every parameter (re-plan for this model)")
+        if mp is not None and local in mp.params and mp.params[local] != planned:
+            raise LoweringError(f"the plan disagrees with itself on '{fqn}': plan.params has "
+                                f"{planned} but modules['{path}'].params has {mp.params[local]}; "
+                                f"make the two agree (re-plan)")
+        got = dict(zip(axes, planned))
+        if got.get("tp", "R") != want:
+            raise LoweringError(
+                f"parameter '{fqn}' is planned as {planned} on {tuple(axes)}, but the style "
+                f"'{style}' of module '{path}' ({type(model.get_submodule(path)).__name__}) "
+                f"places it as '{want}' on tp; make plan.params and the module's style agree")
+        if got.get("dp", "R") not in allowed_dp:
+            raise LoweringError(
+                f"parameter '{fqn}' is planned as {planned} on {tuple(axes)}, but zero="
+                f"{plan.zero} over dp={plan.degree('dp')} places it as "
+                f"{' or '.join(repr(p) for p in sorted(allowed_dp))} on dp; make plan.params "
+                f"agree with plan.zero")
+    for names in groups:
+        if len({tp_of[n][0] for n in names}) > 1:
+            how = " and ".join(f"'{tp_of[n][0]}' ({tp_of[n][2]}, {tp_of[n][1]})" for n in names)
+            raise LoweringError(
+                f"parameters {' and '.join(repr(n) for n in names)} are one tied tensor, but "
+                f"the styles give it different tp placements: {how}; give the modules styles "
+                f"that place it alike (an Embedding 'rowwise' with a Linear 'colwise', an "
+                f"Embedding 'colwise' with a Linear 'rowwise', or both 'replicate')")
+
+
+def check_plan(model: nn.Module, plan: Plan) -> list[list[str]]:
+    """Check that ``plan`` can be lowered onto ``model``; return the tied parameter
+    groups. Raises LoweringError naming what is wrong and what to try."""
+    _check_shape(plan)
+    tp = plan.degree("tp")
+    for path in plan.blocks:
+        _module(model, path, plan, "plan.blocks")
     for path, mp in plan.modules.items():
-        module = _module(model, path)
-        _distribute_params(module, mp, axis, tp_mesh, done, path)
-        distribute_module(module, tp_mesh, partition_fn=None,
-                          input_fn=_input_fn(mp), output_fn=_output_fn(mp))
+        module = _module(model, path, plan, "plan.modules")
+        parent = model.get_submodule(path.rpartition(".")[0]) if path else None
+        check_module_plan(path, module, mp, tp, parent)
+    if tp > 1:
+        for path, m in model.named_modules():
+            if path not in plan.modules and any(True for _ in m.parameters(recurse=False)):
+                raise LoweringError(f"module '{path}' ({type(m).__name__}) owns parameters but "
+                                    f"the plan has no entry for it in plan.modules; with tp="
+                                    f"{tp} every such module needs a style (re-plan for this "
+                                    f"model)")
+    groups = tied_parameter_groups(model)
+    _check_params(model, plan, groups)
+    if plan.degree("dp") > 1:
+        check_tied_units(plan, groups)
+    return groups
 
 
-def _distribute_params(module: nn.Module, mp: ModulePlan, axis: int, mesh: DeviceMesh,
-                       done: dict[int, nn.Parameter], path: str) -> None:
-    for name, param in list(module.named_parameters(recurse=False)):
-        pl = mp.params.get(name)
-        if pl is None:
-            raise LoweringError(f"the plan gives no placement for '{path}.{name}'")
-        placement = parse_placement(pl[axis])
-        if id(param) in done:
-            new = done[id(param)]
-            if new.placements[0] != placement:  # type: ignore[union-attr]
-                raise LoweringError(f"tied parameter '{path}.{name}' has two placements in the "
-                                    f"plan ({new.placements[0]} and {placement}); re-plan")
-        else:
-            shape = param.shape
-            if placement.is_shard() and shape[placement.dim] % mesh.size():
-                raise LoweringError(f"'{path}.{name}' dim {placement.dim} of size "
-                                    f"{shape[placement.dim]} does not split over tp={mesh.size()}")
-            new = nn.Parameter(distribute_tensor(param.data, mesh, [placement]),
-                               requires_grad=param.requires_grad)
-            done[id(param)] = new
-        module.register_parameter(name, new)
-
-
-def _input_fn(mp: ModulePlan):
-    def fn(module, inputs, mesh):
-        if not inputs:
-            return inputs
-        first = _convert(inputs[0], mesh, mp.input_layout, mp.desired_input_layout)
-        return (first,) + tuple(inputs[1:])
-    return fn
-
-
-def _output_fn(mp: ModulePlan):
-    def fn(module, output, mesh):
-        if isinstance(output, DTensor):
-            output = output.redistribute(mesh, [parse_placement(mp.output_layout)])
-            return output.to_local()
-        return output
-    return fn
-
-
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate a meta model's local shards on ``device`` and initialize them."""
-    if not any(p.is_meta for p in model.parameters()):
-        return
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
+    """Lay ``model`` out in place as ``plan`` says (see the module docstring); return
+    the meshes. ``model`` must be the same (same weights, or meta) on every rank."""
+    check_process_group(plan)
+    check_plan(model, plan)
+    meta = is_meta_model(model)
+    if meta:
+        check_materializable(model)
+    else:
+        model.to(device)
+    meshes = build_meshes(plan, device.type)
+    if plan.degree("tp") > 1:
+        apply_tensor_parallel(model, plan, meshes.tp)
+    if meshes.fsdp is not None:
+        apply_data_parallel(model, plan, meshes.fsdp)
+    if meta:
+        materialize(model, device)
+    return meshes

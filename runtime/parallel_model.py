@@ -1,120 +1,153 @@
-"""ParallelModel: a model laid out by a Plan, with a training ``step``."""
+"""ParallelModel: the user's model laid out by a Plan, with a training ``step``."""
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from autopar.capture import default_loss, first_tensor
-from autopar.errors import LoweringError
+from autopar.errors import ConfigError
 from autopar.plans import Plan
-from autopar.runtime.lower import apply_tensor_parallel, build_mesh, materialize
+from autopar.runtime.data_parallel import PRECISION_DTYPES
+from autopar.runtime.lower import check_process_group, default_device, lower
+
+__all__ = ["ParallelModel", "apply_plan"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 class ParallelModel(nn.Module):
-    """The user's model under a plan. ``parameters()`` feeds an ordinary optimizer;
-    ``step(inputs, targets)`` runs one forward + backward of a global batch."""
+    """A model laid out by a :class:`~autopar.plans.Plan` (built by :func:`apply_plan`).
 
-    def __init__(self, module: nn.Module, plan: Plan, mesh, loss_fn: Callable | None) -> None:
+    ``parameters()`` are the distributed parameters (DTensors under tensor or data
+    parallelism) and feed an ordinary optimizer::
+
+        pm = apply_plan(model, plan)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        for x, y in batches:                # the same global batch on every rank
+            loss = pm.step(x, y)            # global mean loss, equal on every rank
+            opt.step(); opt.zero_grad()
+
+    Attributes:
+        module: the parallelized model.
+        plan: the plan it was laid out by.
+        mesh: the 2-D device mesh with axes ``("dp", "tp")``.
+        loss_fn: ``loss_fn(output, targets)``; None means cross-entropy over the last
+            dim of the output's logits.
+        device: this rank's device.
+    """
+
+    def __init__(self, module: nn.Module, plan: Plan, mesh: DeviceMesh, *,
+                 loss_fn: LossFn | None = None, device: torch.device | None = None) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
         self.mesh = mesh
         self.loss_fn = loss_fn
+        self.device = device or torch.device("cpu")
 
-    def forward(self, *inputs: torch.Tensor):
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """torch.autocast for low precision without FSDP2 (which casts by itself)."""
+        dtype = PRECISION_DTYPES[self.plan.precision]
+        if dtype == torch.float32 or isinstance(self.module, FSDPModule):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the parallelized module on this rank's local inputs."""
-        return self.module(*inputs)
+        with self._autocast():
+            return self.module(*inputs, **kwargs)
 
-    def _dp(self) -> tuple[int, int]:
-        dp = self.plan.degree("dp")
-        return (self.mesh.get_local_rank("dp") if dp > 1 else 0), dp
-
-    def _loss(self, out, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is not None:
-            return self.loss_fn(out, targets)
-        return default_loss(first_tensor(out), targets)
+            return self.loss_fn(output, targets)
+        return default_loss(first_tensor(output), targets)
 
-    def step(self, inputs, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward on this rank's share of the global batch (the same
-        global batch on every rank); returns the global mean loss on every rank."""
-        xs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        rank, dp = self._dp()
-        batch = xs[0].shape[0]
-        if batch != self.plan.global_batch:
-            raise LoweringError(f"step() got a batch of {batch} samples but the plan is for a "
-                                f"global batch of {self.plan.global_batch}")
-        local = batch // dp
-        n = self.plan.num_microbatches
-        mb = local // n
-        total = torch.zeros((), dtype=torch.float32)
+    def _check_batch(self, xs: Sequence[Any], targets: torch.Tensor) -> None:
+        gb = self.plan.global_batch
+        for what, t in [(f"input {i}", x) for i, x in enumerate(xs)] + [("targets", targets)]:
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != gb):
+                got = "a scalar" if t.dim() == 0 else f"{t.shape[0]} samples"
+                raise ConfigError(f"step() got {got} in {what}, but the plan is for a global "
+                                  f"batch of {gb}; pass the whole global batch, the same on "
+                                  f"every rank")
+        tp = self.plan.degree("tp")
+        splits_sequence = self.plan.sequence_parallel or any(
+            "S(1)" in (m.input_layout, m.desired_input_layout, m.output_layout)
+            for m in self.plan.modules.values())
+        x = xs[0] if xs else None
+        if tp > 1 and splits_sequence and isinstance(x, torch.Tensor) and x.dim() > 1 \
+                and x.shape[1] % tp:
+            raise ConfigError(f"the plan splits the sequence over tp={tp}, but the inputs have "
+                              f"sequence length {x.shape[1]}; pass a sequence length divisible "
+                              f"by {tp}")
+
+    def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one global batch; returns the global mean loss.
+
+        Every rank passes the same global batch (a tensor or a tuple of tensors, batch
+        first). Each rank takes its data-parallel slice (tp ranks of one dp group take
+        the same one), splits it into ``plan.num_microbatches`` micro-batches, and
+        accumulates the gradients of ``loss / num_microbatches``; gradients are averaged
+        over ``dp``, so they equal those of the mean loss over the global batch. The
+        caller then runs ``optimizer.step()`` and ``optimizer.zero_grad()``.
+        """
+        xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        self._check_batch(xs, targets)
+        n, mb, dp = self.plan.num_microbatches, self.plan.microbatch_size, self.plan.degree("dp")
+        start = self.mesh.get_local_rank("dp") * n * mb
+        fsdp = isinstance(self.module, FSDPModule)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in range(n):
-            lo = rank * local + i * mb
-            sl = slice(lo, lo + mb)
-            out = self.module(*(x[sl] for x in xs))
-            loss = self._loss(out, targets[sl]) / n
+            if fsdp and self.plan.zero < 3:  # reduce gradients once, after the last micro-batch
+                self.module.set_requires_gradient_sync(i == n - 1)
+            part = slice(start + i * mb, start + (i + 1) * mb)
+            local = [x[part].to(self.device) if isinstance(x, torch.Tensor) else x for x in xs]
+            loss = self._loss(self(*local), targets[part].to(self.device)) / n
             loss.backward()
-            total += loss.detach().float().cpu()
-        self._settle_partial_gradients()
-        if self.plan.zero == 0 and dp > 1:
-            self._average_gradients()
+            total += loss.detach().float()
+        if not fsdp:
+            self._reduce_partial_gradients()
         if dp > 1:
-            total = total.to(_device(self.module))
             dist.all_reduce(total, group=self.mesh.get_group("dp"))
-            total = total.cpu() / dp
+            total /= dp
         return total
 
-    def _settle_partial_gradients(self) -> None:
-        """A replicated parameter used on split activations gets a partial-sum gradient;
-        reduce it to the parameter's own placement (the tp all-reduce of its gradient)."""
+    def _reduce_partial_gradients(self) -> None:
+        """A replicated tp parameter used on split activations (sequence parallelism)
+        gets a partial-sum gradient; redistribute it to the parameter's placement once
+        per step (FSDP2 does this itself when data parallelism is on)."""
         for p in self.module.parameters():
             g = p.grad
-            if isinstance(g, DTensor) and isinstance(p, DTensor) and any(
-                    pl.is_partial() for pl in g.placements):
-                p.grad = g.redistribute(p.device_mesh, p.placements)
-
-    def _average_gradients(self) -> None:
-        """Replicated data parallel: average every gradient over the dp group."""
-        group = self.mesh.get_group("dp")
-        dp = self.plan.degree("dp")
-        for p in self.module.parameters():
-            if p.grad is None:
-                continue
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, group=group)
-            g.div_(dp)
+            if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+                p.grad = g.redistribute(placements=p.placements)
 
 
-def _device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None,
+def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
                device: torch.device | str | None = None) -> ParallelModel:
-    """Lay ``model`` out as ``plan`` says on the running process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise LoweringError("apply_plan() needs an initialized process group (torchrun or "
-                            "torch.distributed.init_process_group)")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend() == "nccl" else torch.device("cpu")
-    device = torch.device(device)
-    mesh = build_mesh(plan, device.type)
-    if plan.degree("tp") > 1:
-        apply_tensor_parallel(model, plan, mesh["tp"])
-    if plan.zero == 3 and plan.degree("dp") > 1:
-        from torch.distributed.fsdp import fully_shard
+    """Lay ``model`` out in place as ``plan`` says and wrap it in a :class:`ParallelModel`.
 
-        for path in plan.blocks:
-            fully_shard(model.get_submodule(path), mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    materialize(model, device)
-    if not any(p.is_meta for p in model.parameters()):
-        model.to(device)
-    return ParallelModel(model, plan, mesh, loss_fn)
+    Needs an initialized default process group whose world size equals the plan's
+    mesh size; call it on every rank. A real model keeps its weights (every rank must
+    pass the same weights, e.g. built after the same ``torch.manual_seed``); a model on
+    the ``meta`` device is materialized with only this rank's shards and freshly
+    initialized by its modules' ``reset_parameters()`` (see
+    :mod:`autopar.runtime.materialize`). ``device`` defaults to the current CUDA
+    device under NCCL and to the CPU otherwise. ``loss_fn(output, targets)`` defaults
+    to cross-entropy over the last dim.
+    """
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_process_group(plan)
+    dev = torch.device(device) if device is not None else default_device()
+    meshes = lower(model, plan, dev)
+    return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev)
