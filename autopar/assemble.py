@@ -82,6 +82,8 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     params: dict[str, list[str]] = {}
     for pnode, (op, pos) in an.param_owner.items():
         fqn = g.node(pnode).target
+        if fqn in g.params and g.params[fqn].buffer:
+            continue  # buffers are not placed: each rank keeps its own copy
         pl = list(chosen[op].ins[pos])
         if dp_axis is not None and st.zero == 3 and mesh.sizes[dp_axis] > 1:
             pl[dp_axis] = "S(0)"

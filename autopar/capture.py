@@ -363,7 +363,7 @@ def to_graph(ep: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], name: 
                 continue
             train = kind == "PARAMETER" and trainable.get(fqn, True)
             params[fqn] = ParamInfo(fqn, meta, fqn.rpartition(".")[0], train,
-                                    list(aliases.get(fqn, [])))
+                                    list(aliases.get(fqn, [])), kind != "PARAMETER")
             env[ph] = b.add(OpNode(ph.name, "param", fqn, out=meta, requires_grad=train),
                             ph.meta.get("val"))
         elif kind == "USER_INPUT" and meta is not None:

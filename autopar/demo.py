@@ -53,9 +53,9 @@ def _parallel(steps: int):
 
 def run_demo(ranks: int = 4, steps: int = 3) -> None:
     """Print the plan and both loss curves."""
-    from autopar.launch import run_ranks
+    from autopar.launch import run_distributed
 
-    par, summary = run_ranks(ranks, _parallel, steps)
+    par, summary = run_distributed(ranks, _parallel, steps, timeout_s=600)[0]
     ref = _single(steps)
     print(summary)
     print(f"\n{'step':>4}  {'parallel loss':>14}  {'single-process':>14}  {'|diff|':>8}")

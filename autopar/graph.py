@@ -99,7 +99,8 @@ class ParamInfo:
     """One parameter (or buffer) of the model.
 
     ``aliases`` lists the other names of a tied parameter (e.g. a tied output head);
-    ``trainable`` is False for buffers and frozen parameters.
+    ``trainable`` is False for buffers and frozen parameters; ``buffer`` is True for
+    buffers (which are never placed: each rank keeps its own copy).
     """
 
     name: str
@@ -107,6 +108,7 @@ class ParamInfo:
     module_path: str
     trainable: bool = True
     aliases: list[str] = field(default_factory=list)
+    buffer: bool = False
 
 
 @dataclass

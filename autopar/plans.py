@@ -18,9 +18,11 @@ from typing import Any
 
 from autopar.errors import PlanFormatError
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 plans (no pipeline) read as version 2 with pipeline=None
 
 TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 
 
 @dataclass
@@ -56,6 +58,52 @@ class ModulePlan:
 
 
 @dataclass
+class StagePlan:
+    """One pipeline stage: a contiguous run of the model's units on one pp rank.
+
+    Attributes:
+        index: the stage's position in the pipeline, 0 .. pp·virtual_stages − 1.
+        rank: the ``pp`` coordinate of the devices that run it (``index % pp`` for
+            the looped interleaved schedules; "V"-shaped for ``zbv``: stage i and
+            stage 2·pp − 1 − i share rank i).
+        units: the module paths the stage runs, in order. The units of a model are
+            what comes before its repeated blocks (``"tok_emb"``, ``"pos_emb"``), each
+            block (``"blocks.3"``) and what comes after (``"ln_f"``, ``"head"``); the
+            loss runs on the last stage.
+        forward_s / backward_s: predicted seconds per micro-batch.
+        memory_bytes: predicted peak bytes per device of the rank for this stage
+            (parameters, gradients, optimizer state and in-flight activations).
+    """
+
+    index: int
+    rank: int
+    units: list[str]
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    memory_bytes: float = 0.0
+
+
+@dataclass
+class PipelinePlan:
+    """Pipeline parallelism over the mesh axis ``pp``.
+
+    Attributes:
+        schedule: one of :data:`SCHEDULES` ("gpipe", "1f1b", "interleaved_1f1b",
+            "interleaved_zero_bubble", "zbv"), as in ``torch.distributed.pipelining``.
+        virtual_stages: model chunks per pp rank (1 for gpipe and 1f1b, 2 for zbv).
+        stages: the pp · virtual_stages stages in pipeline order.
+        bubble_fraction: predicted idle fraction of a rank's step.
+        p2p_s: predicted seconds of one activation transfer between stages.
+    """
+
+    schedule: str
+    virtual_stages: int
+    stages: list[StagePlan]
+    bubble_fraction: float = 0.0
+    p2p_s: float = 0.0
+
+
+@dataclass
 class Plan:
     """A complete parallelization plan with its predicted costs.
 
@@ -63,16 +111,20 @@ class Plan:
         model: the model's name (class name or zoo name).
         graph_hash: fingerprint of the captured graph the plan was made for.
         cluster: the cluster description (gpu, nodes, gpus_per_node, bandwidths).
-        mesh: ordered mesh axes and their sizes, e.g. ``{"dp": 4, "tp": 2}``.
+        mesh: ordered mesh axes and their sizes, e.g. ``{"dp": 4, "tp": 2}``, or
+            ``{"pp": 4, "dp": 2, "tp": 8}`` with pipelining (``pp`` outermost).
         global_batch: samples per optimizer step over all ranks.
         microbatch_size: samples per forward/backward pass on one data-parallel rank.
-        num_microbatches: gradient-accumulation steps per optimizer step.
+        num_microbatches: micro-batches per optimizer step on one data-parallel rank
+            (gradient-accumulation steps, or the pipeline's micro-batches).
         zero: ZeRO stage over ``dp`` (0 = replicated parameters, 3 = fully sharded).
         sequence_parallel: True when norms and pointwise ops run on sequence shards.
         precision: "fp32", "bf16" or "fp16".
         optimizer: "adam", "adamw" or "sgd".
-        params: parameter FQN -> placements per mesh axis.
-        activations: graph node name -> placements of its output per mesh axis.
+        params: parameter FQN -> placements per mesh axis other than ``pp`` (the
+            placement inside its stage; the stage is found from ``pipeline``).
+        activations: graph node name -> placements of its output per mesh axis
+            other than ``pp``.
         modules: module path -> :class:`ModulePlan`.
         blocks: module paths of the repeated layers, in order (the units that the
             lowering wraps with ``fully_shard`` and activation checkpointing).
@@ -84,6 +136,7 @@ class Plan:
         mfu: predicted model FLOPs utilization (model FLOPs / (time x peak x devices)).
         solver: solver statistics (name, status, variables, constraints, time_s, ...).
         notes: human-readable remarks from the planner.
+        pipeline: the pipeline stages and schedule, or None without pipelining.
     """
 
     model: str
@@ -108,6 +161,7 @@ class Plan:
     mfu: float = 0.0
     solver: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelinePlan | None = None
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -122,6 +176,11 @@ class Plan:
         for s in self.mesh.values():
             n *= s
         return n
+
+    @property
+    def stage_mesh(self) -> dict[str, int]:
+        """The mesh of one pipeline stage: every axis but ``pp``."""
+        return {k: v for k, v in self.mesh.items() if k != "pp"}
 
     def degree(self, axis: str) -> int:
         """Size of mesh axis ``axis`` (1 when the mesh has no such axis)."""
@@ -144,10 +203,11 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanFormatError("the plan JSON must be an object with the fields of autopar.Plan")
         version = data.get("version")
-        if version != PLAN_FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PlanFormatError(
-                f"plan format version {version!r} is not supported (this autopar reads version "
-                f"{PLAN_FORMAT_VERSION}); re-run `autopar plan` to write a current plan")
+                f"plan format version {version!r} is not supported (this autopar reads versions "
+                f"{READABLE_VERSIONS[0]} to {PLAN_FORMAT_VERSION}); re-run `autopar plan` to write a "
+                "current plan")
         known = {f.name for f in fields(cls)}
         required = {f.name for f in fields(cls)
                     if f.default is MISSING and f.default_factory is MISSING}
@@ -160,6 +220,12 @@ class Plan:
             raise PlanFormatError(f"the plan has unknown field(s) {', '.join(unknown)}")
         try:
             data["modules"] = {k: ModulePlan(**v) for k, v in data.get("modules", {}).items()}
+            pipe = data.get("pipeline")
+            if pipe is not None:
+                pipe = dict(pipe)
+                pipe["stages"] = [StagePlan(**st) for st in pipe.get("stages", [])]
+                data["pipeline"] = PipelinePlan(**pipe)
+            data["version"] = PLAN_FORMAT_VERSION
             plan = cls(**data)
         except TypeError as e:
             raise PlanFormatError(f"the plan has a malformed field: {e}") from None
@@ -180,13 +246,13 @@ def _check_plan(plan: Plan) -> None:
     if not isinstance(plan.mesh, dict) or not plan.mesh or not all(
             isinstance(v, int) and v >= 1 for v in plan.mesh.values()):
         raise PlanFormatError("the plan's mesh must map axis names to positive integers")
-    naxes = len(plan.mesh)
+    naxes = len(plan.stage_mesh)
     for what, table in (("parameter", plan.params), ("activation", plan.activations)):
         for name, pls in table.items():
             if not isinstance(pls, list) or len(pls) != naxes:
                 raise PlanFormatError(
                     f"{what} {name!r} has placements {pls!r}; expected one per mesh axis "
-                    f"({', '.join(plan.mesh)})")
+                    f"({', '.join(plan.stage_mesh)})")
             for p in pls:
                 check_placement(p)
     for path, mp in plan.modules.items():
@@ -197,3 +263,25 @@ def _check_plan(plan: Plan) -> None:
         raise PlanFormatError(f"zero stage {plan.zero!r} is not one of 0, 1, 2, 3")
     if plan.microbatch_size < 1 or plan.num_microbatches < 1:
         raise PlanFormatError("microbatch_size and num_microbatches must be positive")
+    _check_pipeline(plan)
+
+
+def _check_pipeline(plan: Plan) -> None:
+    """The pipeline section must agree with the mesh's ``pp`` axis."""
+    pp, pipe = plan.degree("pp"), plan.pipeline
+    if pipe is None:
+        if pp > 1:
+            raise PlanFormatError(f"the mesh has pp={pp} but the plan has no pipeline section")
+        return
+    if pipe.schedule not in SCHEDULES:
+        raise PlanFormatError(f"unknown pipeline schedule {pipe.schedule!r}; expected one of "
+                              f"{', '.join(SCHEDULES)}")
+    if pipe.virtual_stages < 1 or len(pipe.stages) != pp * pipe.virtual_stages:
+        raise PlanFormatError(f"the pipeline has {len(pipe.stages)} stages; pp={pp} x "
+                              f"virtual_stages={pipe.virtual_stages} needs "
+                              f"{pp * pipe.virtual_stages}")
+    for k, st in enumerate(pipe.stages):
+        if st.index != k or not 0 <= st.rank < pp or not st.units:
+            raise PlanFormatError(f"pipeline stage {k} is malformed (index {st.index}, rank "
+                                  f"{st.rank}, units {st.units!r}); stages are listed in order, "
+                                  f"each on a rank 0..{pp - 1} with at least one unit")

@@ -85,6 +85,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        with torch.no_grad():  # GPT-2's embedding init (std 0.02); N(0, 1) of a tied
+            self.tok_emb.weight.normal_(0.0, 0.02)  # head would give huge first logits
+            self.pos_emb.weight.normal_(0.0, 0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)

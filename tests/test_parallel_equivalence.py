@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from autopar.launch import run_ranks
+from autopar.launch import run_distributed
 
 TINY = {
     "gpt": dict(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4),
@@ -79,7 +79,7 @@ CASES_4 = [
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_four_ranks_match_single_process(kind):
     ref = reference(kind)
-    results = run_ranks(4, run_many, kind, CASES_4)
+    results = run_distributed(4, run_many, kind, CASES_4, timeout_s=600)[0]
     for case, (losses, info) in zip(CASES_4, results):
         assert losses == pytest.approx(ref, abs=1e-5), (case, info, losses, ref)
     # the forced layouts really were applied
@@ -94,5 +94,6 @@ def test_four_ranks_match_single_process(kind):
 def test_one_and_two_ranks_match_single_process(world):
     ref = reference("gpt")
     cases = [{}, {"dp": 1, "tp": world}, {"dp": world, "tp": 1, "zero": 3 if world > 1 else 0}]
-    for case, (losses, _) in zip(cases, run_ranks(world, run_many, "gpt", cases)):
+    results = run_distributed(world, run_many, "gpt", cases, timeout_s=600)[0]
+    for case, (losses, _) in zip(cases, results):
         assert losses == pytest.approx(ref, abs=1e-5), (case, losses, ref)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from autopar.errors import UnsupportedOpError
 from autopar.graph import Graph, OpNode, TensorMeta
-from autopar.strategies.rules import OpRule, rule_for
+from autopar.strategies.rules import OpRule, constant_rule, rule_for
 
 # Module classes whose forward is a single operator that PyTorch's parallel styles
 # (ColwiseParallel, RowwiseParallel, SequenceParallel) know how to re-lay out.
@@ -35,6 +35,7 @@ class GraphAnalysis:
     param_consumers: dict[str, list[tuple[str, int]]]
     saved_by: dict[tuple[str, int], bool] = field(default_factory=dict)
     multiplicity: dict[str, int] = field(default_factory=dict)
+    constants: set[str] = field(default_factory=set)
 
 
 def _place(labels, label: str | None) -> str:
@@ -58,9 +59,14 @@ def analyze(graph: Graph) -> GraphAnalysis:
     dp_place: dict[str, str] = {}
     batch_label: dict[str, str | None] = {}
     kinds = {n.name: n.kind for n in graph.nodes}
+    constants = constant_ops(graph)
     for n in graph.nodes:
-        if n.kind == "param":
+        if n.kind == "param" or n.name in constants:
             dp_place[n.name] = "*"
+            if n.name in constants:
+                in_metas[n.name] = [graph.node(i).out for i in n.inputs]
+                rules[n.name] = constant_rule(n, in_metas[n.name])
+                batch_label[n.name] = None
         elif n.kind == "input":
             has_batch = n.out is not None and len(n.out.shape) > 0 and \
                 n.out.shape[0] == graph.batch_size
@@ -71,7 +77,8 @@ def analyze(graph: Graph) -> GraphAnalysis:
             rule = rule_for(n, metas)
             rules[n.name] = rule
             label = _propagate(n, rule, [dp_place[i] for i in n.inputs],
-                               [kinds[i] for i in n.inputs], graph)
+                               ["param" if i in constants else kinds[i] for i in n.inputs],
+                               graph)
             batch_label[n.name] = label
             dp_place[n.name] = _out_place(rule, label)
     batch_dim = {k: (int(v[2:-1]) if v.startswith("S(") else None) for k, v in dp_place.items()}
@@ -83,7 +90,32 @@ def analyze(graph: Graph) -> GraphAnalysis:
         c = graph.canonical.get(n.name, n.name)
         mult[c] = mult.get(c, 0) + 1
     return GraphAnalysis(graph, rules, in_metas, batch_label, batch_dim, module_ops, owner,
-                         consumers, saved, mult)
+                         consumers, saved, mult, constants)
+
+
+def constant_ops(graph: Graph) -> set[str]:
+    """Ops computed from shapes and buffers alone: no model input and no trainable
+    parameter upstream, no gradient (position ids, causal masks, RoPE tables).
+
+    Every rank computes them itself from its local inputs' shapes, so they need no
+    sharding rule and no decision: they are replicated on the model-parallel axes, and
+    a dim sized like the batch follows each rank's local batch on the data-parallel axis.
+    """
+    const: set[str] = set()
+    for n in graph.nodes:
+        if n.kind != "op" or n.requires_grad:
+            continue
+        ok = True
+        for i in n.inputs:
+            src = graph.node(i)
+            if src.kind == "param":
+                info = graph.params.get(src.target)
+                ok &= info is not None and not info.trainable
+            else:
+                ok &= i in const
+        if ok:
+            const.add(n.name)
+    return const
 
 
 def _propagate(n: OpNode, rule: OpRule, places: list[str], kinds: list[str],

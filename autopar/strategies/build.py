@@ -141,7 +141,7 @@ class _Builder:
                 per_axis.append([None])
             elif a == self.dp_axis:
                 per_axis.append([self.an.batch_label.get(n.name)])
-            elif rule.kind == "creation" or n.name == self.g.loss:
+            elif rule.kind in ("creation", "constant") or n.name == self.g.loss:
                 per_axis.append([None])  # the loss is computed whole on every tp rank
             else:
                 per_axis.append([None] + labels)
@@ -158,7 +158,8 @@ class _Builder:
                 degree[lab] = degree.get(lab, 1) * size
         if not degree:
             return True
-        tensors = [(labs, self.meta(i)) for labs, i in zip(rule.ins, n.inputs)]
+        tensors = [(labs, self.meta(i)) for labs, i in zip(rule.ins, n.inputs)
+                   if i not in self.an.constants]  # sized by each rank's local shapes
         tensors.append((rule.out, self.meta(n.name)))
         for labs, m in tensors:
             if labs is None or m is None:
@@ -460,9 +461,13 @@ def _edges(b: _Builder, index: dict[str, int], details, names: list[str]) -> lis
         for i, su in enumerate(details[u]):
             for j, sv in enumerate(details[v]):
                 need = sv.ins[pos]
-                if any(su.out[a] != need[a] for a in range(len(need)) if a not in free):
+                # a constant is computed on each rank from its local shapes: it is
+                # whatever the consumer needs on the data-parallel axis
+                fixed = [a for a in range(len(need)) if a not in free
+                         and not (un.name in an.constants and a == b.dp_axis)]
+                if any(su.out[a] != need[a] for a in fixed):
                     continue
-                if su.out == need:
+                if all(su.out[a] == need[a] for a in free + fixed):
                     cost[(i, j)] = 0.0
                 elif module_consumer:
                     c = b.convert_both(su.out, need, sv.grads[pos], nbytes, un.requires_grad)

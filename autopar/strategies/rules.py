@@ -197,6 +197,14 @@ def rule_for(node: OpNode, in_metas: list[TensorMeta | None]) -> OpRule:
         f"(args: {args!r})")
 
 
+def constant_rule(node: OpNode, in_metas: list[TensorMeta | None]) -> OpRule:
+    """The rule of an op computed from shapes and buffers alone (see
+    :func:`autopar.strategies.analysis.constant_ops`): nothing of it is ever split."""
+    fresh = _Fresh()
+    return OpRule(tuple(None for _ in in_metas), tuple(fresh() for _ in range(_dims(node.out))),
+                  kind="constant")
+
+
 def _arg(node: OpNode, i: int, default=None):
     return node.args[i] if len(node.args) > i and node.args[i] is not None else default
 
