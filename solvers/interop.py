@@ -1,0 +1,319 @@
+"""Inter-op pass: split a model's units into pipeline stages.
+
+The units (embeddings, each block, final norm and head) are cut into ``S = pp · v``
+contiguous, non-empty stages. The objective is the schedule's step time, written so
+that it decomposes over stages (Alpa, Zheng et al., OSDI'22 §5.2: enumerate the bound
+``t_max`` on the slowest stage, then optimise the rest under it):
+
+    T(split) = m·v·t_max + (p − 1)/(p·v) · Σ_s g_s + 2·H·p2p_s
+
+* ``t_max = max_s (f_s + b_s)`` — the slowest stage's forward + backward;
+* ``g_s`` — what one stage adds to the fill-and-drain bubble:
+  ``f_s + b_s`` for gpipe, 1f1b and interleaved_1f1b (Narayanan et al., SC'21 §2.2:
+  bubble (p−1)/v chunk-steps); ``f_s + max(0, b_s − 2·w_s)``, i.e. F + max(0, I − W),
+  for the zero-bubble schedules (Qi et al., ICLR 2024 §3: ZB-H1 bubble
+  (p−1)(T_F + T_B − T_W));
+* ``H`` — stage-to-stage hops that cross ranks on one micro-batch's path (``S − 1``
+  for looped schedules, ``2p − 2`` for zbv).
+
+For uniform stages and ``p2p_s = 0`` this equals :func:`~autopar.solvers.schedules.
+simulate` exactly: gpipe and 1f1b for every m, interleaved_1f1b for m ≥ p,
+interleaved_zero_bubble for m ≥ p with m a multiple of p, zbv for m ≥ 2p − 1 with
+F = I = W (the regime torch's ZB-V is built for). The p2p term is exact for gpipe
+and interleaved_1f1b; the other schedules can also wait on transfers in steady state.
+
+Memory per rank (must be ≤ ``memory_budget``) is the safe bound
+
+    M_r = Σ_{stages s on r} (static_s + k_s · activation_s)
+
+with ``k_s`` the most micro-batches stage s holds at once in the schedule's op order
+(1f1b: ``min(m, p − r)``). For v = 1 it equals ``simulate``'s peak; for v > 1 it can
+exceed it, as the stages of a rank need not peak together.
+
+The solver: a split's objective depends on ``t_max`` and Σ g. Σ g is the same for
+every split when each unit's g is additive (always for the non-zero-bubble schedules;
+for zero-bubble ones when every unit has b ≥ 2w), and then the best split is any
+feasible one with the smallest ``t_max``: a binary search over the O(n²) candidate
+stage costs with an O(S·n) reachability check. Otherwise each candidate ``t_max`` in
+increasing order runs a min-Σg search, stopping once ``m·v·t_max`` plus the least
+possible bubble cannot beat the best found.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from autopar.errors import ConfigError, NoFeasiblePlanError
+from autopar.solvers.interop_search import feasible_split, min_g_split
+from autopar.solvers.schedules import (ZERO_BUBBLE, ChunkCost, ScheduleEstimate, rank_orders,
+                                       simulate, stage_ranks, validate)
+
+_REL = 1e-12
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit of the model (e.g. ``"tok_emb"``, ``"blocks.3"``, ``"head"``), per
+    micro-batch: seconds of forward, of the whole backward and of its weight-grad part,
+    activation bytes kept for backward, and static bytes (params, grads, optimizer)."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    backward_weight_s: float = 0.0
+    activation_bytes: float = 0.0
+    static_bytes: float = 0.0
+
+
+@dataclass
+class StageSplit:
+    """A split of the units into pipeline stages.
+
+    Attributes:
+        bounds: ``[start, end)`` unit indices per stage, in pipeline order.
+        estimate: :func:`simulate`'s prediction for the split.
+        objective_s: the split's ``T`` of the module docstring.
+        stats: method, seconds spent, candidates tried, ...
+    """
+
+    bounds: list[tuple[int, int]]
+    estimate: ScheduleEstimate
+    objective_s: float
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Prefix:
+    """Prefix sums of the unit costs; ``x[j] − x[i]`` is the sum over units i..j−1."""
+
+    c: list[float]
+    f: list[float]
+    b: list[float]
+    w: list[float]
+    static: list[float]
+    act: list[float]
+
+    @classmethod
+    def of(cls, units: list[UnitCost]) -> "_Prefix":
+        """Build the prefix sums."""
+        acc = [[0.0] for _ in range(6)]
+        for u in units:
+            vals = (u.forward_s + u.backward_s, u.forward_s, u.backward_s, u.backward_weight_s,
+                    u.static_bytes, u.activation_bytes)
+            for a, x in zip(acc, vals):
+                a.append(a[-1] + x)
+        return cls(*acc)
+
+
+def stage_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> list[int]:
+    """k_s: the most micro-batch activations stage s holds at once in the schedule's
+    op order (held from F to B, or to W on zero-bubble schedules)."""
+    release = "W" if schedule in ZERO_BUBBLE else "B"
+    n = pp * virtual_stages
+    most, now = [0] * n, [0] * n
+    for order in rank_orders(schedule, pp, num_microbatches, virtual_stages):
+        for kind, s, _ in order:
+            if kind == "F":
+                now[s] += 1
+                most[s] = max(most[s], now[s])
+            elif kind == release:
+                now[s] -= 1
+    return most
+
+
+def cross_rank_hops(schedule: str, pp: int, virtual_stages: int) -> int:
+    """H: adjacent stage pairs on different ranks along the pipeline."""
+    ranks = stage_ranks(schedule, pp, virtual_stages)
+    return sum(1 for a, b in zip(ranks, ranks[1:]) if a != b)
+
+
+def _bubble_g(schedule: str, pre: _Prefix, i: int, j: int) -> float:
+    """g of a stage over units [i, j) (module docstring)."""
+    if schedule in ZERO_BUBBLE:
+        return (pre.f[j] - pre.f[i]) + max(0.0, (pre.b[j] - pre.b[i]) - 2 * (pre.w[j] - pre.w[i]))
+    return pre.c[j] - pre.c[i]
+
+
+def _objective(t_max: float, g_sum: float, pp: int, m: int, v: int, hops: int, p2p_s: float) -> float:
+    """T = m·v·t_max + (p−1)/(p·v)·Σg + 2·H·p2p_s."""
+    return m * v * t_max + (pp - 1) / (pp * v) * g_sum + 2 * hops * p2p_s
+
+
+@dataclass
+class _Problem:
+    """Everything both solvers read, computed once per call."""
+
+    schedule: str
+    pre: _Prefix
+    n: int
+    pp: int
+    m: int
+    v: int
+    p2p_s: float
+    budget: float
+    k: list[int]
+    ranks: list[int]
+    hops: int
+    truncated: bool = False
+
+    @property
+    def stages(self) -> int:
+        """S = pp · v."""
+        return self.pp * self.v
+
+    def stage_memory(self, s: int, i: int, j: int) -> float:
+        """static + k_s · activations of stage s over units [i, j)."""
+        return (self.pre.static[j] - self.pre.static[i]) + self.k[s] * (self.pre.act[j] - self.pre.act[i])
+
+    def rank_memory(self, bounds: list[tuple[int, int]]) -> list[float]:
+        """M_r for every rank."""
+        mem = [0.0] * self.pp
+        for s, (i, j) in enumerate(bounds):
+            mem[self.ranks[s]] += self.stage_memory(s, i, j)
+        return mem
+
+    def objective(self, bounds: list[tuple[int, int]]) -> float:
+        """T(split)."""
+        t_max = max(self.pre.c[j] - self.pre.c[i] for i, j in bounds)
+        g_sum = sum(_bubble_g(self.schedule, self.pre, i, j) for i, j in bounds)
+        return _objective(t_max, g_sum, self.pp, self.m, self.v, self.hops, self.p2p_s)
+
+
+def _problem(units: list[UnitCost], pp: int, m: int, schedule: str, v: int, p2p_s: float,
+             budget: float) -> _Problem:
+    """Validate the arguments and precompute the problem."""
+    reason = validate(schedule, pp, m, v)
+    if reason:
+        raise ConfigError(reason)
+    if len(units) < pp * v:
+        raise ConfigError(f"{len(units)} units cannot fill pp={pp} x virtual_stages={v} = "
+                          f"{pp * v} stages; lower pp or virtual_stages")
+    return _Problem(schedule, _Prefix.of(units), len(units), pp, m, v, p2p_s, budget,
+                    stage_in_flight(schedule, pp, m, v), stage_ranks(schedule, pp, v),
+                    cross_rank_hops(schedule, pp, v))
+
+
+def _finish(prob: _Problem, units: list[UnitCost], bounds: list[tuple[int, int]], stats: dict) -> StageSplit:
+    """Attach the simulated estimate to a chosen split."""
+    chunks = []
+    for i, j in bounds:
+        chunks.append(ChunkCost(
+            forward_s=prob.pre.f[j] - prob.pre.f[i], backward_s=prob.pre.b[j] - prob.pre.b[i],
+            backward_weight_s=prob.pre.w[j] - prob.pre.w[i],
+            activation_bytes=prob.pre.act[j] - prob.pre.act[i],
+            static_bytes=prob.pre.static[j] - prob.pre.static[i]))
+    est = simulate(prob.schedule, chunks, prob.pp, prob.m, virtual_stages=prob.v, p2p_s=prob.p2p_s)
+    return StageSplit(bounds, est, prob.objective(bounds), stats)
+
+
+def _no_fit(prob: _Problem) -> NoFeasiblePlanError:
+    """The error for a budget nothing fits, naming the least memory any split needs."""
+    need = _least_memory(prob)
+    return NoFeasiblePlanError(
+        f"no split of {prob.n} units into {prob.stages} pipeline stages ({prob.schedule}, pp="
+        f"{prob.pp}, {prob.m} micro-batches) fits {prob.budget / 2**30:.3f} GiB per device; the "
+        f"best split needs {need / 2**30:.3f} GiB on its fullest rank ({need:.0f} bytes). Use more "
+        f"pipeline stages, fewer micro-batches in flight, recomputation or more devices")
+
+
+def _least_memory(prob: _Problem) -> float:
+    """min over splits of max_r M_r, to a relative 1e-9 (bisection on the budget with
+    the exact feasibility search)."""
+    lo, hi = 0.0, prob.pre.static[-1] + max(prob.k) * prob.pre.act[-1]
+    inf_t = float("inf")
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if feasible_split(prob, inf_t, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-9 * max(1.0, hi):
+            break
+    found = feasible_split(prob, inf_t, hi)
+    return max(prob.rank_memory(found)) if found else hi
+
+
+def _g_is_additive(schedule: str, units: list[UnitCost]) -> bool:
+    """Σ_s g_s is the same for every split (module docstring)."""
+    return schedule not in ZERO_BUBBLE or all(u.backward_s >= 2 * u.backward_weight_s for u in units)
+
+
+def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, schedule: str = "1f1b",
+                 virtual_stages: int = 1, p2p_s: float = 0.0,
+                 memory_budget: float = float("inf")) -> StageSplit:
+    """The split of ``units`` into ``pp · virtual_stages`` contiguous stages with the
+    least ``T`` (module docstring) whose ranks all fit ``memory_budget`` bytes.
+
+    Raises:
+        ConfigError: the schedule cannot run this combination, or too few units.
+        NoFeasiblePlanError: no split fits; the message names the least per-rank
+            memory any split needs.
+    """
+    start = time.perf_counter()
+    prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget)
+    pre, n = prob.pre, prob.n
+    cands = sorted({pre.c[j] - pre.c[i] for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi, checks = 0, len(cands) - 1, 0
+    top = feasible_split(prob, cands[hi], memory_budget)
+    checks += 1
+    if top is None:
+        raise _no_fit(prob)
+    best_bounds = top
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = feasible_split(prob, cands[mid], memory_budget)
+        checks += 1
+        if found is None:
+            lo = mid + 1
+        else:
+            hi, best_bounds = mid, found
+    method = "min t_max (binary search)"
+    if not _g_is_additive(schedule, units):
+        method = "min t_max, then min Σg per t_max"
+        g_floor = pre.f[-1] + max(0.0, (pre.b[-1] - 2 * pre.w[-1]))
+        best_obj = prob.objective(best_bounds)
+        for t in cands[lo:]:
+            if _objective(t, g_floor, pp, num_microbatches, virtual_stages, 0, 0.0) \
+                    + 2 * prob.hops * p2p_s >= best_obj - 1e-12 * best_obj:
+                break
+            checks += 1
+            found = min_g_split(prob, t, memory_budget, lambda i, j: _bubble_g(schedule, pre, i, j))
+            if found is not None and prob.objective(found[1]) < best_obj:
+                best_obj, best_bounds = prob.objective(found[1]), found[1]
+    stats = {"method": method, "candidates": len(cands), "checks": checks,
+             "exact": not prob.truncated, "seconds": time.perf_counter() - start}
+    return _finish(prob, units, best_bounds, stats)
+
+
+def split_stages_exhaustive(units: list[UnitCost], pp: int, num_microbatches: int, *,
+                            schedule: str = "1f1b", virtual_stages: int = 1, p2p_s: float = 0.0,
+                            memory_budget: float = float("inf"),
+                            max_splits: int = 1_000_000) -> StageSplit:
+    """Reference solver for tests: every composition of the units into the stages,
+    scored with the same objective and memory bound as :func:`split_stages`."""
+    start = time.perf_counter()
+    prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget)
+    n, S = prob.n, prob.stages
+    best: tuple[float, list[tuple[int, int]]] | None = None
+    least_mem = float("inf")
+    count = 0
+    for cuts in itertools.combinations(range(1, n), S - 1):
+        count += 1
+        if count > max_splits:
+            raise ConfigError(f"more than {max_splits} splits; use split_stages")
+        edges = (0, *cuts, n)
+        bounds = list(zip(edges, edges[1:]))
+        need = max(prob.rank_memory(bounds))
+        least_mem = min(least_mem, need)
+        if need > memory_budget:
+            continue
+        obj = prob.objective(bounds)
+        if best is None or obj < best[0]:
+            best = (obj, bounds)
+    if best is None:
+        raise NoFeasiblePlanError(f"no split fits {memory_budget:.0f} bytes per device; the best "
+                                  f"split needs {least_mem:.0f} bytes on its fullest rank")
+    stats = {"method": "exhaustive", "splits": count, "seconds": time.perf_counter() - start}
+    return _finish(prob, units, best[1], stats)

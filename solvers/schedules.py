@@ -1,0 +1,361 @@
+"""The time and memory of a pipeline schedule, as plain numbers.
+
+Each schedule of ``torch.distributed.pipelining`` is written out here as the order in
+which every pp rank runs its operations — F (forward), B (whole backward), or, for the
+zero-bubble schedules, I (input-grad backward) and W (weight-grad backward) — for one
+optimizer step of ``m`` micro-batches. :func:`simulate` runs those orders as a
+discrete-event simulation with the pipeline's data dependencies:
+
+* F(s, j) starts after F(s−1, j) ends (+ ``p2p_s`` when stages s−1 and s sit on
+  different ranks);
+* B/I(s, j) starts after B/I(s+1, j) ends (+ ``p2p_s`` across ranks); on the last
+  stage after F(S−1, j);
+* W(s, j) starts after I(s, j) ends;
+* the operations of a rank run one at a time, in the order given.
+
+This mirrors the runtime: torch's ``_PipelineScheduleRuntime`` executes each rank's
+action list in order and blocks on the receive an action needs; the ``None`` padding
+in torch's lists only aligns printed timelines and is dropped here.
+
+Op orders (``p`` ranks, ``v`` chunks per rank, ``m`` micro-batches):
+
+* ``gpipe`` — all F, then all B in micro-batch order (Huang et al., NeurIPS 2019;
+  ``ScheduleGPipe``).
+* ``1f1b`` — ``min(m, p − r)`` warm-up forwards on rank r, then B/F alternation, then
+  the remaining B (PipeDream-Flush, Narayanan et al., ICML 2021; ``Schedule1F1B``).
+* ``interleaved_1f1b`` — looped stages s = r + k·p; micro-batches in rounds of
+  ``m // max(1, m // p)``; ``(v−1)·round + 2(p−1−r)`` warm-up forwards (Narayanan et
+  al., SC'21 §2.2; ``ScheduleInterleaved1F1B``).
+* ``interleaved_zero_bubble`` — the same loop with ``(v−1)·round + (p−1−r)`` warm-up
+  forwards, B split into I and W, W deferred by r steady-state steps (ZB-H1 style,
+  Qi et al., ICLR 2024 §3; ``ScheduleInterleavedZeroBubble``).
+* ``zbv`` — two chunks per rank in a "V" (stage r and 2p−1−r on rank r), the ZB-V
+  order of Qi et al. §6 (``ScheduleZBVZeroBubble``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.errors import ConfigError
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
+
+Op = tuple[str, int, int]
+"""One operation: (kind "F" | "B" | "I" | "W", stage index, micro-batch index)."""
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """One model chunk (stage) per micro-batch: seconds and bytes.
+
+    Attributes:
+        forward_s: forward seconds.
+        backward_s: whole backward seconds (input-grad + weight-grad).
+        backward_weight_s: the weight-grad part of ``backward_s``, which the
+            zero-bubble schedules run as a separate W operation.
+        activation_bytes: bytes saved for backward per in-flight micro-batch.
+        static_bytes: parameters, gradients and optimizer state of the chunk.
+    """
+
+    forward_s: float
+    backward_s: float
+    backward_weight_s: float = 0.0
+    activation_bytes: float = 0.0
+    static_bytes: float = 0.0
+
+
+@dataclass
+class ScheduleEstimate:
+    """What :func:`simulate` predicts for one optimizer step's pipeline.
+
+    Attributes:
+        step_time_s: makespan T — the end of the last operation on any rank.
+        bubble_fraction: idle share of the ranks' time, ``mean_r (1 − busy_r / T)``.
+        bubble_ratio: bubble relative to the ideal time, ``(T − max_r busy_r) /
+            max_r busy_r``; for uniform stages this is the textbook ``(p−1)/m``.
+        peak_memory_bytes: per rank, the static bytes of its chunks plus the largest
+            sum of activation bytes held at once.
+        in_flight: per rank, the most chunk-activations (chunk × micro-batch) held
+            at once. An activation is held from the start of its F to the end of its
+            B — or of its W on the zero-bubble schedules (I frees part of it; W keeps
+            the layer inputs, so counting it whole until W is the safe bound).
+        busy_s: per rank, compute seconds.
+    """
+
+    step_time_s: float
+    bubble_fraction: float
+    bubble_ratio: float
+    peak_memory_bytes: list[float]
+    in_flight: list[int]
+    busy_s: list[float]
+
+
+def validate(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> str | None:
+    """None if torch's schedule accepts the combination, else the reason.
+
+    Rules (torch 2.4 – 2.13 ``torch.distributed.pipelining.schedules``): gpipe and 1f1b
+    run one stage per rank; ``Schedule1F1B`` needs ``m ≥ p``; the interleaved schedules
+    need ``m`` divisible by ``rounds = max(1, m // p)`` (torch ≤ 2.4 asked for
+    ``m % p == 0``, which implies it); ``ScheduleZBVZeroBubble`` needs exactly two
+    stages per rank.
+    """
+    p, m, v = pp, num_microbatches, virtual_stages
+    if schedule not in SCHEDULE_NAMES:
+        return f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULE_NAMES)}"
+    if p < 1 or m < 1 or v < 1:
+        return f"pp={p}, num_microbatches={m} and virtual_stages={v} must all be >= 1"
+    if schedule in ("gpipe", "1f1b") and v != 1:
+        return f"{schedule} runs one stage per rank (virtual_stages=1), not {v}"
+    if schedule == "1f1b" and m < p:
+        return f"1f1b needs num_microbatches >= pp ({m} < {p})"
+    if schedule == "zbv" and v != 2:
+        return f"zbv runs exactly two stages per rank (virtual_stages=2), not {v}"
+    if schedule.startswith("interleaved") and m % max(1, m // p) != 0:
+        rounds = max(1, m // p)
+        return (f"{schedule} needs num_microbatches divisible by max(1, m // pp) = {rounds}; "
+                f"got {m} (try a multiple of pp={p})")
+    return None
+
+
+def stage_ranks(schedule: str, pp: int, virtual_stages: int) -> list[int]:
+    """The pp rank of each of the ``pp · v`` stages: ``s % pp`` for the looped
+    schedules; for ``zbv`` the "V" of Qi et al. §6 — stage s < pp on rank s, stage
+    s ≥ pp on rank 2·pp − 1 − s (torch's ``generate_stage_to_rank_mapping(style="v")``)."""
+    n = pp * virtual_stages
+    if schedule == "zbv":
+        return [s if s < pp else 2 * pp - 1 - s for s in range(n)]
+    return [s % pp for s in range(n)]
+
+
+def _single_stage_ops(schedule: str, rank: int, p: int, m: int) -> list[Op]:
+    """gpipe: F0..F(m−1), B0..B(m−1). 1f1b: min(m, p − r) F, then B,F,B,F…, then B."""
+    if schedule == "gpipe":
+        return [("F", rank, j) for j in range(m)] + [("B", rank, j) for j in range(m)]
+    warm = min(m, p - rank)
+    ops: list[Op] = [("F", rank, j) for j in range(warm)]
+    for j in range(m):
+        ops.append(("B", rank, j))
+        if warm + j < m:
+            ops.append(("F", rank, warm + j))
+    return ops
+
+
+def _looped_ops(rank: int, p: int, v: int, m: int, zero_bubble: bool) -> list[Op]:
+    """Rank ``rank``'s order in torch's ``_get_1f1b_rank_ops`` for the interleaved
+    1F1B (``zero_bubble`` False) and interleaved zero-bubble (True) schedules."""
+    per_round = m // max(1, m // p)
+    warm = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), m * v)
+    total = m * v
+    nxt = {"F": [0] * v, "B": [0] * v, "W": [0] * v}
+    back_kind = "I" if zero_bubble else "B"
+    ops: list[Op] = []
+    back_steps: list[int] = []
+    weights_done = 0
+
+    def take(kind: str, local: int) -> Op:
+        j = nxt[kind][local]
+        nxt[kind][local] += 1
+        return (back_kind if kind == "B" else kind, local * p + rank, j)
+
+    def fwd_local(step: int) -> int:
+        return (step // per_round) % v
+
+    def bwd_local(step: int) -> int:
+        return v - 1 - ((step - warm) // per_round) % v
+
+    for step in range(total + warm):
+        if step < total:
+            if step < warm:
+                ops.append(take("F", fwd_local(step)))
+                continue
+            ops.append(take("F", fwd_local(step)))
+        ops.append(take("B", bwd_local(step)))
+        back_steps.append(step)
+        if zero_bubble and step - warm >= rank:
+            ops.append(take("W", bwd_local(back_steps[weights_done])))
+            weights_done += 1
+    while zero_bubble and weights_done < len(back_steps):
+        ops.append(take("W", bwd_local(back_steps[weights_done])))
+        weights_done += 1
+    return ops
+
+
+def _zbv_ops(rank: int, p: int, m: int) -> list[Op]:
+    """Rank ``rank``'s order in torch's ``ScheduleZBVZeroBubble`` (chunk 0 = stage r,
+    chunk 1 = stage 2p−1−r), planned for max(m, 2p−1) micro-batches and then trimmed
+    to the m that exist, as torch does."""
+    n = max(2 * p - 1, m)
+    s0, s1 = rank, 2 * p - 1 - rank
+    f0 = f1 = b0 = b1 = 0
+    ops: list[Op] = []
+    for _ in range(2 * (p - rank) - 1):
+        ops.append(("F", s0, f0)); f0 += 1
+    for _ in range(rank):
+        ops += [("F", s1, f1), ("F", s0, f0)]; f0 += 1; f1 += 1
+    for _ in range(p - rank):
+        ops += [("F", s1, f1), ("I", s1, b1), ("W", s1, b1)]; f1 += 1; b1 += 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            ops.append(("F", s0, f0)); f0 += 1
+        ops += [("I", s0, b0), ("W", s0, b0), ("F", s1, f1), ("I", s1, b1), ("W", s1, b1)]
+        b0 += 1; f1 += 1; b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        ops += [("I", s0, b0), ("I", s1, b1)]; b0 += 1; b1 += 1
+    for _ in range(p - rank):
+        ops += [("I", s0, b0), ("W", s0, w0)]; b0 += 1; w0 += 1
+    ops += [("W", s1, j) for j in range(w1, b1)] + [("W", s0, j) for j in range(w0, b0)]
+    return [op for op in ops if op[2] < m]
+
+
+def rank_orders(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Op]]:
+    """Every rank's operation order for one step (see the module docstring)."""
+    reason = validate(schedule, pp, num_microbatches, virtual_stages)
+    if reason:
+        raise ConfigError(reason)
+    p, m, v = pp, num_microbatches, virtual_stages
+    if schedule in ("gpipe", "1f1b"):
+        return [_single_stage_ops(schedule, r, p, m) for r in range(p)]
+    if schedule == "zbv":
+        return [_zbv_ops(r, p, m) for r in range(p)]
+    return [_looped_ops(r, p, v, m, schedule == "interleaved_zero_bubble") for r in range(p)]
+
+
+def _duration(op: Op, chunk: ChunkCost) -> float:
+    """Seconds of one operation: F = forward, B = backward, I = backward − weight part,
+    W = weight part."""
+    kind = op[0]
+    if kind == "F":
+        return chunk.forward_s
+    if kind == "B":
+        return chunk.backward_s
+    if kind == "W":
+        return chunk.backward_weight_s
+    return chunk.backward_s - chunk.backward_weight_s
+
+
+def _dependency(op: Op, n_stages: int) -> Op | None:
+    """The operation whose output ``op`` consumes (None for F of stage 0)."""
+    kind, s, j = op
+    if kind == "F":
+        return ("F", s - 1, j) if s > 0 else None
+    if kind == "W":
+        return ("I", s, j)
+    if s == n_stages - 1:
+        return ("F", s, j)
+    return (kind, s + 1, j)
+
+
+def _event_times(orders: list[list[Op]], chunks: list[ChunkCost], ranks: list[int],
+                 p2p_s: float) -> dict[Op, float]:
+    """End time of every operation: each rank runs its next op as soon as the rank is
+    free and the op's input has arrived (dependency end + p2p_s across ranks)."""
+    end: dict[Op, float] = {}
+    pos = [0] * len(orders)
+    free = [0.0] * len(orders)
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                op = order[pos[r]]
+                dep = _dependency(op, len(chunks))
+                ready = 0.0
+                if dep is not None:
+                    if dep not in end:
+                        break
+                    ready = end[dep] + (p2p_s if ranks[dep[1]] != ranks[op[1]] else 0.0)
+                free[r] = max(free[r], ready) + _duration(op, chunks[op[1]])
+                end[op] = free[r]
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise AssertionError("pipeline schedule deadlocks: " +
+                                 ", ".join(str(o[pos[r]]) for r, o in enumerate(orders) if pos[r] < len(o)))
+    return end
+
+
+def _memory(order: list[Op], chunks: list[ChunkCost], zero_bubble: bool) -> tuple[int, float]:
+    """(most chunk-activations held at once, largest activation bytes held at once)
+    along one rank's order: held from F until B (or W on zero-bubble schedules)."""
+    release = "W" if zero_bubble else "B"
+    count = peak_count = 0
+    held = peak_bytes = 0.0
+    for kind, s, _ in order:
+        if kind == "F":
+            count += 1
+            held += chunks[s].activation_bytes
+            peak_count, peak_bytes = max(peak_count, count), max(peak_bytes, held)
+        elif kind == release:
+            count -= 1
+            held -= chunks[s].activation_bytes
+    return peak_count, peak_bytes
+
+
+def simulate(schedule: str, chunks: list[ChunkCost], pp: int, num_microbatches: int, *,
+             virtual_stages: int = 1, p2p_s: float = 0.0) -> ScheduleEstimate:
+    """Event-driven simulation of ``schedule`` over ``pp · virtual_stages`` chunks
+    (``chunks`` in pipeline order), with ``p2p_s`` seconds per activation or gradient
+    hop between stages on different ranks. See :class:`ScheduleEstimate` for what is
+    measured; the dependencies are those in the module docstring."""
+    if len(chunks) != pp * virtual_stages:
+        raise ConfigError(f"{len(chunks)} chunks given; pp={pp} x virtual_stages="
+                          f"{virtual_stages} needs {pp * virtual_stages}")
+    orders = rank_orders(schedule, pp, num_microbatches, virtual_stages)
+    ranks = stage_ranks(schedule, pp, virtual_stages)
+    end = _event_times(orders, chunks, ranks, p2p_s)
+    step = max(end.values())
+    busy = [sum(_duration(op, chunks[op[1]]) for op in order) for order in orders]
+    mem = [_memory(order, chunks, schedule in ZERO_BUBBLE) for order in orders]
+    static = [0.0] * pp
+    for s, c in enumerate(chunks):
+        static[ranks[s]] += c.static_bytes
+    ideal = max(busy)
+    return ScheduleEstimate(
+        step_time_s=step,
+        bubble_fraction=sum(1.0 - b / step for b in busy) / pp if step > 0 else 0.0,
+        bubble_ratio=(step - ideal) / ideal if ideal > 0 else 0.0,
+        peak_memory_bytes=[static[r] + mem[r][1] for r in range(pp)],
+        in_flight=[mem[r][0] for r in range(pp)],
+        busy_s=busy,
+    )
+
+
+def bubble_formula(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1, *,
+                   chunk: ChunkCost | None = None) -> float:
+    """Closed-form bubble ratio (bubble time / ideal time ``m·v·(f+b)``) for uniform
+    chunks and free communication, equal to :func:`simulate`'s ``bubble_ratio``:
+
+    * gpipe, 1f1b: ``(p−1)/m`` (GPipe, Huang et al. 2019 §2.2; Narayanan et al. SC'21 §2.2.1).
+    * interleaved_1f1b: ``((p−1) + (v−1)·max(0, p−m)) / (v·m)`` — Narayanan et al.
+      SC'21 §2.2.2's ``(p−1)/(v·m)`` for m ≥ p; with m < p torch's single round of m
+      micro-batches leaves ``p−m`` more idle chunk-steps per extra chunk.
+    * interleaved_zero_bubble (needs ``chunk``): ``(p−1)·(f + max(0, I−W)) / (v·m·(f+b))``
+      with I = b − W, for m ≥ p a multiple of p — ZB-H1's ``(p−1)(T_F + T_B − T_W)`` of
+      Qi et al., ICLR 2024 §3, floored at the forward fill ``(p−1)·f``.
+    * zbv (needs ``chunk`` with f = I = W): ``(p−1)/(6m)``, for m ≥ 2p−1 — only the
+      (p−1)·f start-up fill of the last rank remains (Qi et al. §6; torch's ZB-V order).
+    """
+    p, m, v = pp, num_microbatches, virtual_stages
+    reason = validate(schedule, p, m, v)
+    if reason:
+        raise ConfigError(reason)
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if schedule == "interleaved_1f1b":
+        return ((p - 1) + (v - 1) * max(0, p - m)) / (v * m)
+    if chunk is None:
+        raise ConfigError(f"the {schedule} bubble depends on the forward, input-grad and "
+                          f"weight-grad times; pass chunk=ChunkCost(...)")
+    f, w = chunk.forward_s, chunk.backward_weight_s
+    i = chunk.backward_s - w
+    if schedule == "interleaved_zero_bubble":
+        if m < p or m % p:
+            raise ConfigError("the interleaved zero-bubble closed form holds for m a multiple of pp")
+        return (p - 1) * (f + max(0.0, i - w)) / (v * m * (f + i + w))
+    if m < 2 * p - 1 or not (abs(f - i) <= 1e-12 * f and abs(f - w) <= 1e-12 * f):
+        raise ConfigError("the zbv closed form holds for F = I = W and m >= 2·pp − 1; use simulate")
+    return (p - 1) / (6 * m)

@@ -1,0 +1,118 @@
+"""Stage splitting: the DP-style solver equals exhaustive enumeration on the same objective."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from autopar.errors import ConfigError, NoFeasiblePlanError
+from autopar.solvers.interop import (UnitCost, split_stages, split_stages_exhaustive,
+                                     stage_in_flight)
+from autopar.solvers.schedules import validate
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 1), ("interleaved_1f1b", 2),
+             ("interleaved_zero_bubble", 1), ("interleaved_zero_bubble", 2), ("zbv", 2)]
+
+
+def _random_units(rng: random.Random, n: int) -> list[UnitCost]:
+    units = []
+    for i in range(n):
+        b = rng.uniform(0.2, 2.0)
+        w = rng.uniform(0.0, 0.7 * b) if rng.random() < 0.5 else rng.uniform(0.0, 0.4 * b)
+        units.append(UnitCost(f"u{i}", rng.uniform(0.1, 1.0), b, w, rng.uniform(0.0, 5.0),
+                              rng.uniform(0.0, 10.0)))
+    return units
+
+
+def _solve(fn, *args, **kw):
+    try:
+        return fn(*args, **kw), None
+    except NoFeasiblePlanError as e:
+        return None, e
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_split_equals_exhaustive(seed):
+    rng = random.Random(seed)
+    checked = 0
+    while checked < 40:
+        schedule, v = rng.choice(SCHEDULES)
+        pp, n = rng.randint(1, 4), rng.randint(3, 9)
+        m = rng.choice([pp, 2 * pp, pp + 1, 4])
+        if pp * v > n or validate(schedule, pp, m, v):
+            continue
+        units = _random_units(rng, n)
+        kw = dict(schedule=schedule, virtual_stages=v, p2p_s=rng.choice([0.0, 0.05]),
+                  memory_budget=rng.choice([float("inf"), rng.uniform(5.0, 60.0)]))
+        got, got_err = _solve(split_stages, units, pp, m, **kw)
+        ref, ref_err = _solve(split_stages_exhaustive, units, pp, m, **kw)
+        assert (got is None) == (ref is None), (schedule, pp, m, kw, got_err, ref_err)
+        if got is not None:
+            assert got.objective_s == pytest.approx(ref.objective_s, rel=1e-9)
+            assert got.stats["exact"]
+            assert len(got.bounds) == pp * v and got.bounds[0][0] == 0 and got.bounds[-1][1] == n
+            assert all(i < j for i, j in got.bounds)
+            if v == 1:
+                assert max(got.estimate.peak_memory_bytes) <= kw["memory_budget"] * (1 + 1e-9)
+        checked += 1
+
+
+def _uniform_objective(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
+    units = [UnitCost(f"blocks.{i}", 1.0, 2.0, 1.0) for i in range(pp * v * 2)]
+    got = split_stages(units, pp, m, schedule=schedule, virtual_stages=v)
+    return got.objective_s, got.estimate.step_time_s
+
+
+@pytest.mark.parametrize("schedule,v,pp,m", [("gpipe", 1, 4, 3), ("1f1b", 1, 4, 8),
+                                             ("interleaved_1f1b", 2, 4, 6),
+                                             ("interleaved_zero_bubble", 2, 3, 6),
+                                             ("zbv", 2, 4, 8)])
+def test_objective_matches_simulation_on_uniform_stages(schedule, v, pp, m):
+    objective, simulated = _uniform_objective(schedule, pp, m, v)
+    assert objective == pytest.approx(simulated, rel=1e-9)
+
+
+def test_infeasible_budget_names_least_memory():
+    units = [UnitCost(f"u{i}", 1.0, 2.0, 0.0, activation_bytes=10.0, static_bytes=100.0)
+             for i in range(6)]
+    # 1F1B, pp=2, m=4: rank 0 holds 2 micro-batches, rank 1 one. Best: 3+3 units ->
+    # rank 0: 300 + 2·30 = 360, rank 1: 300 + 30 = 330. Exhaustive agrees.
+    least = min(max(100 * a + 20 * a, 100 * (6 - a) + 10 * (6 - a)) for a in range(1, 6))
+    assert least == 360
+    with pytest.raises(NoFeasiblePlanError, match=r"\b360 bytes"):
+        split_stages(units, 2, 4, memory_budget=359.0)
+    with pytest.raises(NoFeasiblePlanError, match=r"\b360 bytes"):
+        split_stages_exhaustive(units, 2, 4, memory_budget=359.0)
+    assert split_stages(units, 2, 4, memory_budget=360.0).bounds == [(0, 3), (3, 6)]
+
+
+def test_heavy_embedding_and_head_get_fewer_blocks():
+    units = ([UnitCost("tok_emb", 1.5, 3.0)] + [UnitCost(f"blocks.{i}", 1.0, 2.0) for i in range(14)]
+             + [UnitCost("ln_f", 0.1, 0.2), UnitCost("head", 3.0, 6.0)])
+    got = split_stages(units, 4, 8)
+    sizes = [j - i for i, j in got.bounds]
+    assert sizes[-1] < sizes[1] and sizes[-1] < sizes[2]
+    assert got.objective_s == pytest.approx(split_stages_exhaustive(units, 4, 8).objective_s)
+
+
+def test_in_flight_per_stage_and_errors():
+    assert stage_in_flight("1f1b", 4, 8) == [4, 3, 2, 1]
+    assert stage_in_flight("zbv", 4, 8, 2) == [8, 7, 6, 5, 4, 3, 2, 1]
+    with pytest.raises(ConfigError):
+        split_stages([UnitCost("a", 1, 1)] * 3, 4, 8)
+    with pytest.raises(ConfigError):
+        split_stages([UnitCost("a", 1, 1)] * 8, 4, 8, schedule="zbv", virtual_stages=1)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
+                                        ("interleaved_zero_bubble", 2)])
+def test_large_model_is_fast(schedule, v):
+    units = ([UnitCost("tok_emb", 0.5, 1.0, 0.4, 1e6, 5e8)]
+             + [UnitCost(f"blocks.{i}", 1.0, 2.0, 1.0, 2e6, 1e8) for i in range(126)]
+             + [UnitCost("head", 1.5, 3.0, 1.4, 3e6, 5e8)])
+    start = time.perf_counter()
+    for pp in (8, 64):
+        split_stages(units, pp, 2 * pp, schedule=schedule, virtual_stages=v, memory_budget=2e10)
+    assert time.perf_counter() - start < 2.0
