@@ -8,6 +8,10 @@ with PyTorch's distributed stack, in torchtitan's order:
    per block and on the root, over ``dp``;
 4. materialization (:mod:`~autopar.runtime.materialize`) of a ``meta`` model.
 
+With a pipeline (:func:`lower_pipeline`), the model is first cut into stages
+(:mod:`~autopar.runtime.pipeline`) and steps 2 to 4 run on each of this rank's
+stages only.
+
 Every check runs before anything is changed, and all of them depend only on the
 plan and the model, so every rank raises the same LoweringError.
 """
@@ -17,16 +21,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import PRECISION_DTYPES, apply_data_parallel, check_tied_units
-from autopar.runtime.materialize import check_materializable, is_meta_model, materialize
+from autopar.runtime.materialize import (check_materializable, is_meta_model, materialize,
+                                         materialize_stage)
 from autopar.runtime.mesh import MESH_AXES, PlanMeshes, build_meshes
+from autopar.runtime.pipeline import (LossFn, PipelineRuntime, build_pipeline_schedule,
+                                      check_pipeline, input_names, parallelize_stage,
+                                      split_for_plan, tied_process_groups)
 from autopar.runtime.tensor_parallel import (apply_tensor_parallel, check_module_plan,
                                              style_placements, tied_parameter_groups)
 
-__all__ = ["check_process_group", "check_plan", "default_device", "lower"]
+__all__ = ["check_process_group", "check_plan", "default_device", "lower", "lower_pipeline"]
 
 
 def check_process_group(plan: Plan) -> None:
@@ -61,7 +70,8 @@ def _check_shape(plan: Plan) -> None:
     axes = list(plan.mesh)
     if any(a not in MESH_AXES for a in axes) or axes != [a for a in MESH_AXES if a in axes]:
         raise LoweringError(f"the plan's mesh axes {axes} are not supported; this runtime lowers "
-                            f"meshes with the axes 'dp' (outer) and 'tp' (inner)")
+                            f"meshes with the axes 'pp' (outermost), 'dp' and 'tp' (innermost), "
+                            f"in that order")
     dp = plan.degree("dp")
     if plan.global_batch != plan.microbatch_size * plan.num_microbatches * dp:
         raise LoweringError(f"the plan's global_batch {plan.global_batch} is not microbatch_size "
@@ -81,7 +91,7 @@ def _allowed_dp(plan: Plan) -> set[str]:
 def _check_params(model: nn.Module, plan: Plan, groups: list[list[str]]) -> None:
     """Each parameter's planned placements must be what its module's style (tp) and
     ``plan.zero`` (dp) produce; tied parameters must get one placement."""
-    axes = list(plan.mesh)
+    axes = list(plan.stage_mesh)
     allowed_dp = _allowed_dp(plan)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     unknown = sorted(set(plan.params) - names)
@@ -169,3 +179,39 @@ def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
     if meta:
         materialize(model, device)
     return meshes
+
+
+def lower_pipeline(model: nn.Module, plan: Plan, device: torch.device,
+                   loss_fn: LossFn) -> PipelineRuntime:
+    """Cut ``model`` into the stages of ``plan.pipeline``, lay out this rank's stages
+    (tensor parallelism, FSDP2, materialization of a meta model's own stage only)
+    and build the schedule; see :mod:`autopar.runtime.pipeline`. ``loss_fn(output,
+    targets)`` returns one micro-batch's mean loss."""
+    check_process_group(plan)
+    check_plan(model, plan)
+    check_pipeline(model, plan)
+    assert plan.pipeline is not None
+    meta = is_meta_model(model)
+    if meta:
+        check_materializable(model)
+    graphs, tied = split_for_plan(model, plan)
+    meshes = build_meshes(plan, device.type)
+    assert meshes.pp is not None
+    pp_rank = meshes.pp.get_local_rank()
+    local = [g for g, st in zip(graphs, plan.pipeline.stages) if st.rank == pp_rank]
+    for g in local:
+        if not meta:
+            g.module.to(device)
+        parallelize_stage(g.module, plan, meshes)
+        if meta:
+            materialize_stage(g.module, device)
+    groups = tied_process_groups(plan, tied)
+    stages = [PipelineStage(g.module, g.index, len(graphs), device, group=meshes.pp.get_group())
+              for g in local]
+    runtime = PipelineRuntime(
+        plan=plan, meshes=meshes, modules=[g.module for g in local], stages=stages,
+        schedule=build_pipeline_schedule(plan, stages, loss_fn),
+        input_names=input_names(graphs[0].module.graph), tied=list(zip(tied, groups)),
+        device=device)
+    runtime.sync_tied(grads=False)  # copies start equal (a meta model's are initialized apart)
+    return runtime

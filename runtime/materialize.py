@@ -20,7 +20,7 @@ from torch import nn
 
 from autopar.errors import LoweringError
 
-__all__ = ["is_meta_model", "check_materializable", "materialize"]
+__all__ = ["is_meta_model", "check_materializable", "materialize", "materialize_stage"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -64,3 +64,13 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                 continue  # only tied parameters, already initialized by their first owner
             reset()
             done.update(own)
+
+
+def materialize_stage(stage: nn.Module, device: torch.device) -> None:
+    """Materialize one pipeline stage module of a meta model (see
+    :mod:`autopar.runtime.pipeline_split`): its unit modules as :func:`materialize`
+    does, keeping the constants that tracing stored on the stage itself."""
+    constants = {name: t for name, t in stage.named_buffers(recurse=False) if not t.is_meta}
+    materialize(stage, device)
+    for name, t in constants.items():
+        stage.register_buffer(name, t.to(device))

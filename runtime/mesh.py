@@ -1,7 +1,8 @@
 """The device meshes a plan runs on.
 
-A plan's mesh has the axes ``dp`` (outer) and ``tp`` (inner), ranks row-major, so the
-ranks of one tensor-parallel group are neighbours. Tensor parallelism runs on the
+A plan's mesh has the axes ``pp`` (outermost, only with a pipeline), ``dp`` and ``tp``
+(innermost), ranks row-major, so the ranks of one tensor-parallel group are
+neighbours and each pipeline stage runs on a contiguous block of ranks. Tensor parallelism runs on the
 ``tp`` sub-mesh; data parallelism runs FSDP2 ``fully_shard`` on a ``dp`` sub-mesh of
 the same root mesh (FSDP2 requires the data- and tensor-parallel meshes to share a
 root, as in torchtitan):
@@ -24,7 +25,7 @@ from autopar.plans import Plan
 
 __all__ = ["PlanMeshes", "build_meshes", "MESH_AXES"]
 
-MESH_AXES = ("dp", "tp")
+MESH_AXES = ("pp", "dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -32,23 +33,32 @@ class PlanMeshes:
     """The meshes of one lowered plan.
 
     Attributes:
-        mesh: the plan's 2-D mesh with axes ``("dp", "tp")``.
+        mesh: the plan's mesh with axes ``("dp", "tp")``, or ``("pp", "dp", "tp")``
+            with a pipeline.
         tp: the ``tp`` sub-mesh (tensor and sequence parallelism).
         fsdp: the mesh FSDP2 runs on (see the module docstring); None without
             data parallelism (``dp == 1``).
+        pp: the ``pp`` sub-mesh (pipeline stages), or None without a pipeline.
     """
 
     mesh: DeviceMesh
     tp: DeviceMesh
     fsdp: DeviceMesh | None
+    pp: DeviceMesh | None = None
 
 
 def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
     """Create the plan's meshes with ``init_device_mesh`` (a collective: every rank
     must call it). The caller has checked that the world size matches the plan."""
-    dp, tp = plan.degree("dp"), plan.degree("tp")
+    pp, dp, tp = plan.degree("pp"), plan.degree("dp"), plan.degree("tp")
+    outer: tuple[str, ...] = ("pp", "dp") if pp > 1 else ("dp",)
+    shape = tuple(plan.degree(a) for a in outer)
     if dp > 1 and plan.zero == 0:
-        root = init_device_mesh(device_type, (dp, 1, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
-        return PlanMeshes(mesh=root["dp", "tp"], tp=root["tp"], fsdp=root["dp", "dp_shard"])
-    root = init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_AXES)
-    return PlanMeshes(mesh=root, tp=root["tp"], fsdp=root["dp"] if dp > 1 else None)
+        root = init_device_mesh(device_type, shape + (1, tp),
+                                mesh_dim_names=outer + ("dp_shard", "tp"))
+        fsdp: DeviceMesh | None = root["dp", "dp_shard"]
+    else:
+        root = init_device_mesh(device_type, shape + (tp,), mesh_dim_names=outer + ("tp",))
+        fsdp = root["dp"] if dp > 1 else None
+    return PlanMeshes(mesh=root[outer + ("tp",)], tp=root["tp"], fsdp=fsdp,
+                      pp=root["pp"] if pp > 1 else None)

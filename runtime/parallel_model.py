@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -10,13 +11,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from autopar.capture import default_loss, first_tensor
 from autopar.errors import ConfigError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import PRECISION_DTYPES
-from autopar.runtime.lower import check_process_group, default_device, lower
+from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
+from autopar.runtime.pipeline import PipelineRuntime
+from autopar.runtime.tensor_parallel import reduce_partial_gradients
 
 __all__ = ["ParallelModel", "apply_plan"]
 
@@ -35,40 +37,49 @@ class ParallelModel(nn.Module):
             loss = pm.step(x, y)            # global mean loss, equal on every rank
             opt.step(); opt.zero_grad()
 
+    With a pipeline (``plan.pipeline``), ``module`` is an ``nn.ModuleList`` of this
+    rank's stage modules, so ``parameters()`` are this rank's stages' parameters, and
+    ``step`` runs the plan's pipeline schedule; ``forward`` is not available (a rank
+    holds only part of the model).
+
     Attributes:
-        module: the parallelized model.
+        module: the parallelized model, or this rank's stage modules.
         plan: the plan it was laid out by.
-        mesh: the 2-D device mesh with axes ``("dp", "tp")``.
+        mesh: the device mesh with axes ``("dp", "tp")``, or ``("pp", "dp", "tp")``.
         loss_fn: ``loss_fn(output, targets)``; None means cross-entropy over the last
             dim of the output's logits.
         device: this rank's device.
+        pipeline: the pipeline stages and schedule, or None without pipelining.
     """
 
     def __init__(self, module: nn.Module, plan: Plan, mesh: DeviceMesh, *,
-                 loss_fn: LossFn | None = None, device: torch.device | None = None) -> None:
+                 loss_fn: LossFn | None = None, device: torch.device | None = None,
+                 pipeline: PipelineRuntime | None = None) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
         self.mesh = mesh
         self.loss_fn = loss_fn
         self.device = device or torch.device("cpu")
+        self.pipeline = pipeline
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """torch.autocast for low precision without FSDP2 (which casts by itself)."""
         dtype = PRECISION_DTYPES[self.plan.precision]
-        if dtype == torch.float32 or isinstance(self.module, FSDPModule):
+        if dtype == torch.float32 or any(isinstance(m, FSDPModule) for m in self.module.modules()):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the parallelized module on this rank's local inputs."""
+        if self.pipeline is not None:
+            raise ConfigError("a pipelined model runs only through step(inputs, targets); "
+                              "each rank holds only its own stages")
         with self._autocast():
             return self.module(*inputs, **kwargs)
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        if self.loss_fn is not None:
-            return self.loss_fn(output, targets)
-        return default_loss(first_tensor(output), targets)
+        return _loss(self.loss_fn, output, targets)
 
     def _check_batch(self, xs: Sequence[Any], targets: torch.Tensor) -> None:
         gb = self.plan.global_batch
@@ -101,6 +112,9 @@ class ParallelModel(nn.Module):
         """
         xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         self._check_batch(xs, targets)
+        if self.pipeline is not None:
+            with self._autocast():
+                return self.pipeline.step(xs, targets)
         n, mb, dp = self.plan.num_microbatches, self.plan.microbatch_size, self.plan.degree("dp")
         start = self.mesh.get_local_rank("dp") * n * mb
         fsdp = isinstance(self.module, FSDPModule)
@@ -114,20 +128,12 @@ class ParallelModel(nn.Module):
             loss.backward()
             total += loss.detach().float()
         if not fsdp:
-            self._reduce_partial_gradients()
+            reduce_partial_gradients(self.module)
         if dp > 1:
             dist.all_reduce(total, group=self.mesh.get_group("dp"))
             total /= dp
         return total
 
-    def _reduce_partial_gradients(self) -> None:
-        """A replicated tp parameter used on split activations (sequence parallelism)
-        gets a partial-sum gradient; redistribute it to the parameter's placement once
-        per step (FSDP2 does this itself when data parallelism is on)."""
-        for p in self.module.parameters():
-            g = p.grad
-            if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
-                p.grad = g.redistribute(placements=p.placements)
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
@@ -149,5 +155,16 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_process_group(plan)
     dev = torch.device(device) if device is not None else default_device()
+    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+        runtime = lower_pipeline(model, plan, dev, functools.partial(_loss, loss_fn))
+        return ParallelModel(nn.ModuleList(runtime.modules), plan, runtime.meshes.mesh,
+                             loss_fn=loss_fn, device=dev, pipeline=runtime)
     meshes = lower(model, plan, dev)
     return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev)
+
+
+def _loss(loss_fn: LossFn | None, output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """``loss_fn(output, targets)``, or cross-entropy over the output's logits."""
+    if loss_fn is not None:
+        return loss_fn(output, targets)
+    return default_loss(first_tensor(output), targets)

@@ -45,7 +45,8 @@ from autopar.plans import ModulePlan, Plan
 from autopar.sharding import parse_placement
 
 __all__ = ["ReplicateParallel", "PrepareFirstInput", "style_placements", "module_styles",
-           "check_module_plan", "tied_parameter_groups", "apply_tensor_parallel"]
+           "check_module_plan", "tied_parameter_groups", "apply_tensor_parallel",
+           "reduce_partial_gradients"]
 
 _SHARDED = MappingProxyType({  # (module kind, style) -> tp placement of the split parameters
     ("Linear", "colwise"): {"weight": "S(0)", "bias": "S(0)"},
@@ -295,3 +296,13 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> 
         for style in module_styles(plan.modules[path], module):
             parallelize_module(module, tp_mesh, style)
     _retie(model, groups)
+
+
+def reduce_partial_gradients(module: nn.Module) -> None:
+    """A replicated tp parameter used on split activations (sequence parallelism)
+    gets a partial-sum gradient; redistribute it to the parameter's placement once
+    per step (FSDP2 does this itself when data parallelism is on)."""
+    for p in module.parameters():
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(placements=p.placements)

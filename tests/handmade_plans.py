@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autopar.plans import ModulePlan, Plan
+from autopar.plans import ModulePlan, PipelinePlan, Plan, StagePlan
 
 COLWISE = {"q", "k", "v", "fc1", "wq", "wk", "wv", "w1", "w3"}
 ROWWISE = {"proj", "fc2", "wo", "w2"}
@@ -115,3 +115,57 @@ def megatron_plan(model: nn.Module, *, dp: int = 1, tp: int = 1, zero: int = 0,
                 num_microbatches=num_microbatches, zero=zero,
                 sequence_parallel=sequence_parallel, precision=precision, optimizer="sgd",
                 params=params, modules=modules, blocks=block_paths(model))
+
+
+def unit_paths(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
+    """The pipeline units of a model whose top-level children run in the order they
+    are registered: the children before its ModuleList of blocks, each block, the
+    children after it."""
+    before: list[str] = []
+    blocks: list[str] = []
+    after: list[str] = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            blocks += [f"{name}.{i}" for i in range(len(child))]
+        else:
+            (after if blocks else before).append(name)
+    return before, blocks, after
+
+
+def pipeline_stages(model: nn.Module, pp: int, schedule: str,
+                    virtual_stages: int) -> list[StagePlan]:
+    """Stages over the model's units: the blocks split evenly (earlier stages take
+    the extra ones), the units before them on the first stage, after them on the
+    last; ranks as the schedule places them."""
+    before, blocks, after = unit_paths(model)
+    n = pp * virtual_stages
+    if len(blocks) < n:
+        raise ValueError(f"{len(blocks)} blocks cannot fill {n} stages")
+    sizes = [len(blocks) // n + (i < len(blocks) % n) for i in range(n)]
+    stages, start = [], 0
+    for i, size in enumerate(sizes):
+        units = (before if i == 0 else []) + blocks[start:start + size] + \
+            (after if i == n - 1 else [])
+        rank = (i if i < pp else n - 1 - i) if schedule == "zbv" else i % pp
+        stages.append(StagePlan(index=i, rank=rank, units=units))
+        start += size
+    return stages
+
+
+def pipeline_plan(model: nn.Module, *, pp: int, dp: int = 1, tp: int = 1,
+                  schedule: str = "1f1b", virtual_stages: int | None = None,
+                  num_microbatches: int | None = None, global_batch: int = 8,
+                  **megatron: object) -> Plan:
+    """A hand-written pipelined plan on a ``{"pp": pp, "dp": dp, "tp": tp}`` mesh:
+    :func:`megatron_plan`'s layout inside each stage (``megatron`` passes zero,
+    sequence_parallel, vocab_parallel, precision on), :func:`pipeline_stages`
+    across them. ``virtual_stages`` defaults to 2 for the interleaved schedules and
+    zbv, else 1; ``num_microbatches`` to the number of stages."""
+    v = virtual_stages or (2 if schedule.startswith("interleaved") or schedule == "zbv" else 1)
+    n = num_microbatches or pp * v
+    plan = megatron_plan(model, dp=dp, tp=tp, global_batch=global_batch, num_microbatches=n,
+                         **megatron)  # type: ignore[arg-type]
+    plan.mesh = {"pp": pp, "dp": dp, "tp": tp}
+    plan.pipeline = PipelinePlan(schedule=schedule, virtual_stages=v,
+                                 stages=pipeline_stages(model, pp, schedule, v))
+    return plan

@@ -1,0 +1,331 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``, combined with tensor
+parallelism and FSDP2 inside each stage, on the 3-D mesh ``("pp", "dp", "tp")``.
+
+In torchtitan's order (``pipeline_llm`` / ``apply_pp``):
+
+1. :func:`check_pipeline` checks the plan's pipeline against the model and the
+   schedule's rules, before anything changes;
+2. :func:`~autopar.runtime.pipeline_split.split_stages` cuts the unmodified model
+   into one ``GraphModule`` per stage that calls the model's own unit modules under
+   their original paths;
+3. :func:`untie_across_stages` gives each stage its own copy of a parameter that
+   several stages use (GPT's token embedding tied to its output head);
+4. for each of this rank's stages: tensor parallelism (the plan's module styles on
+   the ``tp`` mesh), FSDP2 over ``dp`` per block and on the stage, materialization
+   of a ``meta`` model's own stage only;
+5. :func:`build_pipeline_schedule` wraps the stages in ``PipelineStage`` and the
+   plan's schedule.
+
+Tied parameters across stages follow Megatron-LM's shared embedding: every stage
+keeps one copy, the copies start equal (broadcast from the first owning stage), and
+after each step's backward :meth:`PipelineRuntime.step` sums the copies' gradients
+over the owning pp ranks (and the owning stages of one rank) and gives every copy
+the sum, so the copies stay equal and training equals a single-process run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
+from torch.distributed.tensor import DTensor
+
+from autopar.errors import LoweringError
+from autopar.plans import Plan
+from autopar.runtime.data_parallel import apply_data_parallel
+from autopar.runtime.mesh import PlanMeshes
+from autopar.runtime.pipeline_split import StageGraph, split_stages
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
+
+__all__ = ["SCHEDULE_CLASSES", "TiedCopies", "PipelineRuntime", "check_pipeline",
+           "stage_ranks", "untie_across_stages", "stage_plan", "build_pipeline_schedule",
+           "tied_process_groups", "parallelize_stage", "input_names", "split_for_plan"]
+
+SCHEDULE_CLASSES = MappingProxyType({
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+})
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def stage_ranks(schedule: str, pp: int, virtual_stages: int) -> list[int]:
+    """The pp rank of each stage: ``i % pp`` (looped), or "V"-shaped for ``zbv``
+    (stages i and 2·pp − 1 − i on rank i)."""
+    n = pp * virtual_stages
+    if schedule == "zbv":
+        return [i if i < pp else n - 1 - i for i in range(n)]
+    return [i % pp for i in range(n)]
+
+
+def _check_microbatches(plan: Plan) -> None:
+    """The micro-batch count each schedule of torch.distributed.pipelining accepts."""
+    pipe, n, pp = plan.pipeline, plan.num_microbatches, plan.degree("pp")
+    assert pipe is not None
+    stages = len(pipe.stages)
+    if pipe.schedule in ("1f1b", "zbv") and n < stages:
+        raise LoweringError(f"the '{pipe.schedule}' schedule needs at least as many "
+                            f"micro-batches as stages ({stages}), but the plan has "
+                            f"num_microbatches={n}; use {stages} or more micro-batches")
+    if pipe.schedule.startswith("interleaved") and n % max(1, n // pp):
+        raise LoweringError(f"the '{pipe.schedule}' schedule runs micro-batches in rounds of "
+                            f"pp={pp}, so num_microbatches={n} must be a multiple of "
+                            f"{max(1, n // pp)}; use a multiple of {pp} micro-batches")
+
+
+def check_pipeline(model: nn.Module, plan: Plan) -> None:
+    """Check ``plan.pipeline`` against the model and the schedule (stage count,
+    placement of stages on ranks, units, micro-batches); raises LoweringError."""
+    pipe, pp = plan.pipeline, plan.degree("pp")
+    if pipe is None:
+        raise LoweringError(f"the mesh has pp={pp} but the plan has no pipeline section; "
+                            "re-plan with a pipeline")
+    if list(plan.mesh)[0] != "pp":
+        raise LoweringError(f"the plan's mesh {plan.mesh} must have 'pp' as its outermost axis")
+    v = pipe.virtual_stages
+    if pipe.schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        raise LoweringError(f"the '{pipe.schedule}' schedule runs one stage per rank, but the "
+                            f"plan has virtual_stages={v}; use 'interleaved_1f1b' for "
+                            "several stages per rank")
+    if pipe.schedule == "zbv" and v != 2:
+        raise LoweringError(f"the 'zbv' schedule runs exactly 2 stages per rank, but the plan "
+                            f"has virtual_stages={v}; use virtual_stages=2")
+    want = stage_ranks(pipe.schedule, pp, v)
+    got = [st.rank for st in pipe.stages]
+    if got != want:
+        raise LoweringError(f"the '{pipe.schedule}' schedule places stages on pp ranks {want}, "
+                            f"but the plan places them on {got}; fix the stages' ranks")
+    for st in pipe.stages:
+        for unit in st.units:
+            try:
+                model.get_submodule(unit)
+            except AttributeError:
+                raise LoweringError(
+                    f"pipeline stage {st.index} names unit '{unit}', which the model does not "
+                    f"have; was the plan made for another model (plan.model = "
+                    f"'{plan.model}')? Re-plan for this model") from None
+    _check_microbatches(plan)
+
+
+@dataclass
+class TiedCopies:
+    """One parameter that several stages use: each stage holds its own copy.
+
+    Attributes:
+        names: (stage index, parameter name in the stage module) of every copy, the
+            first owner first.
+        ranks: the pp ranks that hold a copy, ascending.
+    """
+
+    names: list[tuple[int, str]]
+    ranks: list[int]
+
+
+def untie_across_stages(stages: list[StageGraph], ranks: list[int]) -> list[TiedCopies]:
+    """Give every stage but the first owner its own copy of each parameter that
+    several stages use; return the groups of copies (the same list on every rank).
+
+    A module with parameters may not be called by several stages (its styles and
+    FSDP wrapping would be applied twice); only parameters may be shared."""
+    owners: dict[int, list[tuple[int, str]]] = {}
+    module_stage: dict[int, int] = {}
+    for st in stages:
+        for path, m in st.module.named_modules():
+            if any(True for _ in m.parameters(recurse=False)) and path:
+                first = module_stage.setdefault(id(m), st.index)
+                if first != st.index:
+                    raise LoweringError(f"module '{path}' is called by pipeline stages {first} "
+                                        f"and {st.index}; a module with parameters must run on "
+                                        "one stage (put the units that call it on one stage)")
+        for name, p in st.module.named_parameters(remove_duplicate=False):
+            names = owners.setdefault(id(p), [])
+            if not names or names[-1][0] != st.index:
+                names.append((st.index, name))
+    groups = [TiedCopies(names, sorted({ranks[i] for i, _ in names}))
+              for names in owners.values() if len(names) > 1]
+    for st in stages:  # every stage but the first owner gets one copy of each
+        later = {id(st.module.get_parameter(n)) for g in groups for i, n in g.names[1:]
+                 if i == st.index}
+        copies: dict[int, nn.Parameter] = {}
+        for m in st.module.modules():
+            for local, p in list(m._parameters.items()):
+                if p is not None and id(p) in later:
+                    if id(p) not in copies:
+                        copies[id(p)] = nn.Parameter(p.detach().clone(),
+                                                     requires_grad=p.requires_grad)
+                    m._parameters[local] = copies[id(p)]
+    return groups
+
+
+def stage_plan(plan: Plan, module: fx.GraphModule) -> Plan:
+    """The plan restricted to the modules and blocks one stage module contains."""
+    def has(path: str) -> bool:
+        try:
+            module.get_submodule(path)
+        except AttributeError:
+            return False
+        return True
+    return dataclasses.replace(
+        plan, modules={p: mp for p, mp in plan.modules.items() if has(p)},
+        blocks=[b for b in plan.blocks if has(b)])
+
+
+def build_pipeline_schedule(plan: Plan, stages: list[PipelineStage],
+                            loss_fn: LossFn) -> Any:
+    """The plan's schedule over this rank's stages, with ``plan.num_microbatches``
+    micro-batches. ``loss_fn`` returns one micro-batch's mean loss; the schedule
+    divides the gradients by the micro-batch count (``scale_grads``), so they are
+    those of the mean over the rank's micro-batches."""
+    assert plan.pipeline is not None
+    cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
+    stage_arg: Any = stages[0] if plan.pipeline.schedule in SINGLE_STAGE_SCHEDULES else stages
+    return cls(stage_arg, n_microbatches=plan.num_microbatches, loss_fn=loss_fn,
+               scale_grads=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A (distributed) tensor's local storage, for in-place collectives."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class PipelineRuntime:
+    """This rank's share of a pipelined plan: its stage modules, the schedule and
+    the groups of tied copies.
+
+    Attributes:
+        plan: the plan.
+        meshes: the meshes (``meshes.pp`` is the pipeline's).
+        modules: this rank's stage modules, in stage order.
+        stages: their ``PipelineStage`` s.
+        schedule: the ``torch.distributed.pipelining`` schedule.
+        input_names: names of the model's inputs, in order.
+        tied: the groups of tied copies, with this rank's process group of each (or
+            None where this rank holds no copy or the copies are all local).
+        device: this rank's device.
+    """
+
+    plan: Plan
+    meshes: PlanMeshes
+    modules: list[fx.GraphModule]
+    stages: list[PipelineStage]
+    schedule: Any
+    input_names: list[str]
+    tied: list[tuple[TiedCopies, dist.ProcessGroup | None]]
+    device: torch.device
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (which computes the losses)."""
+        return any(s.is_last for s in self.stages)
+
+    def _copies(self, group: TiedCopies) -> list[torch.Tensor]:
+        own = {st.stage_index: m for st, m in zip(self.stages, self.modules)}
+        return [own[i].get_parameter(n) for i, n in group.names if i in own]
+
+    def sync_tied(self, grads: bool) -> None:
+        """Sum the gradients of each tied parameter's copies (``grads``) or copy the
+        first owner's values to every copy (not ``grads``), over stages and pp ranks."""
+        with torch.no_grad():
+            for group, pg in self.tied:
+                params = self._copies(group)
+                if not params:
+                    continue
+                if grads:
+                    total = _local(params[0].grad).clone()
+                    for p in params[1:]:
+                        total += _local(p.grad)
+                    if pg is not None:
+                        dist.all_reduce(total, group=pg)
+                    for p in params:
+                        _local(p.grad).copy_(total)
+                else:
+                    value = _local(params[0]).clone()
+                    if pg is not None:
+                        dist.broadcast(value, src=self._global_rank(group.ranks[0]), group=pg)
+                    for p in params:
+                        _local(p).copy_(value)
+
+    def _global_rank(self, pp_rank: int) -> int:
+        inner = self.plan.world_size // self.plan.degree("pp")
+        return pp_rank * inner + dist.get_rank() % inner
+
+    def step(self, xs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
+        """Run the schedule on this rank's data-parallel slice of the global batch;
+        return the global mean loss (on every rank)."""
+        plan = self.plan
+        n, mb, dp = plan.num_microbatches, plan.microbatch_size, plan.degree("dp")
+        start = self.meshes.mesh.get_local_rank("dp") * n * mb
+        part = slice(start, start + n * mb)
+        kwargs = {name: x[part].to(self.device) for name, x in zip(self.input_names, xs)}
+        losses: list[torch.Tensor] = []
+        self.schedule.step(target=targets[part].to(self.device), losses=losses, **kwargs)
+        for m in self.modules:
+            if not isinstance(m, FSDPModule):
+                reduce_partial_gradients(m)
+        self.sync_tied(grads=True)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last:
+            total += torch.stack([loss.detach().float() for loss in losses]).mean()
+        assert self.meshes.pp is not None
+        dist.all_reduce(total, group=self.meshes.pp.get_group())
+        if dp > 1:
+            dist.all_reduce(total, group=self.meshes.mesh.get_group("dp"))
+            total /= dp
+        return total
+
+
+def tied_process_groups(plan: Plan, tied: list[TiedCopies]) -> list[dist.ProcessGroup | None]:
+    """For each group of tied copies held on several pp ranks, the process group of
+    this rank's copies: the owning pp ranks at this rank's (dp, tp) coordinate. Every
+    rank creates every group, in the same order (``new_group`` is collective)."""
+    inner = plan.world_size // plan.degree("pp")
+    me = dist.get_rank()
+    out: list[dist.ProcessGroup | None] = []
+    for group in tied:
+        mine = None
+        if len(group.ranks) > 1:
+            for c in range(inner):
+                ranks = [r * inner + c for r in group.ranks]
+                pg = dist.new_group(ranks)
+                if me in ranks:
+                    mine = pg
+        out.append(mine)
+    return out
+
+
+def parallelize_stage(module: fx.GraphModule, plan: Plan, meshes: PlanMeshes) -> None:
+    """Tensor parallelism and FSDP2 on one stage module (by the model's own paths)."""
+    sub = stage_plan(plan, module)
+    if plan.degree("tp") > 1:
+        apply_tensor_parallel(module, sub, meshes.tp)
+    if meshes.fsdp is not None:
+        apply_data_parallel(module, sub, meshes.fsdp)
+
+
+def input_names(graph: fx.Graph) -> list[str]:
+    """The traced model's input names, in order."""
+    return [str(n.target) for n in graph.nodes if n.op == "placeholder"]
+
+
+def split_for_plan(model: nn.Module, plan: Plan) -> tuple[list[StageGraph], list[TiedCopies]]:
+    """Cut ``model`` into the plan's stages and untie parameters shared by stages."""
+    assert plan.pipeline is not None
+    stages = split_stages(model, [st.units for st in plan.pipeline.stages])
+    tied = untie_across_stages(stages, [st.rank for st in plan.pipeline.stages])
+    return stages, tied
+
