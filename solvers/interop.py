@@ -36,7 +36,10 @@ for zero-bubble ones when every unit has b ≥ 2w), and then the best split is a
 feasible one with the smallest ``t_max``: a binary search over the O(n²) candidate
 stage costs with an O(S·n) reachability check. Otherwise each candidate ``t_max`` in
 increasing order runs a min-Σg search, stopping once ``m·v·t_max`` plus the least
-possible bubble cannot beat the best found.
+possible bubble cannot beat the best found. When a rank holds several stages
+(v > 1) under a finite budget, the ranks' shared budgets make the check a bounded
+depth-first search (:mod:`autopar.solvers.interop_search`); past its node limit the
+answer stays within budget but may not be optimal, and ``stats["exact"]`` says so.
 """
 
 from __future__ import annotations
@@ -211,10 +214,11 @@ def _finish(prob: _Problem, units: list[UnitCost], bounds: list[tuple[int, int]]
 def _no_fit(prob: _Problem) -> NoFeasiblePlanError:
     """The error for a budget nothing fits, naming the least memory any split needs."""
     need = _least_memory(prob)
+    note = " (search truncated: an upper estimate)" if prob.truncated else ""
     return NoFeasiblePlanError(
         f"no split of {prob.n} units into {prob.stages} pipeline stages ({prob.schedule}, pp="
         f"{prob.pp}, {prob.m} micro-batches) fits {prob.budget / 2**30:.3f} GiB per device; the "
-        f"best split needs {need / 2**30:.3f} GiB on its fullest rank ({need:.0f} bytes). Use more "
+        f"best split needs {need / 2**30:.3f} GiB on its fullest rank ({need:.0f} bytes){note}. Use more "
         f"pipeline stages, fewer micro-batches in flight, recomputation or more devices")
 
 
@@ -223,7 +227,7 @@ def _least_memory(prob: _Problem) -> float:
     the exact feasibility search)."""
     lo, hi = 0.0, prob.pre.static[-1] + max(prob.k) * prob.pre.act[-1]
     inf_t = float("inf")
-    for _ in range(100):
+    for _ in range(60):
         mid = (lo + hi) / 2
         if feasible_split(prob, inf_t, mid) is None:
             lo = mid

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from autopar.solvers.interop import _Problem
 
 Bounds = list[tuple[int, int]]
-_NODE_LIMIT = 2_000_000
+_NODE_LIMIT = 20_000
 
 
 def _ends(prob: "_Problem", t: float, budget: float) -> list[list[int]]:
@@ -116,14 +116,23 @@ def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Boun
     """Depth-first search over allowed stage ends, tracking each rank's memory; with
     ``sum_g = (g, best)`` it is a branch and bound on Σ g (``best`` — the DP without the
     shared-budget constraint — is the admissible bound), else it stops at the first
-    feasible split. Gives up (returns None and flags ``prob.truncated``) after
-    ``_NODE_LIMIT`` nodes."""
-    S, n = prob.stages, prob.n
+    feasible split. Prunes a state when the units left need more memory than the
+    ranks still to receive a stage have free (Σ static + min k · Σ act of the rest),
+    and remembers states (stage, start, those ranks' memory) that failed. Gives up
+    (returns None and sets ``prob.truncated``) after ``_NODE_LIMIT`` nodes."""
+    S, n, pre = prob.stages, prob.n, prob.pre
     tol = 1e-12 * max(1.0, budget)
+    pending = [sorted(set(prob.ranks[s:])) for s in range(S + 1)]
+    k_min = [min(prob.k[s:], default=0) for s in range(S + 1)]
     mem = [0.0] * prob.pp
     path: Bounds = []
     result: list = [float("inf"), None]
+    failed: set = set()
     nodes = [0]
+
+    def hopeless(s: int, i: int) -> bool:
+        need = (pre.static[n] - pre.static[i]) + k_min[s] * (pre.act[n] - pre.act[i])
+        return need > sum(budget - mem[r] for r in pending[s]) + tol * prob.pp
 
     def visit(s: int, i: int, acc: float) -> bool:
         nodes[0] += 1
@@ -134,6 +143,9 @@ def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Boun
             if i == n and acc < result[0]:
                 result[0], result[1] = acc, list(path)
             return sum_g is None
+        key = (s, i, tuple(mem[r] for r in pending[s])) if sum_g is None else None
+        if key in failed or hopeless(s, i):
+            return False
         r = prob.ranks[s]
         for j in range(i + 1, ends[s][i] + 1):
             if not fin[s + 1][j]:
@@ -153,6 +165,8 @@ def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Boun
             mem[r] -= add
             if stop:
                 return True
+        if key is not None:
+            failed.add(key)
         return False
 
     visit(0, 0, 0.0)
