@@ -59,6 +59,7 @@ SCHEDULE_CLASSES = MappingProxyType({
     "zbv": ScheduleZBVZeroBubble,
 })
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv")
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -309,8 +310,16 @@ def tied_process_groups(plan: Plan, tied: list[TiedCopies]) -> list[dist.Process
 
 
 def parallelize_stage(module: fx.GraphModule, plan: Plan, meshes: PlanMeshes) -> None:
-    """Tensor parallelism and FSDP2 on one stage module (by the model's own paths)."""
+    """Tensor parallelism and FSDP2 on one stage module (by the model's own paths).
+
+    Under the zero-bubble schedules, which run a micro-batch's weight gradients
+    after its input gradients, ZeRO-3 keeps each block's parameters gathered from
+    forward to backward (as ZeRO-2 does): with FSDP2 resharding after forward, the
+    split backward gave wrong weight gradients (torch 2.13)."""
     sub = stage_plan(plan, module)
+    assert plan.pipeline is not None
+    if plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+        sub = dataclasses.replace(sub, zero=min(sub.zero, 2))
     if plan.degree("tp") > 1:
         apply_tensor_parallel(module, sub, meshes.tp)
     if meshes.fsdp is not None:

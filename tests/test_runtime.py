@@ -21,7 +21,7 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
 from autopar.plans import Plan
-from autopar.runtime import apply_plan, check_plan
+from autopar.runtime import ParallelModel, apply_plan, check_plan
 from tests.dist_utils import run_distributed
 from tests.handmade_plans import megatron_plan
 
@@ -71,10 +71,10 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 128, (BATCH, SEQ), generator=g))
 
 
-@functools.lru_cache(maxsize=None)
-def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and final parameters of the single-process run."""
-    model = make_model(kind)
+def single_process_run(model: torch.nn.Module, *, aliases: bool = False
+                       ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final parameters (with every alias of a tied one when ``aliases``)
+    of training ``model`` in one process on the global batch."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = global_batch()
     losses = []
@@ -84,7 +84,26 @@ def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().clone()
+                    for n, p in model.named_parameters(remove_duplicate=not aliases)}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final parameters of the single-process run."""
+    return single_process_run(make_model(kind))
+
+
+def train_steps(pm: ParallelModel, steps: int = STEPS) -> list[float]:
+    """Train ``pm`` with SGD on the global batch; return the losses of its steps."""
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    x, y = global_batch()
+    losses = []
+    for _ in range(steps):
+        losses.append(pm.step(x, y).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
@@ -97,13 +116,7 @@ def train(kind: str, plan_kwargs: dict) -> dict:
     parameters too."""
     model = make_model(kind)
     pm = apply_plan(model, megatron_plan(model, global_batch=BATCH, **plan_kwargs))
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
-    x, y = global_batch()
-    losses = []
-    for _ in range(STEPS):
-        losses.append(pm.step(x, y).item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(pm)
     layout = {"ffn_in_local_numel": pm.module.get_parameter(FFN_IN[kind]).to_local().numel()
               if isinstance(pm.module.get_parameter(FFN_IN[kind]), DTensor) else None,
               "tied": kind == "gpt" and pm.module.head.weight is pm.module.tok_emb.weight}
@@ -124,13 +137,7 @@ def train_meta() -> dict:
         split = math.prod(size for size, pl in zip(plan.mesh.values(), plan.params[n])
                           if pl.startswith("S("))
         sizes[n] = (p.to_local().numel(), p.numel() // split, p.device.type)
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
-    x, y = global_batch()
-    losses = []
-    for _ in range(5):
-        losses.append(pm.step(x, y).item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(pm, 5)
     return {"sizes": sizes, "losses": losses}
 
 
