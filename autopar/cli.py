@@ -49,6 +49,10 @@ def _build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a small GPT on local CPU processes under its plan")
     d.add_argument("--ranks", type=int, default=4)
     d.add_argument("--steps", type=int, default=3)
+    from autopar.cost_models.profiler import build_parser as profile_parser
+
+    profile_parser(sub.add_parser("profile", help="measure this machine's GPU (or CPU) "
+                                  "and write a profile JSON"))
     return ap
 
 
@@ -102,10 +106,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """``autopar profile``: measure GEMMs, attention, memory-bound ops, launch overhead
+    (and collectives under torchrun) and write a profile JSON."""
+    from autopar.cost_models.profiler import main as profile_main
+
+    return profile_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``autopar`` console script."""
     args = _build_parser().parse_args(argv)
-    handler = {"plan": cmd_plan, "models": cmd_models, "demo": cmd_demo}[args.command]
+    handler = {"plan": cmd_plan, "models": cmd_models, "demo": cmd_demo,
+               "profile": cmd_profile}[args.command]
     try:
         return handler(args)
     except AutoparError as e:
