@@ -1,0 +1,282 @@
+"""``autopar profile``: measure this machine's GPU (or CPU) and write a profile JSON.
+
+    autopar profile [--quick] [--out FILE] [--resume] [--time-limit S]
+    python -m autopar.cost_models.profiler ...             # the same, without the CLI
+    torchrun --nproc-per-node 8 -m autopar.cost_models.profiler --out p.json
+                                                           # adds collectives + α-β fits
+
+Tables (each a list of rows: the shape, dtype, median seconds and the achieved rate):
+
+- ``gemm`` — torch.mm over square, skinny and tensor-parallel shard shapes, in bf16,
+  fp16, fp32 and tf32 (:mod:`.profiler_ops`, :mod:`.profiler_grid`);
+- ``attention`` — causal scaled_dot_product_attention, forward and backward;
+- ``memory_bound`` — pointwise ops, norms, softmax, embedding, cross-entropy as
+  bytes/s, forward and backward (:mod:`.profiler_membound`);
+- ``launch`` — the overhead of a tiny op;
+- ``collectives`` — under torchrun with more than one process (:mod:`.profiler_comm`).
+
+The run is resumable: every measured row is appended to ``FILE.partial.jsonl`` as it
+is measured; ``--resume`` skips the rows already there (same device only), and the
+finished profile replaces the partial file. ``--quick`` measures a smaller grid in a
+few minutes. Nothing here imports pulp or the planner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+import torch
+
+from autopar.cost_models.profiler_comm import (FIT_FORMULA, fit_table, init_from_env,
+                                               measure_collectives)
+from autopar.cost_models.profiler_core import Task, Timer, compact_json, provenance
+from autopar.cost_models.profiler_grid import Grid, cpu_grid, gpu_grid
+
+FORMAT = "autopar-profile/1"
+"""Version tag of the profile JSON written here."""
+
+TABLES = ("launch", "gemm", "attention", "memory_bound", "collectives")
+"""Table names, in the order they appear in the JSON."""
+
+
+class Progress:
+    """A plain-text progress line on ``stream``: rewritten in place on a terminal,
+    otherwise printed every ~5% and whenever the table changes."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        self.total, self.stream, self.t0 = max(total, 1), stream, time.perf_counter()
+        self.tty = stream.isatty()
+        self.every = max(1, total // 20)
+        self.last_table = ""
+
+    def show(self, i: int, task: Task) -> None:
+        """Report that task ``i`` (0-based) of the total is starting."""
+        if not (self.tty or i % self.every == 0 or task.table != self.last_table):
+            return
+        self.last_table = task.table
+        el = time.perf_counter() - self.t0
+        left = el / i * (self.total - i) if i else 0.0
+        line = (f"profile [{i + 1:4d}/{self.total}] {100 * i // self.total:3d}%  "
+                f"{task.table} {task.key}  {el:5.0f}s elapsed, ~{left:4.0f}s left")
+        self.stream.write(("\r" + line[:110].ljust(110)) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def done(self, measured: int) -> None:
+        """Final line."""
+        el = time.perf_counter() - self.t0
+        self.stream.write(("\n" if self.tty else "") +
+                          f"profile: {measured} points measured in {el:.0f}s\n")
+
+
+def partial_path(out: Path) -> Path:
+    """Where the rows of an unfinished run of ``out`` are appended."""
+    return out.with_name(out.name + ".partial.jsonl")
+
+
+def load_partial(path: Path, device_name: str) -> list[dict[str, Any]]:
+    """Rows of an earlier run of the same device, from its partial file."""
+    rows: list[dict[str, Any]] = []
+    with path.open() as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if not lines or "provenance" not in lines[0]:
+        raise SystemExit(f"autopar profile: {path} is not a partial profile; delete it "
+                         "or run without --resume")
+    earlier = lines[0]["provenance"].get("device_name")
+    if earlier != device_name:
+        raise SystemExit(f"autopar profile: {path} was measured on {earlier!r}, this is "
+                         f"{device_name!r}; delete it or run without --resume")
+    rows.extend(line for line in lines[1:] if "table" in line)
+    return rows
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def summarize_tables(tables: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Headline numbers: best GEMM rate per dtype, best attention rates, the copy
+    bandwidth at the largest size, and the launch overheads."""
+    s: dict[str, Any] = {"gemm_peak_flop_per_s": {}, "attention_peak_flop_per_s": {}}
+    for r in tables.get("gemm", []):
+        best = s["gemm_peak_flop_per_s"].get(r["dtype"])
+        if "flop_per_s" in r and (best is None or r["flop_per_s"] > best["flop_per_s"]):
+            s["gemm_peak_flop_per_s"][r["dtype"]] = {
+                "flop_per_s": r["flop_per_s"], "shape": [r["m"], r["n"], r["k"]]}
+    for r in tables.get("attention", []):
+        best = s["attention_peak_flop_per_s"].get(r["pass"])
+        if "flop_per_s" in r and (best is None or r["flop_per_s"] > best["flop_per_s"]):
+            s["attention_peak_flop_per_s"][r["pass"]] = {
+                "flop_per_s": r["flop_per_s"], "key": r["key"]}
+    copies = [r for r in tables.get("memory_bound", []) if r["op"] == "copy" and "seconds" in r]
+    if copies:
+        big = max(copies, key=lambda r: (r["bytes"], r["bytes_per_s"]))
+        s["copy_bytes_per_s"] = {"bytes_per_s": big["bytes_per_s"], "bytes": big["bytes"],
+                                 "dtype": big["dtype"], "counting": "read + write"}
+    s["launch_s"] = {r["what"]: r["seconds"] for r in tables.get("launch", []) if "seconds" in r}
+    return s
+
+
+def assemble(prov: dict[str, Any], rows: list[dict[str, Any]], order: list[str]) -> dict:
+    """The profile document from measured rows (ordered as ``order``'s keys)."""
+    rank = {k: i for i, k in enumerate(order)}
+    tables: dict[str, list[dict[str, Any]]] = {t: [] for t in TABLES}
+    for r in sorted(rows, key=lambda r: rank.get(r["table"] + "/" + r["key"], len(rank))):
+        tables.setdefault(r["table"], []).append({k: v for k, v in r.items() if k != "table"})
+    errors = [{"table": t, "key": r["key"], "error": r["error"]}
+              for t, rs in tables.items() for r in rs if "error" in r]
+    fits: dict[str, Any] = {"collectives": fit_table(tables["collectives"]),
+                            "collectives_formula": FIT_FORMULA}
+    if not tables["collectives"]:
+        fits["collectives_note"] = ("not measured: one process; run under torchrun with "
+                                    "more than one process (NCCL needs one GPU per rank)")
+    return {"format": FORMAT, "provenance": prov, "summary": summarize_tables(tables),
+            "fits": fits,
+            "tables": tables, "errors": errors}
+
+
+def dump(doc: dict[str, Any], path: Path) -> None:
+    """Write the profile with one table row per line (reviewable diffs)."""
+    parts = []
+    for key, value in doc.items():
+        if key != "tables":
+            parts.append(f" {json.dumps(key)}: {compact_json(value, indent=1)}")
+            continue
+        tabs = []
+        for name, rows in value.items():
+            body = ",\n".join("   " + json.dumps(r) for r in rows)
+            tabs.append(f"  {json.dumps(name)}: [\n{body}\n  ]" if rows
+                        else f"  {json.dumps(name)}: []")
+        parts.append(' "tables": {\n' + ",\n".join(tabs) + "\n }")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("{\n" + ",\n".join(parts) + "\n}\n")
+    os.replace(tmp, path)
+
+
+def run_profile(out: Path, *, quick: bool = False, resume: bool = False,
+                grid: Grid | None = None, device: torch.device | None = None,
+                time_limit: float | None = None, stream: TextIO = sys.stderr) -> dict | None:
+    """Measure ``grid`` (default: the GPU or CPU grid for ``quick``) on ``device``
+    (default: CUDA if present), collectives too under torchrun, and write ``out``.
+    Returns the profile on rank 0 when finished; None on other ranks or when
+    ``time_limit`` seconds ran out first (the partial file then stays for --resume)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist_info = init_from_env(device.type)
+    rank, world = dist_info or (0, 1)
+    if device.type == "cuda" and dist_info is not None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if grid is None:
+        grid = gpu_grid(quick) if device.type == "cuda" else cpu_grid(quick)
+    prov = provenance(device, mode="quick" if quick else "full", world_size=world)
+    part = partial_path(out)
+    rows: list[dict[str, Any]] = []
+    if rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if resume and part.exists():
+            rows = load_partial(part, prov["device_name"])
+            stream.write(f"profile: resuming, {len(rows)} points already in {part}\n")
+        else:
+            part.write_text(json.dumps({"provenance": prov}) + "\n")
+    emit: Callable[[dict[str, Any]], None] = lambda r: _append(part, {"table": "collectives", **r})
+    comm_order: list[str] = []
+    if dist_info is not None:
+        rows = _collectives(grid, device, rows, emit)
+        comm_order = [f"collectives/{r['key']}" for r in rows if r["table"] == "collectives"]
+        if rank != 0:
+            return None
+    tasks = grid.tasks(device)
+    done = {(r["table"], r["key"]) for r in rows}
+    timer = Timer(device, budget_s=grid.budget_s)
+    todo = [t for t in tasks if (t.table, t.key) not in done]
+    if not _measure(todo, timer, rows, part, time_limit, stream):
+        return None
+    doc = assemble(prov, rows, comm_order + [f"{t.table}/{t.key}" for t in tasks])
+    dump(doc, out)
+    part.unlink(missing_ok=True)
+    return doc
+
+
+def _measure(todo: list[Task], timer: Timer, rows: list[dict[str, Any]], part: Path,
+             time_limit: float | None, stream: TextIO) -> bool:
+    """Run ``todo``, appending each row to ``rows`` and the partial file; False when
+    the time limit stopped it early. On CUDA everything runs on one side stream so that
+    forward, backward and CUDA-graph capture share it (:meth:`Timer.graph_time`)."""
+    progress = Progress(len(todo), stream)
+    t_start = time.perf_counter()
+    cuda = timer.cuda
+    with torch.cuda.stream(torch.cuda.Stream(timer.device)) if cuda else nullcontext():
+        for i, task in enumerate(todo):
+            if time_limit is not None and time.perf_counter() - t_start > time_limit:
+                stream.write(f"profile: time limit reached, {len(todo) - i} points left; "
+                             f"rerun with --resume to finish ({part})\n")
+                return False
+            progress.show(i, task)
+            record = {"table": task.table, "key": task.key, **task.params}
+            torch.manual_seed(i)
+            try:
+                record.update(task.run(timer))
+            except Exception as e:  # noqa: BLE001 — one failed point must not end the run
+                record["error"] = f"{type(e).__name__}: {e}"[:300]
+            if cuda:
+                torch.cuda.empty_cache()
+            rows.append(record)
+            _append(part, record)
+    progress.done(len(todo))
+    return True
+
+
+def _collectives(grid: Grid, device: torch.device, rows: list[dict[str, Any]],
+                 emit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+    """Measure the collectives on every rank (rank 0's done keys broadcast first),
+    then leave the process group."""
+    import torch.distributed as dist
+
+    skip = [sorted(r["key"] for r in rows if r["table"] == "collectives")]
+    dist.broadcast_object_list(skip, src=0)
+    new = measure_collectives(list(grid.comm_sizes), device, skip=frozenset(skip[0]),
+                              emit=emit)
+    dist.destroy_process_group()
+    return rows + [{"table": "collectives", **r} for r in new]
+
+
+def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The profile options, on ``ap`` (a CLI sub-parser) or a new parser."""
+    ap = ap or argparse.ArgumentParser(prog="autopar profile", description=__doc__,
+                                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (minutes)")
+    ap.add_argument("--out", default="profile.json", help="profile JSON to write")
+    ap.add_argument("--resume", action="store_true",
+                    help="skip the points already in OUT.partial.jsonl")
+    ap.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if present")
+    ap.add_argument("--time-limit", type=float, metavar="S",
+                    help="stop starting new points after S seconds (then --resume)")
+    return ap
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    """Run the profiler from parsed arguments (or sys.argv); 0 when finished, 3 when the
+    time limit left points to measure."""
+    if args is None:
+        args = build_parser().parse_args()
+    device = torch.device(args.device) if args.device else None
+    doc = run_profile(Path(args.out), quick=args.quick, resume=args.resume, device=device,
+                      time_limit=args.time_limit)
+    if doc is None:
+        return 0 if int(os.environ.get("RANK", "0")) != 0 else 3
+    print(compact_json(doc["summary"]))
+    if doc["errors"]:
+        print(f"{len(doc['errors'])} points failed; see 'errors' in {args.out}")
+    print(f"profile written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The profiler (``autopar profile``): α-β fit, a tiny CPU run, resume, collectives."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from autopar.cost_models.profiler import load_partial, partial_path, run_profile
+from autopar.cost_models.profiler_comm import fit_alpha_beta, fit_table, ring_factor
+from autopar.cost_models.profiler_grid import Grid
+
+TINY = Grid(gemm=((32, 32, 32, "fp32", "square"), (64, 16, 32, "fp32", "ffn_col_tp2")),
+            attention=((1, 2, 2, 32, 16, "fp32"),), pointwise=((1024, "fp32"),),
+            rows=((8, 32, "fp32"),), embedding=((8, 64, 16, "fp32"),),
+            cross_entropy=((8, 64, "fp32"),), comm_sizes=(1024, 65536), budget_s=0.002)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: keeps the tiny timings quick on a shared machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_fit_recovers_alpha_beta_exactly():
+    alpha, beta = 7e-6, 120e9
+    sizes = [2.0**k for k in range(10, 31, 2)]
+    fit = fit_alpha_beta(sizes, [alpha + s / beta for s in sizes])
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit.beta == pytest.approx(beta, rel=1e-6)
+    assert fit.max_rel_error < 1e-9
+
+
+def test_fit_is_robust_to_noise_and_weighs_small_messages():
+    rng = np.random.default_rng(0)
+    alpha, beta = 20e-6, 40e9
+    sizes = [2.0**k for k in range(8, 31)]
+    times = [(alpha + s / beta) * (1 + 0.03 * rng.standard_normal()) for s in sizes]
+    fit = fit_alpha_beta(sizes, times)
+    assert fit.alpha == pytest.approx(alpha, rel=0.1)
+    assert fit.beta == pytest.approx(beta, rel=0.1)
+
+
+def test_fit_table_applies_ring_factor():
+    alpha, beta, n = 10e-6, 100e9, 4
+    rows = [{"op": "all_reduce", "world": n, "bytes": s, "seconds": alpha + s / beta}
+            for s in (1e3, 1e5, 1e7, 1e9)]
+    fit = fit_table(rows)["all_reduce/4"]
+    assert ring_factor("all_reduce", n) == (1.5, 6)
+    assert fit["bus_bandwidth_bytes_per_s"] == pytest.approx(beta * 1.5, rel=1e-3)
+    assert fit["alpha_per_step_s"] == pytest.approx(alpha / 6, rel=1e-3)
+
+
+def test_tiny_cpu_run_writes_profile(tmp_path: Path, one_thread):
+    out = tmp_path / "cpu.profile.json"
+    doc = run_profile(out, grid=TINY, device=torch.device("cpu"))
+    assert doc is not None and out.exists() and not partial_path(out).exists()
+    text = out.read_text()
+    assert socket.gethostname() not in text
+    d = json.loads(text)
+    assert d["format"] == "autopar-profile/1"
+    prov = d["provenance"]
+    for key in ("date", "torch", "device_name", "device_type", "timing"):
+        assert prov[key], key
+    assert prov["torch"] == torch.__version__ and prov["device_type"] == "cpu"
+    t = d["tables"]
+    assert [r["key"] for r in t["gemm"]] == ["32x32x32:fp32", "64x16x32:fp32"]
+    for r in t["gemm"]:
+        assert r["flops"] == 2 * r["m"] * r["n"] * r["k"]
+        assert r["seconds"] > 0 and r["flop_per_s"] == pytest.approx(r["flops"] / r["seconds"],
+                                                                     rel=1e-3)
+    assert {r["pass"] for r in t["attention"]} == {"fwd", "bwd"}
+    ops = {(r["op"], r["pass"]) for r in t["memory_bound"]}
+    assert {("copy", "fwd"), ("mul", "bwd"), ("layer_norm", "bwd"), ("rms_norm", "fwd"),
+            ("softmax", "bwd"), ("embedding", "bwd"), ("cross_entropy", "bwd")} <= ops
+    assert all(r["bytes_per_s"] > 0 for r in t["memory_bound"])
+    assert {r["what"] for r in t["launch"]} == {"host_dispatch", "device_back_to_back",
+                                                "round_trip"}
+    assert t["collectives"] == [] and d["errors"] == []
+    assert d["summary"]["gemm_peak_flop_per_s"]["fp32"]["flop_per_s"] > 0
+
+
+def test_resume_skips_finished_points(tmp_path: Path, one_thread):
+    out = tmp_path / "p.json"
+    # a run stopped by its time limit before any point leaves only the header
+    assert run_profile(out, grid=TINY, device=torch.device("cpu"), time_limit=0.0) is None
+    part = partial_path(out)
+    header = json.loads(part.read_text().splitlines()[0])
+    assert "provenance" in header and not out.exists()
+    # pretend two points were measured before the interruption, with marker values
+    done = [{"table": "gemm", "key": "32x32x32:fp32", "m": 32, "n": 32, "k": 32,
+             "dtype": "fp32", "seconds": 123.0, "flop_per_s": 1.0},
+            {"table": "launch", "key": "round_trip", "what": "round_trip", "seconds": 456.0}]
+    with part.open("a") as f:
+        for r in done:
+            f.write(json.dumps(r) + "\n")
+    doc = run_profile(out, grid=TINY, device=torch.device("cpu"), resume=True)
+    assert doc is not None and not part.exists()
+    gemm = {r["key"]: r for r in doc["tables"]["gemm"]}
+    assert gemm["32x32x32:fp32"]["seconds"] == 123.0          # kept, not re-measured
+    assert gemm["64x16x32:fp32"]["seconds"] < 1.0             # measured now
+    launch = {r["key"]: r["seconds"] for r in doc["tables"]["launch"]}
+    assert launch["round_trip"] == 456.0 and launch["host_dispatch"] < 1.0
+    assert [r["key"] for r in doc["tables"]["gemm"]] == ["32x32x32:fp32", "64x16x32:fp32"]
+
+
+def test_resume_refuses_another_device(tmp_path: Path):
+    part = tmp_path / "p.json.partial.jsonl"
+    part.write_text(json.dumps({"provenance": {"device_name": "NVIDIA H100"}}) + "\n")
+    with pytest.raises(SystemExit, match="NVIDIA H100"):
+        load_partial(part, "some CPU")
+
+
+def _comm_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from autopar.cost_models.profiler_comm import measure_collectives
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = measure_collectives([1024, 16384, 262144], torch.device("cpu"), reps=3)
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+@pytest.mark.multirank
+def test_collectives_on_two_gloo_ranks(tmp_path: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rows.json"
+    mp.spawn(_comm_worker, args=(2, port, str(out)), nprocs=2)
+    rows = json.loads(out.read_text())
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter",
+                                       "all_to_all", "send_recv"}
+    assert all("error" not in r and r["seconds"] > 0 and r["world"] == 2 for r in rows)
+    fits = fit_table(rows)
+    assert set(fits) == {f"{op}/2" for op in ("all_reduce", "all_gather", "reduce_scatter",
+                                             "all_to_all", "send_recv")}
+    assert all(f["beta_bytes_per_s"] > 0 for f in fits.values())
