@@ -4,12 +4,17 @@
   tensor-parallel styles, FSDP2, meta materialization) and returns a
   :class:`ParallelModel`, whose ``step(inputs, targets)`` runs one forward + backward
   of a global batch.
+* With ``plan.pipeline``, :func:`apply_plan` cuts the model into stages
+  (:mod:`.pipeline_split`), lays out this rank's stages and runs them with a
+  ``torch.distributed.pipelining`` schedule (:mod:`.pipeline`).
 
 The runtime consumes a Plan and never calls a solver.
 """
 
-from autopar.runtime.lower import check_plan, lower
+from autopar.runtime.lower import check_plan, lower, lower_pipeline
+from autopar.runtime.pipeline import PipelineRuntime, check_pipeline
 from autopar.runtime.parallel_model import ParallelModel, apply_plan
 from autopar.runtime.tensor_parallel import ReplicateParallel
 
-__all__ = ["ParallelModel", "apply_plan", "lower", "check_plan", "ReplicateParallel"]
+__all__ = ["ParallelModel", "apply_plan", "lower", "check_plan", "ReplicateParallel",
+           "lower_pipeline", "check_pipeline", "PipelineRuntime"]

@@ -148,6 +148,11 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     :mod:`autopar.runtime.materialize`). ``device`` defaults to the current CUDA
     device under NCCL and to the CPU otherwise. ``loss_fn(output, targets)`` defaults
     to cross-entropy over the last dim.
+
+    A plan with a pipeline (``plan.pipeline`` with several stages, mesh
+    ``{"pp": .., "dp": .., "tp": ..}``) is lowered by
+    :func:`~autopar.runtime.lower.lower_pipeline`: each rank keeps, lays out and (for
+    a meta model) materializes only its own stages.
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")

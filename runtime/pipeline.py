@@ -163,12 +163,12 @@ def untie_across_stages(stages: list[StageGraph], ranks: list[int]) -> list[Tied
                  if i == st.index}
         copies: dict[int, nn.Parameter] = {}
         for m in st.module.modules():
-            for local, p in list(m._parameters.items()):
-                if p is not None and id(p) in later:
+            for local, p in list(m.named_parameters(recurse=False)):
+                if id(p) in later:
                     if id(p) not in copies:
                         copies[id(p)] = nn.Parameter(p.detach().clone(),
                                                      requires_grad=p.requires_grad)
-                    m._parameters[local] = copies[id(p)]
+                    setattr(m, local, copies[id(p)])
     return groups
 
 
