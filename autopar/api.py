@@ -12,7 +12,8 @@ from autopar.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-SEARCH_KEYS = ("dp", "tp", "microbatch_size", "zero", "sequence_parallel", "time_limit_s")
+SEARCH_KEYS = ("dp", "tp", "pp", "microbatch_size", "zero", "sequence_parallel", "schedule",
+               "virtual_stages", "time_limit_s")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,9 @@ class Spec:
     """A hand-written parallel configuration, scored by :func:`estimate`.
 
     Degrees left out are 1, except ``dp``, which fills the world. ``microbatch_size``
-    defaults to each data-parallel rank's whole share of the global batch.
+    defaults to each data-parallel rank's whole share of the global batch, or with
+    pipelining (``pp`` > 1) to the largest that still gives ``pp`` micro-batches.
+    ``schedule`` (with ``pp`` > 1) defaults to "1f1b".
     """
 
     dp: int | None = None
@@ -77,6 +80,14 @@ def _batch_of(example_inputs: Any) -> int:
     return int(first.shape[0])
 
 
+def _heads(graph) -> int | None:
+    """The greatest common divisor of every attention's head count (None: no attention)."""
+    counts = [n.out.shape[-3] for n in graph.nodes
+              if n.target.startswith("aten.scaled_dot_product_attention") and n.out is not None
+              and len(n.out.shape) >= 3]
+    return math.gcd(*counts) if counts else None
+
+
 def _check_heads(graph, tp: int) -> None:
     """A forced tensor-parallel degree must divide every attention's head count."""
     if tp <= 1:
@@ -92,10 +103,25 @@ def _check_heads(graph, tp: int) -> None:
                     f"{[d for d in range(1, heads + 1) if heads % d == 0]}")
 
 
+def _check_pipeline_space(space: dict, num_blocks: int) -> None:
+    """A requested schedule must be known, and pipelining needs repeated blocks."""
+    from autopar.plans import SCHEDULES
+
+    sched = space.get("schedule")
+    if sched is not None and sched not in SCHEDULES:
+        raise ConfigError(f"schedule={sched!r} is not supported; choose one of "
+                          f"{', '.join(SCHEDULES)}")
+    pp = space.get("pp")
+    if pp is not None and pp > 1 and pp > num_blocks + 2:
+        raise ConfigError(f"pp={pp} needs at least {pp} pipeline units but the model has "
+                          f"{num_blocks} repeated blocks (+ what comes before and after "
+                          f"them); choose pp <= {num_blocks + 2}")
+
+
 def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | None,
                 loss_fn, precision: str, optimizer: str, memory_budget, space: dict,
                 name: str | None = None):
-    from autopar.assemble import assemble
+    from autopar.assemble import add_pipeline, assemble
     from autopar.capture import capture
     from autopar.solvers.search import candidates, search
     from autopar.strategies.analysis import analyze
@@ -120,8 +146,13 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     graph = capture(model, example_inputs, loss_fn=loss_fn, name=name)
     _check_heads(graph, tp or 1)
     an = analyze(graph)
-    cands = candidates(world, gb, dp=space.get("dp"), tp=tp,
-                       microbatch_size=space.get("microbatch_size"), zero=space.get("zero"))
+    _check_pipeline_space(space, len(graph.layers))
+    cands = candidates(world, gb, dp=space.get("dp"), tp=tp, pp=space.get("pp"),
+                       microbatch_size=space.get("microbatch_size"), zero=space.get("zero"),
+                       schedule=space.get("schedule"),
+                       virtual_stages=space.get("virtual_stages"),
+                       num_units=len(graph.layers) + 2 if graph.layers else 1,
+                       heads=_heads(graph))
     res = search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node, precision=precision,
                  optimizer=optimizer, memory_budget=budget,
                  sequence_parallel=space.get("sequence_parallel"),
@@ -129,6 +160,12 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     peak = hw.matmul_flops.get(precision, hw.matmul_flops.get("fp32", 1.0))
     plan = assemble(an, res.built, res.solution, cluster_desc=cluster.describe(),
                     global_batch=gb, peak_flops=peak)
+    if res.pipeline is not None and res.candidate is not None:
+        c = res.candidate
+        add_pipeline(plan, res.pipeline, pp=c.pp, schedule=c.schedule,
+                     virtual_stages=c.virtual_stages,
+                     model_flops=3.0 * graph.forward_flops * gb / graph.batch_size,
+                     peak_flops=peak)
     plan.solver["memory_budget_bytes"] = budget
     return plan, res
 
@@ -140,7 +177,8 @@ def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch:
 
     ``example_inputs`` is one global batch (real or ``meta`` tensors); ``global_batch``
     overrides its size. ``space`` narrows the search: ``dp``, ``tp``,
-    ``microbatch_size``, ``zero`` (0 or 3), ``sequence_parallel`` (True/False), and
+    ``pp``, ``microbatch_size``, ``zero`` (0-3), ``sequence_parallel`` (True/False),
+    ``schedule`` (one of :data:`autopar.plans.SCHEDULES`), ``virtual_stages`` and
     ``time_limit_s``. Without a cluster, plans for the running job (see
     :func:`detect_cluster`).
     """
@@ -165,28 +203,34 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
     """
     if not isinstance(spec, Spec):
         raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
-    for name in ("pp", "cp", "ep"):
+    for name in ("cp", "ep"):
         if getattr(spec, name) != 1:
             raise ConfigError(f"Spec({name}={getattr(spec, name)}) is not supported yet; "
-                              f"this version plans data and tensor parallelism (dp, tp)")
+                              f"this version plans data, tensor and pipeline parallelism")
     if spec.recompute != "none":
         raise ConfigError(f"Spec(recompute={spec.recompute!r}) is not supported yet; use 'none'")
-    if spec.zero not in (0, 3):
-        raise ConfigError(f"Spec(zero={spec.zero}) is not supported yet; use 0 or 3")
+    if spec.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"Spec(zero={spec.zero}) is not a ZeRO stage; use 0, 1, 2 or 3")
     cluster = cluster or detect_cluster()
     world = cluster.world_size
-    if spec.tp < 1 or world % spec.tp:
-        raise ConfigError(f"Spec(tp={spec.tp}) does not divide the {world} devices of the cluster")
-    dp = spec.dp if spec.dp is not None else world // spec.tp
-    if dp * spec.tp != world:
-        raise ConfigError(f"Spec(dp={dp}, tp={spec.tp}) uses {dp * spec.tp} devices but the "
-                          f"cluster has {world}")
+    if spec.tp < 1 or spec.pp < 1 or world % (spec.tp * spec.pp):
+        raise ConfigError(f"Spec(tp={spec.tp}, pp={spec.pp}) does not divide the {world} "
+                          f"devices of the cluster")
+    dp = spec.dp if spec.dp is not None else world // (spec.tp * spec.pp)
+    if dp * spec.tp * spec.pp != world:
+        raise ConfigError(f"Spec(dp={dp}, tp={spec.tp}, pp={spec.pp}) uses "
+                          f"{dp * spec.tp * spec.pp} devices but the cluster has {world}")
     gb = global_batch if global_batch is not None else _batch_of(example_inputs)
     if gb % dp:
         raise ConfigError(f"the global batch {gb} is not divisible by dp={dp}")
-    mb = spec.microbatch_size or gb // dp
-    space = {"dp": dp, "tp": spec.tp, "microbatch_size": mb, "zero": spec.zero,
+    local = gb // dp
+    mb = spec.microbatch_size or max(d for d in range(1, local + 1)
+                                     if local % d == 0 and (local // d >= spec.pp or d == 1))
+    space = {"dp": dp, "tp": spec.tp, "pp": spec.pp, "microbatch_size": mb, "zero": spec.zero,
              "sequence_parallel": spec.sequence_parallel if spec.tp > 1 else None}
+    if spec.pp > 1:
+        space["schedule"] = spec.schedule or "1f1b"
+        space["virtual_stages"] = spec.virtual_stages
     p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=gb, loss_fn=loss_fn,
                        precision=precision, optimizer=optimizer, memory_budget=memory_budget,
                        space=space)

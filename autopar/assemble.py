@@ -5,9 +5,11 @@ step time with its breakdown, memory by category, throughput and MFU."""
 from __future__ import annotations
 
 from autopar.graph import Graph
-from autopar.plans import ModulePlan, Plan
+from autopar.plans import ModulePlan, PipelinePlan, Plan, StagePlan
 from autopar.solvers.ilp import Solution
+from autopar.solvers.pipeline_search import PipelineOutcome
 from autopar.solvers.problem import evaluate
+from autopar.solvers.schedules import stage_ranks
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, NodeStrategy
 
@@ -126,3 +128,33 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         modules=modules, blocks=blocks, step_time_s=ev.step_time_s, breakdown=breakdown,
         memory=memory, throughput=global_batch / ev.step_time_s if ev.step_time_s else 0.0,
         mfu=mfu, solver=dict(sol.stats), notes=[])
+
+
+def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
+                 virtual_stages: int, model_flops: float, peak_flops: float) -> None:
+    """Turn ``plan`` (made from the stage mesh's intra-op solution) into the pipelined
+    plan of ``po``: the ``pp`` mesh axis, the stages, and the pipeline's time and
+    memory (those of the busiest / fullest rank)."""
+    ranks = stage_ranks(schedule, pp, virtual_stages)
+    stages = []
+    for k, ((a, b), r) in enumerate(zip(po.split.bounds, ranks)):
+        units = [m for u in po.units[a:b] for m in u.modules]
+        stages.append(StagePlan(k, r, units, sum(u.forward_s for u in po.units[a:b]),
+                                sum(u.backward_s for u in po.units[a:b]),
+                                po.split.estimate.peak_memory_bytes[r]))
+    est = po.split.estimate
+    plan.pipeline = PipelinePlan(schedule, virtual_stages, stages, est.bubble_fraction, po.p2p_s)
+    plan.mesh = {"pp": pp, **plan.mesh}
+    worst = max(range(pp), key=lambda r: est.peak_memory_bytes[r])
+    static = sum(u.static_bytes for (a, b), r in zip(po.split.bounds, ranks) if r == worst
+                 for u in po.units[a:b])
+    plan.memory = {"static": static, "activations": est.peak_memory_bytes[worst] - static,
+                   "total": est.peak_memory_bytes[worst]}
+    busy = max(est.busy_s)
+    plan.breakdown = {"compute_s": busy, "bubble_s": est.step_time_s - busy,
+                      "exposed_param_comm_s": po.exposed_step_comm_s,
+                      "p2p_s": po.p2p_s, "exposed_comm_s": po.exposed_step_comm_s}
+    plan.step_time_s = po.step_time_s
+    plan.throughput = plan.global_batch / po.step_time_s if po.step_time_s else 0.0
+    world = plan.world_size
+    plan.mfu = model_flops / (po.step_time_s * world * peak_flops) if po.step_time_s else 0.0

@@ -42,7 +42,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=parse_bytes, help="per device, e.g. 40GB")
     p.add_argument("--dp", type=int, help="fix the data-parallel degree")
     p.add_argument("--tp", type=int, help="fix the tensor-parallel degree")
-    p.add_argument("--zero", type=int, choices=[0, 3], help="fix the ZeRO stage")
+    p.add_argument("--pp", type=int, help="fix the pipeline-parallel degree")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b",
+                                          "interleaved_zero_bubble", "zbv"],
+                   help="fix the pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="fix the ZeRO stage")
     p.add_argument("--microbatch", type=int, help="fix the micro-batch size")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     sub.add_parser("models", help="list the zoo models")
@@ -73,8 +78,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               intra_node_bandwidth=args.intra_node_bandwidth,
                               inter_node_bandwidth=args.inter_node_bandwidth)
     model, inputs = _load_model(args.model, args.seq_len)
-    space = {k: v for k, v in (("dp", args.dp), ("tp", args.tp), ("zero", args.zero),
-                               ("microbatch_size", args.microbatch)) if v is not None}
+    space = {k: v for k, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp),
+                               ("zero", args.zero), ("microbatch_size", args.microbatch),
+                               ("schedule", args.schedule),
+                               ("virtual_stages", args.virtual_stages)) if v is not None}
     plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
                         precision=args.precision, optimizer=args.optimizer,
                         memory_budget=args.memory_budget, **space)

@@ -41,6 +41,45 @@ def _pattern(path: str, blocks: list[str]) -> str:
     return path
 
 
+ZERO_TEXT = {0: "replicated parameters, gradients all-reduced",
+             1: "optimizer state sharded, gradients all-reduced",
+             2: "optimizer state and gradients sharded",
+             3: "parameters, gradients and optimizer state sharded"}
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """The pipeline section: schedule, bubble and one row per stage."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return []
+    v = f", {pipe.virtual_stages} virtual stages per rank" if pipe.virtual_stages > 1 else ""
+    lines = [f"pipeline  pp={plan.degree('pp')}, schedule {pipe.schedule}{v}, "
+             f"{plan.num_microbatches} micro-batches, predicted bubble "
+             f"{pipe.bubble_fraction * 100:.1f}%, p2p {fmt_time(pipe.p2p_s)} per transfer"]
+    rows = [[str(st.index), str(st.rank), _units_text(st.units, plan.blocks),
+             fmt_time(st.forward_s), fmt_time(st.backward_s), fmt_bytes(st.memory_bytes)]
+            for st in pipe.stages]
+    lines += _table(rows, ["stage", "rank", "units", "forward", "backward", "rank memory"])
+    return lines + [""]
+
+
+def _units_text(units: list[str], blocks: list[str]) -> str:
+    """Units with runs of consecutive blocks folded: ``tok_emb, blocks.0-11``."""
+    out: list[str] = []
+    run: list[str] = []
+    for u in units + [""]:
+        if u in blocks and (not run or blocks.index(u) == blocks.index(run[-1]) + 1):
+            run.append(u)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else
+                       f"{run[0]}-{run[-1].rsplit('.', 1)[-1]}")
+        run = [u] if u in blocks else []
+        if u and u not in blocks:
+            out.append(u)
+    return ", ".join(out)
+
+
 def plan_summary(plan: Plan) -> str:
     """The multi-line summary printed by ``autopar plan`` and ``Plan.summary()``."""
     c = plan.cluster
@@ -51,8 +90,9 @@ def plan_summary(plan: Plan) -> str:
         f"  = {plan.world_size} devices",
         f"mesh      {mesh}",
         f"batch     global {plan.global_batch} = dp {plan.degree('dp')} x micro-batch "
-        f"{plan.microbatch_size} x {plan.num_microbatches} accumulation step(s)",
-        f"data par. ZeRO-{plan.zero} ({'parameters, gradients and optimizer state sharded' if plan.zero == 3 else 'replicated parameters, gradients all-reduced'})",
+        f"{plan.microbatch_size} x {plan.num_microbatches} "
+        f"{'pipeline micro-batches' if plan.pipeline else 'accumulation step(s)'}",
+        f"data par. ZeRO-{plan.zero} ({ZERO_TEXT.get(plan.zero, '')})",
         f"tensor p. {'tp=' + str(plan.degree('tp')) if plan.degree('tp') > 1 else 'none'}"
         f"{', sequence parallel' if plan.sequence_parallel else ''}",
         f"precision {plan.precision}, optimizer {plan.optimizer}",
@@ -69,6 +109,7 @@ def plan_summary(plan: Plan) -> str:
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m.items() if k != "total" and v)
                  + ")")
     lines.append("")
+    lines += _pipeline_lines(plan)
     groups: dict[tuple, list[str]] = {}
     for path, mp in plan.modules.items():
         key = (_pattern(path, plan.blocks), mp.module_type, mp.style, mp.input_layout,
@@ -79,7 +120,7 @@ def plan_summary(plan: Plan) -> str:
             for k, v in groups.items()]
     if rows:
         lines += _table(rows, ["module", "type", "tp style", "input", "output",
-                               "params (" + "/".join(plan.mesh) + ")", "count"])
+                               "params (" + "/".join(plan.stage_mesh) + ")", "count"])
         lines.append("")
     s = plan.solver
     if s:

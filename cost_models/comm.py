@@ -22,6 +22,11 @@ from autopar.errors import ConfigError
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket size: DistributedDataParallel's default ``bucket_cap_mb=25`` (PyTorch
+docs). Parameter collectives are issued per bucket (DDP) or per block (FSDP2, whose
+blocks hold tens of MiB in the models planned), not per tensor."""
+
 
 def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
     """Seconds for one collective (see module docstring)."""
@@ -35,6 +40,17 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -
     if kind == "all_reduce":
         return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
     return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+def bucketed_time(kind: str, nbytes: float, group_size: int, link: LinkSpec,
+                  bucket_bytes: float = BUCKET_BYTES) -> float:
+    """One parameter's share of a bucketed collective: its bandwidth term in full, and
+    the latency term of one collective times its share of a bucket,
+    ``min(1, nbytes / bucket_bytes)`` (a tensor larger than a bucket goes alone), so the
+    shares of the tensors in one bucket add up to one collective."""
+    bandwidth_only = collective_time(kind, nbytes, group_size, LinkSpec(link.bandwidth, 0.0))
+    latency = collective_time(kind, nbytes, group_size, link) - bandwidth_only
+    return bandwidth_only + latency * min(1.0, nbytes / bucket_bytes)
 
 
 def group_link(mesh_sizes: tuple[int, ...], axis: int, gpus_per_node: int,

@@ -246,14 +246,15 @@ def _g_is_additive(schedule: str, units: list[UnitCost]) -> bool:
 
 def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, schedule: str = "1f1b",
                  virtual_stages: int = 1, p2p_s: float = 0.0,
-                 memory_budget: float = float("inf")) -> StageSplit:
+                 memory_budget: float = float("inf"), explain: bool = True) -> StageSplit:
     """The split of ``units`` into ``pp · virtual_stages`` contiguous stages with the
     least ``T`` (module docstring) whose ranks all fit ``memory_budget`` bytes.
 
     Raises:
         ConfigError: the schedule cannot run this combination, or too few units.
-        NoFeasiblePlanError: no split fits; the message names the least per-rank
-            memory any split needs.
+        NoFeasiblePlanError: no split fits; with ``explain`` the message names the
+            least per-rank memory any split needs (a search of its own: the outer
+            search, which only needs to know, turns it off).
     """
     start = time.perf_counter()
     prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget)
@@ -263,7 +264,8 @@ def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, sched
     top = feasible_split(prob, cands[hi], memory_budget)
     checks += 1
     if top is None:
-        raise _no_fit(prob)
+        raise _no_fit(prob) if explain else NoFeasiblePlanError(
+            f"no split of {prob.n} units into {prob.stages} pipeline stages fits the budget")
     best_bounds = top
     while lo < hi:
         mid = (lo + hi) // 2

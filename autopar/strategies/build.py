@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from autopar.cost_models.comm import collective_time, group_link
+from autopar.cost_models.comm import bucketed_time, collective_time, group_link
 from autopar.cost_models.compute import backward_factors, compute_time, is_matmul
 from autopar.cost_models.memory import (activation_bytes_per_element, saved_for_backward,
                                         state_bytes)
@@ -363,7 +363,7 @@ class _Builder:
             local = node.out.numel / _degree(ins[pos], self.mesh)
             for a in self._free_axes():
                 if grads[pos][a] == "P":
-                    tp += collective_time("all_reduce", local * 4.0, self.mesh.sizes[a],
+                    tp += bucketed_time("all_reduce", local * 4.0, self.mesh.sizes[a],
                                           self.links[a])
             if dpa is None or self.mesh.sizes[dpa] == 1:
                 continue
@@ -371,14 +371,14 @@ class _Builder:
             grad_bytes = local * 4.0  # gradients are reduced in fp32 (MixedPrecisionPolicy)
             if self.st.zero == 3:
                 w = local * self.act_elt
-                micro += 2 * collective_time("all_gather", w, dpn, link)
-                micro += collective_time("reduce_scatter", grad_bytes, dpn, link)
+                micro += 2 * bucketed_time("all_gather", w, dpn, link)
+                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link)
                 gather += w
             elif self.st.zero in (1, 2):
-                step += collective_time("reduce_scatter", grad_bytes, dpn, link)
-                step += collective_time("all_gather", local * self.states.param, dpn, link)
+                step += bucketed_time("reduce_scatter", grad_bytes, dpn, link)
+                step += bucketed_time("all_gather", local * self.states.param, dpn, link)
             else:
-                step += collective_time("all_reduce", grad_bytes, dpn, link)
+                step += bucketed_time("all_reduce", grad_bytes, dpn, link)
         return micro, step, tp, gather
 
     def _saved_owner(self) -> dict[tuple[str, int], str]:

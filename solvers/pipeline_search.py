@@ -1,0 +1,158 @@
+"""Score one pipelined candidate: intra-op ILP for the stage mesh, then the inter-op
+split of the units into stages under the schedule.
+
+The two levels are solved in turn, as in Alpa (Zheng et al., OSDI'22 §5) but with
+one intra-op plan per distinct layer shared by every stage (the stages' submeshes
+all have the shape dp × tp):
+
+1. the intra-op ILP (:mod:`autopar.solvers.ilp`) picks every op's strategy on the
+   dp × tp stage mesh. Its memory constraint is rewritten for a device that holds
+   1/pp of the model and ``in_flight`` micro-batches of activations of that share:
+
+       M_pp(s) = Σ_v m_v (static_v(s_v) / pp + activations_v(s_v) · in_flight / pp)
+
+   where ``in_flight`` is what the first rank holds at the schedule's peak (min(m, p)
+   for 1F1B-like schedules, m for GPipe);
+2. the units' costs under that solution (:func:`autopar.solvers.units.unit_costs`)
+   go to the stage DP (:func:`autopar.solvers.interop.split_stages`), which places
+   the units on pp · v stages, checks each rank's memory exactly for the schedule,
+   and returns the schedule's simulated step time.
+
+The step time adds the data-parallel gradient synchronization each rank cannot hide:
+it runs after the rank's last backward and overlaps only with it (Megatron-LM's
+overlapped gradient reduction):
+
+    T = T_schedule + max_r max(0, step_comm_r − overlap · backward_r)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.cost_models.comm import collective_time, group_link
+from autopar.errors import NoFeasiblePlanError
+from autopar.graph import Graph
+from autopar.sharding import Mesh
+from autopar.solvers.ilp import Solution, solve_ilp
+from autopar.solvers.interop import StageSplit, UnitCost, split_stages
+from autopar.solvers.problem import NodeChoice, Problem
+from autopar.solvers.schedules import stage_ranks
+from autopar.solvers.units import Unit, unit_costs
+from autopar.strategies.build import Built
+
+
+@dataclass
+class PipelineOutcome:
+    """A solved pipelined candidate."""
+
+    solution: Solution
+    units: list[Unit]
+    split: StageSplit
+    step_time_s: float
+    memory_bytes: float
+    p2p_s: float
+    exposed_step_comm_s: float
+
+
+def in_flight(schedule: str, pp: int, num_microbatches: int) -> int:
+    """Micro-batches of activations the first rank holds at its peak (in units of one
+    stage's share): all m for GPipe, min(m, pp) for the 1F1B family."""
+    return num_microbatches if schedule == "gpipe" else min(num_microbatches, pp)
+
+
+def pipeline_problem(built: Built, pp: int, held: int) -> Problem:
+    """A copy of ``built.problem`` whose memory is that of one pipeline rank (see the
+    module docstring)."""
+    nodes = []
+    for node, details in zip(built.problem.nodes, built.strategies):
+        costs = []
+        for sc, ns in zip(node.strategies, details):
+            act = ns.memory.get("activations", 0.0)
+            static = sc.memory_bytes - act
+            costs.append(replace(sc, memory_bytes=(static + act * held) / pp))
+        nodes.append(NodeChoice(node.name, costs, node.multiplicity, node.gather_multiplicity))
+    return replace(built.problem, nodes=nodes)
+
+
+def boundary_bytes(g: Graph, built: Built, choice: list[int]) -> float:
+    """Bytes per device of the activation handed from one block to the next for one
+    micro-batch: the first block's output at the micro-batch size, divided by the
+    split its chosen placement gives it."""
+    if not g.layers:
+        return 0.0
+    layer_nodes = set(g.layers[0].nodes)
+    last = next(n for n in reversed(g.nodes) if n.name in layer_nodes and n.kind == "op")
+    out = last.out
+    if out is None:
+        return 0.0
+    st = built.settings
+    dp = st.mesh.sizes[st.mesh.names.index("dp")] if "dp" in st.mesh.names else 1
+    factor = st.microbatch_size * dp / g.batch_size
+    elt = 2.0 if st.precision in ("bf16", "fp16") else 4.0
+    k = built.names.index(g.canonical.get(last.name, last.name))
+    split = 1
+    for p, size in zip(built.strategies[k][choice[k]].out, st.mesh.sizes):
+        split *= size if p.startswith("S(") else 1
+    return out.numel * factor * elt / split
+
+
+def _solve(problem: Problem) -> Solution | NoFeasiblePlanError:
+    """The ILP's solution, or the error saying it does not fit (checked first with the
+    cheap bound: every node's smallest memory)."""
+    least = problem.fixed_memory + sum(
+        min(n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes
+            for s in n.strategies) for n in problem.nodes)
+    if least > problem.memory_budget:
+        return NoFeasiblePlanError(f"one pipeline rank needs at least {least / 1e9:.2f} GB "
+                                   f"of the {problem.memory_budget / 1e9:.2f} GB budget")
+    try:
+        return solve_ilp(problem)
+    except NoFeasiblePlanError as e:
+        return e
+
+
+def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_stages: int,
+                   overlap: float = 1.0,
+                   solved: dict[tuple, tuple[Solution, list[Unit]] | NoFeasiblePlanError] | None = None,
+                   bound: float = float("inf")) -> PipelineOutcome | None:
+    """Solve one pipelined candidate (see the module docstring); raises
+    NoFeasiblePlanError when no split fits. ``solved`` caches intra-op solutions
+    by (problem, pp, in-flight micro-batches), which schedules share. Returns None
+    when even a bubble-free pipeline of this solution would take ``bound`` or more."""
+    st = built.settings
+    m = st.num_microbatches
+    held = in_flight(schedule, pp, m)
+    solved = {} if solved is None else solved
+    key = (id(built), pp, held)
+    if key not in solved:
+        found = _solve(pipeline_problem(built, pp, held))
+        if isinstance(found, NoFeasiblePlanError):
+            solved[key] = found
+        else:
+            memory = [[s.memory for s in ss] for ss in built.strategies]
+            solved[key] = (found, unit_costs(g, built.problem, built.names, memory,
+                                             found.choice))
+    entry = solved[key]
+    if isinstance(entry, NoFeasiblePlanError):
+        raise entry
+    sol, units = entry
+    if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
+        return None
+    full = Mesh(("pp",) + st.mesh.names, (pp,) + st.mesh.sizes)
+    link = group_link(full.sizes, 0, st.gpus_per_node, st.hw)
+    p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2, link)
+    costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
+                      u.activation_bytes, u.static_bytes) for u in units]
+    split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
+                         p2p_s=p2p, memory_budget=st.memory_budget, explain=False)
+    ranks = split.estimate.peak_memory_bytes
+    per_rank_comm = [0.0] * pp
+    per_rank_bwd = [0.0] * pp
+    for (a, b), r in zip(split.bounds, stage_ranks(schedule, pp, virtual_stages)):
+        per_rank_comm[r] += sum(u.step_comm_s for u in units[a:b])
+        per_rank_bwd[r] += sum(u.backward_s for u in units[a:b])
+    exposed = max(max(0.0, c - overlap * w) for c, w in zip(per_rank_comm, per_rank_bwd))
+    if not split.bounds:
+        raise NoFeasiblePlanError("the stage split is empty")
+    return PipelineOutcome(sol, units, split, split.estimate.step_time_s + exposed,
+                           max(ranks), p2p, exposed)

@@ -1,0 +1,123 @@
+"""Pipeline units: the model cut into the pieces that pipeline stages are made of, and
+the cost of each piece under an intra-op solution.
+
+The units of a captured graph are, in order: everything before the first repeated
+block (``pre``: the embeddings), each repeated block, and everything after the last
+(``post``: final norm, head and loss). A model with no repeated blocks is one unit.
+
+A unit's costs are the exact share of the intra-op objective (see
+:mod:`autopar.solvers.problem`) that its op instances carry: every graph node adds the
+costs of its canonical node's chosen strategy to the unit holding it, and every
+producer→consumer edge adds its resharding cost to the consumer's unit, so the unit
+costs sum to the whole graph's. Per micro-batch:
+
+    forward_s  = Σ (compute − bwd_compute) + comm/2 + reshard/2
+    backward_s = Σ bwd_compute + comm/2 + reshard/2 + exposed ZeRO-3 traffic
+
+(activation collectives and resharding are charged half to each pass: each forward
+conversion has its dual conversion of the gradient in backward.) Bytes per device:
+``static_bytes`` = parameters, gradients, optimizer state and ZeRO-3 gathered
+parameters; ``activation_bytes`` = what autograd saves for one micro-batch.
+``step_comm_s`` is the unit's once-per-step gradient synchronization over ``dp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.graph import Graph
+from autopar.solvers.problem import Problem
+
+
+@dataclass
+class Unit:
+    """One pipeline unit: its module paths and costs (see the module docstring)."""
+
+    name: str
+    modules: list[str]
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    backward_weight_s: float = 0.0
+    activation_bytes: float = 0.0
+    static_bytes: float = 0.0
+    step_comm_s: float = 0.0
+    nodes: list[str] = field(default_factory=list)
+
+
+def unit_of_nodes(g: Graph) -> tuple[list[Unit], dict[str, int]]:
+    """The units of ``g`` (without costs) and the unit index of every node."""
+    if not g.layers:
+        return [Unit("model", [""], nodes=[n.name for n in g.nodes])], \
+            {n.name: 0 for n in g.nodes}
+    pos = {n.name: k for k, n in enumerate(g.nodes)}
+    start = pos[g.layers[0].nodes[0]]
+    units = [Unit("pre", [])] + [Unit(lay.path, [lay.path]) for lay in g.layers] + \
+        [Unit("post", [])]
+    where: dict[str, int] = {}
+    first_user = {}
+    for n in g.nodes:
+        for i in n.inputs:
+            first_user.setdefault(i, n)
+    for n in g.nodes:
+        if n.kind == "param" and n.name in first_user:  # a parameter goes with its user
+            user = first_user[n.name]
+            where[n.name] = user.layer + 1 if user.layer is not None else \
+                (0 if pos[user.name] < start else len(units) - 1)
+        elif n.layer is not None:
+            where[n.name] = n.layer + 1
+        else:
+            where[n.name] = 0 if pos[n.name] < start else len(units) - 1
+        units[where[n.name]].nodes.append(n.name)
+    for u in (units[0], units[-1]):
+        for name in u.nodes:
+            n = g.node(name)
+            if n.kind == "op" and n.params and n.module_path not in u.modules:
+                u.modules.append(n.module_path)
+    return units, where
+
+
+def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[dict]],
+               choice: list[int]) -> list[Unit]:
+    """The units of ``g`` with their costs under ``choice`` (one strategy index per
+    problem node; ``names`` are the problem nodes' graph names and ``memory[k][i]``
+    the memory categories of node k's strategy i)."""
+    units, where = unit_of_nodes(g)
+    index = {name: k for k, name in enumerate(names)}
+    for n in g.nodes:
+        k = index.get(g.canonical.get(n.name, n.name))
+        if k is None:
+            continue
+        s = problem.nodes[k].strategies[choice[k]]
+        u = units[where[n.name]]
+        u.forward_s += s.compute_s - s.bwd_compute_s + s.comm_s / 2
+        u.backward_s += s.bwd_compute_s + s.comm_s / 2 + s.micro_param_comm_s
+        u.backward_weight_s += s.bwd_compute_s / 2  # weight grad: one of backward's 2 GEMMs
+        u.step_comm_s += s.step_param_comm_s
+        mem = memory[k][choice[k]]
+        u.activation_bytes += mem.get("activations", 0.0)
+        u.static_bytes += sum(v for c, v in mem.items() if c != "activations")
+    _add_edges(g, problem, names, choice, units, where)
+    return units
+
+
+def _add_edges(g: Graph, problem: Problem, names: list[str], choice: list[int],
+               units: list[Unit], where: dict[str, int]) -> None:
+    """Charge each instance edge's resharding to its consumer's unit (half per pass).
+
+    ``problem.edges`` lists one edge per distinct (producer, consumer, input position)
+    of canonical nodes, in the order of first occurrence in the graph
+    (:func:`autopar.strategies.build.build_problem`); the same walk finds them here."""
+    index = {name: k for k, name in enumerate(names)}
+    order: dict[tuple[int, int, int], int] = {}
+    for n in g.nodes:
+        if n.kind != "op":
+            continue
+        v = index[g.canonical.get(n.name, n.name)]
+        for pos, i in enumerate(n.inputs):
+            if g.node(i).kind == "param":
+                continue
+            u = index[g.canonical.get(i, i)]
+            k = order.setdefault((u, v, pos), len(order))
+            c = problem.edges[k].cost.get((choice[u], choice[v]), 0.0)
+            units[where[n.name]].forward_s += c / 2
+            units[where[n.name]].backward_s += c / 2
