@@ -1,6 +1,25 @@
-"""Compute time of one operator: a roofline with per-dtype efficiencies.
+"""Compute time of one operator: measured tables where they reach, else a roofline.
 
-    t = max(F / (P_dtype · e_dtype), B / (W · e_W)) + t_launch
+:func:`op_time` knows the op and its local shapes. It looks the op up in the profile's
+measured tables (:mod:`autopar.cost_models.tables`: GEMMs by (m, n, k, dtype),
+attention by (batch·heads, seq, head_dim, pass), memory-bound ops by kind and size) and
+falls back to :func:`compute_time`'s roofline only outside them (no tables, an op kind
+or dtype not measured, a shape beyond the measured range). Either way
+
+    t = max(t_device, t_launch)
+
+where t_launch is the host's dispatch time of one op (``kernel_overhead_s``, measured
+as ``host_dispatch`` by ``autopar profile``). Eager PyTorch launches asynchronously, so
+the device runs behind the host and a stream of ops takes the larger of the two per op,
+not their sum. The H100 measurements support this (benchmarks/results/h100_ops.json,
+``seconds`` eager against ``graph_seconds``): a 2048³ bf16 GEMM takes 25.4 µs eager and
+24.1 µs as a graph (max: 24.1, sum: 30.2); a GPT-2 residual add 10.4 µs eager and 8.8 µs
+as a graph (max: 8.8, sum: 14.9); a 0.5 M-element copy 7.1 µs eager, 1.4 µs as a graph,
+6.1 µs host dispatch (max: 6.1, sum: 7.5).
+
+The roofline (:func:`compute_time`):
+
+    t_device = max(F / (P_dtype · e_dtype), B / (W · e_W))
 
 F = floating-point operations, B = bytes read and written, P = peak FLOP/s of the
 matrix units (``matmul_flops``) for matrix products and attention, or of the vector
@@ -13,7 +32,12 @@ profile, which names its sources.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from autopar.cost_models.hardware import HardwareProfile
+from autopar.cost_models.tables import (ELEMENT_BYTES, attention_time, gemm_time,
+                                        memory_bound_time)
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32",
            "bf16": "bf16", "fp16": "fp16", "tf32": "tf32"}
@@ -45,7 +69,117 @@ def compute_time(flops: float, nbytes: float, *, matmul: bool, dtype: str,
         eff = 1.0
     t_flops = flops / (peak * eff) if flops else 0.0
     t_bytes = nbytes / (hw.memory_bandwidth * hw.memory_efficiency) if nbytes else 0.0
-    return max(t_flops, t_bytes) + hw.kernel_overhead_s
+    return max(t_flops, t_bytes, hw.kernel_overhead_s)
+
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpShapes:
+    """What the measured tables need to know about one op: its target, the local shapes
+    of its tensor inputs (node.inputs order; None for a non-tensor) and output, and
+    whether an attention op is causal."""
+
+    target: str
+    inputs: tuple[Shape | None, ...]
+    output: Shape | None
+    causal: bool = False
+
+
+# Memory-bound op kinds of the profile's tables, by aten op name. Binary arithmetic is
+# timed as ``add``/``mul`` (read two tensors, write one), other elementwise functions
+# as ``silu`` (read one, write one, a few flops per element), copies as ``copy``.
+_MEMORY_KIND: dict[str, str] = {
+    **{op: "add" for op in "add sub rsub div true_divide where masked_fill maximum minimum".split()},
+    **{op: "mul" for op in ("mul",)},
+    **{op: "silu" for op in """silu sigmoid tanh exp log neg relu rsqrt sqrt reciprocal pow
+        dropout cos sin abs erf clamp clamp_min clamp_max""".split()},
+    "gelu": "gelu",
+    **{op: "copy" for op in "clone contiguous _to_copy to copy cat stack repeat".split()},
+    "layer_norm": "layer_norm", "group_norm": "layer_norm", "rms_norm": "rms_norm",
+    **{op: "softmax" for op in "softmax _softmax log_softmax _log_softmax".split()},
+    "embedding": "embedding", "cross_entropy_loss": "cross_entropy",
+}
+_MAIN_IS_OUTPUT = frozenset({"add", "mul", "silu", "gelu", "copy", "embedding"})
+_GEMM_OPS = frozenset({"linear", "mm", "addmm", "bmm", "matmul"})
+
+
+def local_shape(shape: Shape | None, placements: tuple[str, ...],
+                mesh_sizes: tuple[int, ...]) -> Shape | None:
+    """``shape`` as one device holds it: each dim named ``S(d)`` on a mesh axis divided by
+    that axis' size (``R`` and ``P`` keep the full shape)."""
+    if shape is None:
+        return None
+    out = list(shape)
+    for p, size in zip(placements, mesh_sizes):
+        if p.startswith("S(") and size > 1:
+            d = int(p[2:-1])
+            if d < len(out):
+                out[d] = max(1, out[d] // size)
+    return tuple(out)
+
+
+def _gemm_dims(op: str, ins: tuple[Shape | None, ...]) -> tuple[float, float, float] | None:
+    """(m, n, k) of a matrix product from its local input shapes (batch dims of bmm /
+    matmul folded into m)."""
+    if op == "linear" and len(ins) >= 2 and ins[0] and ins[1] and len(ins[1]) == 2:
+        k = ins[0][-1]
+        return math.prod(ins[0]) / max(k, 1), float(ins[1][0]), float(k)
+    first = 1 if op == "addmm" else 0
+    if len(ins) < first + 2:
+        return None
+    a, b = ins[first], ins[first + 1]
+    if not a or not b or len(a) < 2 or len(b) < 2:
+        return None
+    return math.prod(a) / a[-1], float(b[-1]), float(a[-1])
+
+
+def _table_time(op: str, shapes: OpShapes, flops: float, backward: bool, dtype: str,
+                hw: HardwareProfile) -> float | None:
+    t = hw.tables
+    if t is None:
+        return None
+    if op in _GEMM_OPS:
+        dims = _gemm_dims(op, shapes.inputs)
+        if dims is None:
+            return None
+        m, n, k = dims
+        if not backward:
+            return gemm_time(t, m, n, k, dtype)
+        # dX = dY·W: (m, k, n); dW = dYᵀ·X (weight) or dB = Aᵀ·dY: (n, k, m) / (k, n, m)
+        second = (n, k, m) if op in ("linear", "addmm") else (k, n, m)
+        parts = [gemm_time(t, m, k, n, dtype), gemm_time(t, *second, dtype)]
+        return None if None in parts else sum(parts)  # type: ignore[arg-type]
+    if op == "scaled_dot_product_attention":
+        q = shapes.inputs[0] if shapes.inputs else None
+        if not q or len(q) < 3:
+            return None
+        return attention_time(t, float(math.prod(q[:-2])), float(q[-2]), float(q[-1]),
+                              flops, dtype, "bwd" if backward else "fwd")
+    kind = _MEMORY_KIND.get(op.rstrip("_"))
+    if kind is None:
+        return None
+    main = shapes.output if kind in _MAIN_IS_OUTPUT or not shapes.inputs else shapes.inputs[0]
+    if main is None:
+        return None
+    return memory_bound_time(t, kind, math.prod(main) * ELEMENT_BYTES.get(dtype, 4), dtype,
+                             "bwd" if backward else "fwd")
+
+
+def op_time(shapes: OpShapes, flops: float, nbytes: float, *, backward: bool, dtype: str,
+            hw: HardwareProfile) -> float:
+    """Seconds of one op, forward or (``backward``) its backward, on local shapes:
+    the profile's measured tables where they reach, else the roofline of ``flops`` and
+    ``nbytes`` (which the caller has already scaled for the backward); see the module
+    docstring. Ops with no work cost 0."""
+    if not (flops or nbytes):
+        return 0.0
+    key = _DTYPES.get(dtype, "fp32")
+    measured = _table_time(_op_name(shapes.target), shapes, flops, backward, key, hw)
+    if measured is not None:
+        return max(measured, hw.kernel_overhead_s)
+    return compute_time(flops, nbytes, matmul=is_matmul(shapes.target), dtype=dtype, hw=hw)
 
 
 # Backward-pass work relative to the forward pass (FLOPs factor, bytes factor).

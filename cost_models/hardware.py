@@ -3,6 +3,15 @@
 A profile is a JSON file in which every number is ``{"value": ..., "source": "..."}``
 so that a reviewer sees where it came from. Shipped profiles live in ``profiles/``;
 ``Cluster(profile="path.json")`` loads a user's own.
+
+A profile may carry measured compute tables (:mod:`autopar.cost_models.tables`):
+``"tables": {"file": "measured/x.profile.json", "source": "..."}`` names a file written
+by ``autopar profile`` (relative to the profile's folder). A file written by
+``autopar profile`` (format ``autopar-profile/1``) is itself accepted as a profile:
+:func:`profile_from_measured` takes what it measured (GEMM peak per dtype, copy
+bandwidth, launch overhead, collective α-β fits, the tables) over a base profile that
+supplies the rest (device memory where not measured, interconnect a single process
+cannot measure), each field's source saying which is which.
 """
 
 from __future__ import annotations
@@ -13,7 +22,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from autopar.cost_models.tables import ComputeTables, tables_from_profile
 from autopar.errors import ConfigError, PlanFormatError
+
+MEASURED_FORMAT = "autopar-profile/1"
+"""The format tag of profiles written by ``autopar profile``."""
 
 ALIASES = {"h100": "h100-sxm", "h100-80g": "h100-sxm", "a100": "a100-80g",
            "a100-sxm": "a100-80g"}
@@ -48,6 +61,7 @@ class HardwareProfile:
     host_link: LinkSpec
     sources: dict[str, str] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+    tables: ComputeTables | None = None
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -77,24 +91,112 @@ def available_profiles() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
-def load_profile(name_or_path: str) -> HardwareProfile:
-    """Load a shipped profile by name (or alias) or a profile JSON file by path."""
+def _shipped_folder():
+    return resources.files("autopar.cost_models") / "profiles"
+
+
+def load_profile(name_or_path: str, base: str | None = None) -> HardwareProfile:
+    """Load a shipped profile by name (or alias) or a profile JSON file by path. A file
+    written by ``autopar profile`` is completed from the profile named ``base``
+    (default: ``cpu`` for a CPU measurement, else ``h100-sxm``)."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ConfigError(f"GPU/profile {name_or_path!r} must be a non-empty string")
     if name_or_path.endswith(".json") or "/" in name_or_path:
         path = Path(name_or_path)
         if not path.is_file():
             raise ConfigError(f"hardware profile file {name_or_path!r} does not exist")
-        text, origin = path.read_text(), str(path)
+        text, origin, folder = path.read_text(), str(path), path.parent
     else:
         key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
         known = available_profiles()
         if key not in known:
             raise ConfigError(f"unknown GPU {name_or_path!r}; known profiles: "
                               f"{', '.join(known)} (or pass the path of a profile JSON file)")
-        text = (resources.files("autopar.cost_models") / "profiles" / f"{key}.json").read_text()
-        origin = f"{key}.json"
-    return parse_profile(text, origin)
+        folder = _shipped_folder()
+        text, origin = (folder / f"{key}.json").read_text(), f"{key}.json"
+    data = _json_object(text, origin)
+    if data.get("format") == MEASURED_FORMAT:
+        kind = (data.get("provenance") or {}).get("device_type") if isinstance(
+            data.get("provenance"), dict) else None
+        base_hw = load_profile(base or ("cpu" if kind == "cpu" else "h100-sxm"))
+        return profile_from_measured(data, base_hw, origin)
+    return parse_profile(text, origin, folder=folder)
+
+
+def _json_object(text: str, origin: str) -> dict:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanFormatError(f"hardware profile {origin} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise PlanFormatError(f"hardware profile {origin} must be a JSON object")
+    return data
+
+
+def _tables_ref(data: dict, origin: str, folder: Any, sources: dict[str, str]) -> ComputeTables | None:
+    ref = data.get("tables")
+    if ref is None:
+        return None
+    if not isinstance(ref, dict) or not isinstance(ref.get("file"), str):
+        raise PlanFormatError(f"hardware profile {origin}: field 'tables' must be "
+                              '{"file": "<measured profile JSON>", "source": "..."}')
+    target = (folder / ref["file"]) if folder is not None else Path(ref["file"])
+    try:
+        text = target.read_text()
+    except OSError:
+        raise PlanFormatError(f"hardware profile {origin}: its tables file {ref['file']!r} "
+                              "cannot be read") from None
+    sources["tables"] = str(ref.get("source", ref["file"]))
+    return tables_from_profile(_json_object(text, ref["file"]), ref["file"])
+
+
+def profile_from_measured(doc: dict, base: HardwareProfile,
+                          origin: str = "<measured>") -> HardwareProfile:
+    """A profile from a document written by ``autopar profile``: its measured GEMM
+    peak per dtype (efficiency 1: the peak is itself a measured rate), copy bandwidth,
+    host dispatch overhead, all-reduce α-β fit (ring bus bandwidth and per-step latency,
+    for the intra-node link, and the inter-node link too on a CPU) and tables; the rest
+    from ``base``."""
+    tables = tables_from_profile(doc, origin)
+    prov = doc.get("provenance") if isinstance(doc.get("provenance"), dict) else {}
+    summary = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
+    how = f"measured by `autopar profile` ({origin}, {prov.get('date', '?')})"
+    src = dict(base.sources)
+    flops = dict(base.matmul_flops)
+    eff = dict(base.matmul_efficiency)
+    for dt, best in (summary.get("gemm_peak_flop_per_s") or {}).items():
+        if isinstance(best, dict) and isinstance(best.get("flop_per_s"), (int, float)):
+            flops[dt], eff[dt] = float(best["flop_per_s"]), 1.0
+            src[f"matmul_flops.{dt}"] = f"{how}: best {dt} GEMM rate, shape {best.get('shape')}"
+            src[f"matmul_efficiency.{dt}"] = "1: the peak above is itself a measured rate"
+    hw = replace(base, name=f"{base.name} (measured: {origin})",
+                 device_name=str(prov.get("device_name", base.device_name)),
+                 matmul_flops=flops, matmul_efficiency=eff, tables=tables,
+                 provenance={**prov, "base_profile": base.name})
+    copy = summary.get("copy_bytes_per_s")
+    if isinstance(copy, dict) and isinstance(copy.get("bytes_per_s"), (int, float)):
+        hw = replace(hw, memory_bandwidth=float(copy["bytes_per_s"]), memory_efficiency=1.0)
+        src["memory_bandwidth"] = f"{how}: copy of {copy.get('bytes')} bytes, read + write"
+        src["memory_efficiency"] = "1: the bandwidth above is itself a measured rate"
+    if tables.launch_s is not None:
+        hw = replace(hw, kernel_overhead_s=tables.launch_s)
+        src["kernel_overhead_s"] = f"{how}: host dispatch of a tiny op"
+    if isinstance(prov.get("memory_bytes"), (int, float)):
+        hw = replace(hw, memory_bytes=float(prov["memory_bytes"]))
+        src["memory_bytes"] = f"{how}: device memory reported by torch"
+    fits = (doc.get("fits") or {}).get("collectives") or {}
+    ar = [f for f in fits.values() if isinstance(f, dict) and f.get("op") == "all_reduce"]
+    if ar:
+        best = max(ar, key=lambda f: f.get("world", 0))
+        link = LinkSpec(float(best["bus_bandwidth_bytes_per_s"]), float(best["alpha_per_step_s"]))
+        note = f"{how}: all-reduce over {best['world']} processes, α-β fit"
+        hw = replace(hw, intra_node=link)
+        src["intra_node.bandwidth"] = src["intra_node.latency"] = note
+        if prov.get("device_type") == "cpu":
+            hw = replace(hw, inter_node=link)
+            src["inter_node.bandwidth"] = src["inter_node.latency"] = note + " (one machine)"
+    src["tables"] = tables.source
+    return replace(hw, sources=src)
 
 
 def _num(data: dict, key: str, origin: str, sources: dict[str, str], prefix: str = "") -> float:
@@ -127,15 +229,12 @@ def _link(data: dict, key: str, origin: str, sources: dict[str, str]) -> LinkSpe
                     _num(t, "latency", origin, sources, f"{key}."))
 
 
-def parse_profile(text: str, origin: str = "<text>") -> HardwareProfile:
-    """Parse profile JSON text; raises PlanFormatError naming the bad field."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanFormatError(f"hardware profile {origin} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise PlanFormatError(f"hardware profile {origin} must be a JSON object")
+def parse_profile(text: str, origin: str = "<text>", folder: Any = None) -> HardwareProfile:
+    """Parse profile JSON text; raises PlanFormatError naming the bad field. A
+    ``tables`` file is read relative to ``folder``."""
+    data = _json_object(text, origin)
     src: dict[str, str] = {}
+    tables = _tables_ref(data, origin, folder, src)
     try:
         return HardwareProfile(
             name=str(data["name"]), device_name=str(data.get("device_name", data["name"])),
@@ -151,6 +250,6 @@ def parse_profile(text: str, origin: str = "<text>") -> HardwareProfile:
             intra_node=_link(data, "intra_node", origin, src),
             inter_node=_link(data, "inter_node", origin, src),
             host_link=_link(data, "host_link", origin, src),
-            sources=src, provenance=dict(data.get("provenance", {})))
+            sources=src, provenance=dict(data.get("provenance", {})), tables=tables)
     except KeyError as e:
         raise PlanFormatError(f"hardware profile {origin} is missing the field {e}") from None

@@ -31,7 +31,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from autopar.cost_models.comm import bucketed_time, collective_time, group_link
-from autopar.cost_models.compute import backward_factors, compute_time, is_matmul
+from autopar.cost_models.compute import OpShapes, backward_factors, local_shape, op_time
 from autopar.cost_models.memory import (activation_bytes_per_element, saved_for_backward,
                                         state_bytes)
 from autopar.graph import OpNode, TensorMeta
@@ -293,15 +293,20 @@ class _Builder:
         elt_scale = self.act_elt / 4.0
         flops = n.flops * f / shard
         nbytes = n.bytes * f * elt_scale / shard
-        mm = is_matmul(n.target)
-        fwd = compute_time(flops, nbytes, matmul=mm, dtype=self.dtype, hw=self.st.hw) \
-            if (flops or nbytes) else 0.0
+        sizes = self.mesh.sizes
+        out_meta = self.meta(n.name)
+        shapes = OpShapes(n.target, tuple(
+            local_shape(m.shape if m is not None else None, p, sizes)
+            for m, p in zip((self.meta(i) for i in n.inputs), ins)),
+            local_shape(out_meta.shape if out_meta is not None else None, raw, sizes),
+            causal=len(n.args) > 5 and n.args[5] is True)
+        fwd = op_time(shapes, flops, nbytes, backward=False, dtype=self.dtype, hw=self.st.hw)
         bwd = 0.0
         if n.requires_grad and (flops or nbytes):
             ff, bf = backward_factors(n.target)
             if ff or bf:
-                bwd = compute_time(flops * ff, nbytes * bf, matmul=mm, dtype=self.dtype,
-                                   hw=self.st.hw)
+                bwd = op_time(shapes, flops * ff, nbytes * bf, backward=True,
+                              dtype=self.dtype, hw=self.st.hw)
         comm = 0.0
         if out != raw:
             grad_out = out
