@@ -19,8 +19,11 @@ class Cluster:
         gpus_per_node: devices per node (processes per node on CPU).
         intra_node_bandwidth: GB/s per GPU inside a node; overrides the profile.
         inter_node_bandwidth: GB/s per GPU across nodes; overrides the profile.
-        profile: path of a hardware profile JSON (e.g. written by ``autopar profile``);
-            used instead of the shipped profile named by ``gpu``.
+        profile: path of a hardware profile JSON, used instead of the shipped profile
+            named by ``gpu``. A file written by ``autopar profile`` is taken as
+            measured (compute tables, GEMM peak, copy bandwidth, launch overhead,
+            collective α-β fits) and completed from ``gpu``'s profile (``cpu`` for a
+            CPU measurement) for what it did not measure, such as the interconnect.
         memory_gb: device memory in GB (1e9 bytes); overrides the profile.
     """
 
@@ -52,7 +55,7 @@ class Cluster:
         """The hardware profile with this cluster's overrides applied."""
         from autopar.cost_models.hardware import load_profile
 
-        hw = load_profile(self.profile or self.gpu)
+        hw = load_profile(self.profile, base=self.gpu) if self.profile else load_profile(self.gpu)
         return hw.with_overrides(
             intra_node_bandwidth=self.intra_node_bandwidth,
             inter_node_bandwidth=self.inter_node_bandwidth,

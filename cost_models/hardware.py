@@ -98,7 +98,7 @@ def _shipped_folder():
 def load_profile(name_or_path: str, base: str | None = None) -> HardwareProfile:
     """Load a shipped profile by name (or alias) or a profile JSON file by path. A file
     written by ``autopar profile`` is completed from the profile named ``base``
-    (default: ``cpu`` for a CPU measurement, else ``h100-sxm``)."""
+    (``cpu`` for a CPU measurement; default ``h100-sxm`` for a GPU one)."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ConfigError(f"GPU/profile {name_or_path!r} must be a non-empty string")
     if name_or_path.endswith(".json") or "/" in name_or_path:
@@ -118,7 +118,7 @@ def load_profile(name_or_path: str, base: str | None = None) -> HardwareProfile:
     if data.get("format") == MEASURED_FORMAT:
         kind = (data.get("provenance") or {}).get("device_type") if isinstance(
             data.get("provenance"), dict) else None
-        base_hw = load_profile(base or ("cpu" if kind == "cpu" else "h100-sxm"))
+        base_hw = load_profile("cpu" if kind == "cpu" else (base or "h100-sxm"))
         return profile_from_measured(data, base_hw, origin)
     return parse_profile(text, origin, folder=folder)
 

@@ -12,7 +12,9 @@ measured operator times. :func:`tables_from_profile` reads them into
   measured times are made isotonic (a GEMM never takes less time than one it contains;
   first principles — measured inversions are timing noise), so the lookup is exact at
   every measured point and never predicts a bigger GEMM faster than a measured smaller
-  one.
+  one. Between measured points it is monotone where the neighbours bracket the query;
+  for skinny (m < 64) shapes at an (n, k) not measured, the weighted neighbour rates can
+  dip by up to ~25% from one power of two to the next (tests/test_cost_tables.py).
 * **Attention** — scaled_dot_product_attention per (dtype, pass): the achieved rate
   (FlashAttention-2 FLOP convention, causal counted as half; :mod:`autopar.flops`)
   interpolated the same way over (log batch·heads, log seq, log head_dim); the time is
