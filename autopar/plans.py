@@ -23,6 +23,7 @@ READABLE_VERSIONS = (1, 2)  # version 1 plans (no pipeline) read as version 2 wi
 
 TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -137,6 +138,12 @@ class Plan:
         solver: solver statistics (name, status, variables, constraints, time_s, ...).
         notes: human-readable remarks from the planner.
         pipeline: the pipeline stages and schedule, or None without pipelining.
+        recompute: block path (as in ``blocks``) -> activation recomputation of that
+            block: "none", "selective" (keep matrix-product outputs, recompute the
+            pointwise ops, norms and attention internals) or "full" (keep only the
+            block's input); a block not listed is "none".
+        offload: parameters, gradients and optimizer state kept in host memory
+            between uses (FSDP2 ``CPUOffloadPolicy``; with ``zero`` 3).
     """
 
     model: str
@@ -162,6 +169,8 @@ class Plan:
     solver: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     pipeline: PipelinePlan | None = None
+    recompute: dict[str, str] = field(default_factory=dict)
+    offload: bool = False
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -259,6 +268,12 @@ def _check_plan(plan: Plan) -> None:
         if mp.style not in TP_STYLES:
             raise PlanFormatError(f"module {path!r} has unknown style {mp.style!r}; "
                                   f"expected one of {', '.join(TP_STYLES)}")
+    for block, mode in plan.recompute.items():
+        if mode not in RECOMPUTE:
+            raise PlanFormatError(f"block {block!r} has recomputation {mode!r}; expected one of "
+                                  f"{', '.join(RECOMPUTE)}")
+    if plan.offload and plan.zero != 3:
+        raise PlanFormatError("offload needs zero=3 (FSDP2 offloads sharded parameters)")
     if plan.zero not in (0, 1, 2, 3):
         raise PlanFormatError(f"zero stage {plan.zero!r} is not one of 0, 1, 2, 3")
     if plan.microbatch_size < 1 or plan.num_microbatches < 1:

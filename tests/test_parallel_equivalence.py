@@ -55,8 +55,10 @@ def parallel_run(kind: str, space: dict) -> tuple[list[float], dict]:
         losses.append(float(pm.step(x, y)))
         opt.step()
         opt.zero_grad()
+    pipe = pm.plan.pipeline
     return losses, {"mesh": pm.plan.mesh, "zero": pm.plan.zero,
-                    "sp": pm.plan.sequence_parallel, "mb": pm.plan.num_microbatches}
+                    "sp": pm.plan.sequence_parallel, "mb": pm.plan.num_microbatches,
+                    "schedule": pipe.schedule if pipe else None}
 
 
 def run_many(kind: str, cases: list[dict]):
@@ -97,3 +99,23 @@ def test_one_and_two_ranks_match_single_process(world):
     results = run_distributed(world, run_many, "gpt", cases, timeout_s=600)[0]
     for case, (losses, _) in zip(cases, results):
         assert losses == pytest.approx(ref, abs=1e-5), (case, losses, ref)
+
+
+PIPELINES_4 = [
+    {"pp": 2, "dp": 2, "tp": 1},
+    {"pp": 2, "tp": 2},
+    {"pp": 4, "microbatch_size": 2},
+    {"pp": 2, "dp": 2, "schedule": "interleaved_1f1b"},
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_planned_pipelines_match_single_process(kind):
+    """Plans the solver made with pipelining, run by autopar.parallelize."""
+    ref = reference(kind)
+    results = run_distributed(4, run_many, kind, PIPELINES_4, timeout_s=600)[0]
+    for case, (losses, info) in zip(PIPELINES_4, results):
+        assert losses == pytest.approx(ref, abs=1e-5), (case, info, losses, ref)
+        assert info["mesh"]["pp"] == case["pp"] and info["schedule"] is not None
+    assert results[3][1]["schedule"] == "interleaved_1f1b"
