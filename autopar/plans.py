@@ -24,6 +24,17 @@ READABLE_VERSIONS = (1, 2)  # version 1 plans (no pipeline) read as version 2 wi
 TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 RECOMPUTE = ("none", "selective", "full")
+SELECTIVE_SAVE_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "linear", "matmul",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "scaled_dot_product_attention",
+})
+"""What "selective" recomputation keeps (aten op names without overload): the outputs
+of matrix products and of attention, as torchtitan's operator-level activation
+checkpointing does; everything else in the block (pointwise ops, norms, softmax,
+dropout, views) is recomputed in backward. The lowering's checkpoint policy and the
+memory model both read this one list."""
 
 
 @dataclass
