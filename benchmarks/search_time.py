@@ -1,0 +1,97 @@
+"""Planning time, end to end (capture included), for large models on large clusters.
+
+Each case runs ``autopar.plan`` on a ``meta``-device model from the zoo, in a fresh
+process so that no capture or import is shared between cases, and reports the wall
+time of the call, the plan chosen and its predicted step time::
+
+    python benchmarks/search_time.py [--json results.json] [--only llama3-8b]
+
+Global batches: Llama 3 as torchtitan's Llama 3.1 runs (local batch 2 on 8B, FSDP 32
+x local batch 16 on 70B); the GPT models as Megatron-LM's (Narayanan et al., SC'21,
+Table 1; 1536 for the 175B-class row on 1,024 GPUs, 3072 for 1T).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Case:
+    """One planning problem."""
+
+    model: str
+    gpu: str
+    nodes: int
+    global_batch: int
+
+    @property
+    def gpus(self) -> int:
+        """Devices in the cluster (8 per node)."""
+        return self.nodes * 8
+
+
+CASES = (
+    Case("llama3-8b", "h100-sxm", 8, 128),
+    Case("llama3-70b", "h100-sxm", 32, 512),
+    Case("gpt3-175b", "a100-80g", 128, 1536),
+    Case("gpt-1t", "a100-80g", 384, 3072),
+)
+
+
+def _child(case: Case) -> dict:
+    """Plan one case in this process; return the timing and the plan's headline."""
+    import autopar
+    from autopar.examples import zoo
+
+    t0 = time.perf_counter()
+    model, inputs = zoo.get(case.model, batch_size=2, seq_len=None)
+    plan = autopar.plan(model, inputs, cluster=autopar.Cluster(case.gpu, case.nodes, 8),
+                        global_batch=case.global_batch)
+    seconds = time.perf_counter() - t0
+    pipe = plan.pipeline
+    return {"seconds": seconds, "mesh": plan.mesh, "zero": plan.zero,
+            "microbatch_size": plan.microbatch_size,
+            "schedule": pipe.schedule if pipe else None,
+            "step_time_s": plan.step_time_s, "mfu": plan.mfu,
+            "candidates": plan.solver.get("candidates")}
+
+
+def main() -> int:
+    """Run every case in a fresh interpreter and print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--only", help="run only this model")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(_child(Case(**json.loads(args.child)))))
+        return 0
+    rows = []
+    for case in CASES:
+        if args.only and case.model != args.only:
+            continue
+        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(asdict(case))],
+                             capture_output=True, text=True, check=False)
+        if out.returncode:
+            rows.append({**asdict(case), "error": out.stderr.strip().splitlines()[-1]})
+        else:
+            rows.append({**asdict(case), **json.loads(out.stdout.strip().splitlines()[-1])})
+        r = rows[-1]
+        print(f"{case.model:<11} {case.gpus:>5} x {case.gpu:<9} "
+              + (f"{r['seconds']:6.1f} s  mesh {r['mesh']} zero {r['zero']} "
+                 f"schedule {r['schedule']} MFU {r['mfu'] * 100:.1f}%"
+                 if "error" not in r else f"FAILED: {r['error']}"), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
