@@ -7,14 +7,21 @@
 * With ``plan.pipeline``, :func:`apply_plan` cuts the model into stages
   (:mod:`.pipeline_split`), lays out this rank's stages and runs them with a
   ``torch.distributed.pipelining`` schedule (:mod:`.pipeline`).
+* Memory choices: per-block activation recomputation (:mod:`.recompute`), ZeRO stage,
+  offload and mixed precision through FSDP2 (:mod:`.data_parallel`); a
+  same-precision single-process reference (:mod:`.precision`) and a per-rank peak
+  memory probe (:mod:`.memory_probe`) for comparisons.
 
 The runtime consumes a Plan and never calls a solver.
 """
 
 from autopar.runtime.lower import check_plan, lower, lower_pipeline
+from autopar.runtime.memory_probe import StepMemory, measure_step_memory
 from autopar.runtime.pipeline import PipelineRuntime, check_pipeline
 from autopar.runtime.parallel_model import ParallelModel, apply_plan
+from autopar.runtime.recompute import apply_ac, checkpoint_block
 from autopar.runtime.tensor_parallel import ReplicateParallel
 
 __all__ = ["ParallelModel", "apply_plan", "lower", "check_plan", "ReplicateParallel",
-           "lower_pipeline", "check_pipeline", "PipelineRuntime"]
+           "lower_pipeline", "check_pipeline", "PipelineRuntime", "apply_ac", "checkpoint_block",
+           "StepMemory", "measure_step_memory"]

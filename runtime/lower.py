@@ -4,12 +4,16 @@ with PyTorch's distributed stack, in torchtitan's order:
 1. the meshes (:mod:`~autopar.runtime.mesh`): ``init_device_mesh`` over ("dp", "tp");
 2. tensor / sequence parallelism (:mod:`~autopar.runtime.tensor_parallel`):
    ``parallelize_module`` styles on the ``tp`` mesh;
-3. data parallelism (:mod:`~autopar.runtime.data_parallel`): FSDP2 ``fully_shard``
-   per block and on the root, over ``dp``;
-4. materialization (:mod:`~autopar.runtime.materialize`) of a ``meta`` model.
+3. activation recomputation (:mod:`~autopar.runtime.recompute`): each block's forward
+   checkpointed as ``plan.recompute`` says;
+4. data parallelism and precision (:mod:`~autopar.runtime.data_parallel`): FSDP2
+   ``fully_shard`` per block and on the root, over ``dp`` (also with ``dp`` 1 under
+   bf16/fp16, so every path runs the same ``MixedPrecisionPolicy``), with
+   ``CPUOffloadPolicy`` when ``plan.offload``;
+5. materialization (:mod:`~autopar.runtime.materialize`) of a ``meta`` model.
 
 With a pipeline (:func:`lower_pipeline`), the model is first cut into stages
-(:mod:`~autopar.runtime.pipeline`) and steps 2 to 4 run on each of this rank's
+(:mod:`~autopar.runtime.pipeline`) and steps 2 to 5 run on each of this rank's
 stages only.
 
 Every check runs before anything is changed, and all of them depend only on the
@@ -32,6 +36,7 @@ from autopar.runtime.mesh import MESH_AXES, PlanMeshes, build_meshes
 from autopar.runtime.pipeline import (LossFn, PipelineRuntime, build_pipeline_schedule,
                                       check_pipeline, input_names, parallelize_stage,
                                       split_for_plan, tied_process_groups)
+from autopar.runtime.recompute import apply_ac, check_recompute
 from autopar.runtime.tensor_parallel import (apply_tensor_parallel, check_module_plan,
                                              style_placements, tied_parameter_groups)
 
@@ -154,6 +159,7 @@ def check_plan(model: nn.Module, plan: Plan) -> list[list[str]]:
                                     f"the plan has no entry for it in plan.modules; with tp="
                                     f"{tp} every such module needs a style (re-plan for this "
                                     f"model)")
+    check_recompute(plan)
     groups = tied_parameter_groups(model)
     _check_params(model, plan, groups)
     if plan.degree("dp") > 1:
@@ -174,6 +180,7 @@ def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
     meshes = build_meshes(plan, device.type)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(model, plan, meshes.tp)
+    apply_ac(model, plan)
     if meshes.fsdp is not None:
         apply_data_parallel(model, plan, meshes.fsdp)
     if meta:

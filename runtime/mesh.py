@@ -12,7 +12,9 @@ root, as in torchtitan):
   hybrid mode then keeps a full replica of every parameter on each ``dp`` rank and
   all-reduces (averages) gradients over ``dp``, which is plain data parallelism with
   the public API, and works with DTensor tensor-parallel parameters on both gloo and
-  NCCL (DDP does not accept DTensor parameters without a private transform).
+  NCCL (DDP does not accept DTensor parameters without a private transform);
+* ``dp`` 1 under bf16/fp16 or offload: the ``dp`` mesh of size 1, so FSDP2 applies
+  the plan's ``MixedPrecisionPolicy`` (or offload) on every path.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.plans import Plan
 
-__all__ = ["PlanMeshes", "build_meshes", "MESH_AXES"]
+__all__ = ["PlanMeshes", "build_meshes", "needs_fsdp", "MESH_AXES"]
 
 MESH_AXES = ("pp", "dp", "tp")
 
@@ -37,7 +39,7 @@ class PlanMeshes:
             with a pipeline.
         tp: the ``tp`` sub-mesh (tensor and sequence parallelism).
         fsdp: the mesh FSDP2 runs on (see the module docstring); None without
-            data parallelism (``dp == 1``).
+            data parallelism (``dp == 1``), low precision or offload.
         pp: the ``pp`` sub-mesh (pipeline stages), or None without a pipeline.
     """
 
@@ -45,6 +47,13 @@ class PlanMeshes:
     tp: DeviceMesh
     fsdp: DeviceMesh | None
     pp: DeviceMesh | None = None
+
+
+def needs_fsdp(plan: Plan) -> bool:
+    """Whether the plan runs FSDP2 even without data parallelism: low precision
+    (FSDP2's ``MixedPrecisionPolicy`` on a ``dp`` mesh of size 1, so every path casts
+    alike) or offload."""
+    return plan.precision != "fp32" or plan.offload
 
 
 def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
@@ -59,6 +68,6 @@ def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
         fsdp: DeviceMesh | None = root["dp", "dp_shard"]
     else:
         root = init_device_mesh(device_type, shape + (tp,), mesh_dim_names=outer + ("tp",))
-        fsdp = root["dp"] if dp > 1 else None
+        fsdp = root["dp"] if dp > 1 or needs_fsdp(plan) else None
     return PlanMeshes(mesh=root[outer + ("tp",)], tp=root["tp"], fsdp=fsdp,
                       pp=root["pp"] if pp > 1 else None)

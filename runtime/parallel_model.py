@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -15,7 +14,6 @@ from torch.distributed.fsdp import FSDPModule
 from autopar.capture import default_loss, first_tensor
 from autopar.errors import ConfigError
 from autopar.plans import Plan
-from autopar.runtime.data_parallel import PRECISION_DTYPES
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
 from autopar.runtime.tensor_parallel import reduce_partial_gradients
@@ -42,6 +40,10 @@ class ParallelModel(nn.Module):
     ``step`` runs the plan's pipeline schedule; ``forward`` is not available (a rank
     holds only part of the model).
 
+    Low precision (``plan.precision`` "bf16"/"fp16") is FSDP2's
+    ``MixedPrecisionPolicy`` on every path, with or without data parallelism (see
+    :mod:`autopar.runtime.data_parallel`); there is no autocast.
+
     Attributes:
         module: the parallelized model, or this rank's stage modules.
         plan: the plan it was laid out by.
@@ -63,20 +65,12 @@ class ParallelModel(nn.Module):
         self.device = device or torch.device("cpu")
         self.pipeline = pipeline
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        """torch.autocast for low precision without FSDP2 (which casts by itself)."""
-        dtype = PRECISION_DTYPES[self.plan.precision]
-        if dtype == torch.float32 or any(isinstance(m, FSDPModule) for m in self.module.modules()):
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
-
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the parallelized module on this rank's local inputs."""
         if self.pipeline is not None:
             raise ConfigError("a pipelined model runs only through step(inputs, targets); "
                               "each rank holds only its own stages")
-        with self._autocast():
-            return self.module(*inputs, **kwargs)
+        return self.module(*inputs, **kwargs)
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         return _loss(self.loss_fn, output, targets)
@@ -113,8 +107,7 @@ class ParallelModel(nn.Module):
         xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         self._check_batch(xs, targets)
         if self.pipeline is not None:
-            with self._autocast():
-                return self.pipeline.step(xs, targets)
+            return self.pipeline.step(xs, targets)
         n, mb, dp = self.plan.num_microbatches, self.plan.microbatch_size, self.plan.degree("dp")
         start = self.mesh.get_local_rank("dp") * n * mb
         fsdp = isinstance(self.module, FSDPModule)

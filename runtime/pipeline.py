@@ -11,7 +11,7 @@ In torchtitan's order (``pipeline_llm`` / ``apply_pp``):
 3. :func:`untie_across_stages` gives each stage its own copy of a parameter that
    several stages use (GPT's token embedding tied to its output head);
 4. for each of this rank's stages: tensor parallelism (the plan's module styles on
-   the ``tp`` mesh), FSDP2 over ``dp`` per block and on the stage, materialization
+   the ``tp`` mesh), activation recomputation of its blocks, FSDP2 over ``dp`` per block and on the stage, materialization
    of a ``meta`` model's own stage only;
 5. :func:`build_pipeline_schedule` wraps the stages in ``PipelineStage`` and the
    plan's schedule.
@@ -44,6 +44,7 @@ from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import apply_data_parallel
 from autopar.runtime.mesh import PlanMeshes
+from autopar.runtime.recompute import apply_ac
 from autopar.runtime.pipeline_split import StageGraph, split_stages
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
 
@@ -310,7 +311,9 @@ def tied_process_groups(plan: Plan, tied: list[TiedCopies]) -> list[dist.Process
 
 
 def parallelize_stage(module: fx.GraphModule, plan: Plan, meshes: PlanMeshes) -> None:
-    """Tensor parallelism and FSDP2 on one stage module (by the model's own paths).
+    """Tensor parallelism, activation recomputation and FSDP2 on one stage module
+    (by the model's own paths; the stage calls the model's own block modules, whose
+    forwards are checkpointed in place).
 
     Under the zero-bubble schedules, which run a micro-batch's weight gradients
     after its input gradients, ZeRO-3 keeps each block's parameters gathered from
@@ -322,6 +325,7 @@ def parallelize_stage(module: fx.GraphModule, plan: Plan, meshes: PlanMeshes) ->
         sub = dataclasses.replace(sub, zero=min(sub.zero, 2))
     if plan.degree("tp") > 1:
         apply_tensor_parallel(module, sub, meshes.tp)
+    apply_ac(module, sub)
     if meshes.fsdp is not None:
         apply_data_parallel(module, sub, meshes.fsdp)
 

@@ -17,7 +17,9 @@ Styles are assigned by module name, the way one writes a torchtitan TP plan:
   it reads the sequence length from its input.
 
 Every parameter gets its placements in ``plan.params``: on ``tp`` from the style's
-table below, on ``dp`` ``S(0)`` under ZeRO-3 and ``R`` otherwise.
+table below, on ``dp`` ``S(0)`` under ZeRO-3 and ``R`` otherwise. ``recompute`` (one
+mode for every block, or block path -> mode) fills ``plan.recompute``, ``offload``
+``plan.offload``.
 """
 
 from __future__ import annotations
@@ -91,8 +93,10 @@ def block_paths(model: nn.Module) -> list[str]:
 def megatron_plan(model: nn.Module, *, dp: int = 1, tp: int = 1, zero: int = 0,
                   sequence_parallel: bool = False, vocab_parallel: bool = True,
                   global_batch: int = 8, num_microbatches: int = 1,
-                  precision: str = "fp32") -> Plan:
-    """A hand-written plan for ``model`` on a ``{"dp": dp, "tp": tp}`` mesh."""
+                  precision: str = "fp32", recompute: str | dict[str, str] = "none",
+                  offload: bool = False) -> Plan:
+    """A hand-written plan for ``model`` on a ``{"dp": dp, "tp": tp}`` mesh;
+    ``recompute`` is one mode for every block or a block path -> mode table."""
     modules: dict[str, ModulePlan] = {}
     for path, m in model.named_modules():
         if any(True for _ in m.parameters(recurse=False)):
@@ -109,12 +113,22 @@ def megatron_plan(model: nn.Module, *, dp: int = 1, tp: int = 1, zero: int = 0,
         on_dp = "S(0)" if zero == 3 and dp > 1 else "R"
         params[fqn] = [on_dp, on_tp]
         mp.params[local] = [on_dp, on_tp]
+    blocks = block_paths(model)
     return Plan(model=type(model).__name__, graph_hash="handmade", cluster={},
                 mesh={"dp": dp, "tp": tp}, global_batch=global_batch,
                 microbatch_size=global_batch // (dp * num_microbatches),
                 num_microbatches=num_microbatches, zero=zero,
                 sequence_parallel=sequence_parallel, precision=precision, optimizer="sgd",
-                params=params, modules=modules, blocks=block_paths(model))
+                params=params, modules=modules, blocks=blocks,
+                recompute=recompute_table(blocks, recompute), offload=offload)
+
+
+def recompute_table(blocks: list[str], recompute: str | dict[str, str]) -> dict[str, str]:
+    """``plan.recompute`` from one mode for every block or a table (returned as is);
+    blocks without recomputation are left out."""
+    if isinstance(recompute, dict):
+        return dict(recompute)
+    return {} if recompute == "none" else {b: recompute for b in blocks}
 
 
 def unit_paths(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
@@ -158,8 +172,8 @@ def pipeline_plan(model: nn.Module, *, pp: int, dp: int = 1, tp: int = 1,
                   **megatron: object) -> Plan:
     """A hand-written pipelined plan on a ``{"pp": pp, "dp": dp, "tp": tp}`` mesh:
     :func:`megatron_plan`'s layout inside each stage (``megatron`` passes zero,
-    sequence_parallel, vocab_parallel, precision on), :func:`pipeline_stages`
-    across them. ``virtual_stages`` defaults to 2 for the interleaved schedules and
+    sequence_parallel, vocab_parallel, precision, recompute, offload on),
+    :func:`pipeline_stages` across them. ``virtual_stages`` defaults to 2 for the interleaved schedules and
     zbv, else 1; ``num_microbatches`` to the number of stages."""
     v = virtual_stages or (2 if schedule.startswith("interleaved") or schedule == "zbv" else 1)
     n = num_microbatches or pp * v
