@@ -54,6 +54,10 @@ def _build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a small GPT on local CPU processes under its plan")
     d.add_argument("--ranks", type=int, default=4)
     d.add_argument("--steps", type=int, default=3)
+    c = sub.add_parser("codegen", help="write a plan as a standalone torchrun training program")
+    c.add_argument("plan", help="plan JSON written by `autopar plan --json`")
+    c.add_argument("--model", required=True, help="path/to/file.py:factory the plan is for")
+    c.add_argument("-o", "--output", default="train.py", help="the program to write")
     from autopar.cost_models.profiler import build_parser as profile_parser
 
     profile_parser(sub.add_parser("profile", help="measure this machine's GPU (or CPU) "
@@ -113,6 +117,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_codegen(args: argparse.Namespace) -> int:
+    """``autopar codegen``: emit the plan as a standalone training program."""
+    import os
+
+    from autopar.plans import Plan
+    from autopar.runtime.codegen import emit_program
+
+    try:
+        with open(args.plan) as f:
+            plan = Plan.from_json(f.read())
+    except OSError as e:
+        raise ConfigError(f"cannot read the plan {args.plan!r}: {e.strerror}") from None
+    path = args.model.rpartition(":")[0]
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    text = emit_program(plan, args.model, model_file=os.path.relpath(path, out_dir),
+                        program_name=os.path.basename(args.output))
+    with open(args.output, "w") as f:
+        f.write(text)
+    print(f"wrote {args.output}: torchrun --nproc-per-node {plan.world_size} {args.output}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """``autopar profile``: measure GEMMs, attention, memory-bound ops, launch overhead
     (and collectives under torchrun) and write a profile JSON."""
@@ -125,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``autopar`` console script."""
     args = _build_parser().parse_args(argv)
     handler = {"plan": cmd_plan, "models": cmd_models, "demo": cmd_demo,
-               "profile": cmd_profile}[args.command]
+               "profile": cmd_profile, "codegen": cmd_codegen}[args.command]
     try:
         return handler(args)
     except AutoparError as e:

@@ -1,0 +1,457 @@
+"""Emit a plan as a standalone, readable distributed training program.
+
+``emit_program(plan, "path/to/model.py:factory")`` returns the text of a ``torchrun``
+script that needs torch alone: it imports the user's factory by file path, builds
+the model on ``meta``, builds the DeviceMesh, applies tensor / sequence parallelism
+as a per-module plan of parallel styles (one ``parallelize_module`` per block, as in
+torchtitan's ``parallelize.py``), checkpoints the recomputed blocks, wraps every block
+and the root with ``fully_shard``, materializes only the local shards and trains
+(``--steps --lr --optimizer --seed --data --save --load``). It lays the model out
+exactly as :func:`autopar.runtime.apply_plan` does, so both train alike.
+
+All program text lives in :mod:`autopar.runtime.codegen_templates`; this module only
+computes the values that fill it, with a comment per decision giving its predicted
+cost. Pipelined plans are not emitted yet (a clear ConfigError says so).
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import keyword
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from autopar.errors import ConfigError
+from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
+from autopar.runtime import codegen_templates as T
+from autopar.runtime.lower import check_plan
+from autopar.runtime.mesh import needs_fsdp
+from autopar.runtime.tensor_parallel import tied_parameter_groups
+
+__all__ = ["ModelFacts", "model_facts", "emit_program"]
+
+_DEFAULT_LR = MappingProxyType({"sgd": 0.1, "adamw": 1e-3})
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the program needs to know about the model beyond the plan (read from a
+    ``meta`` instance at generation time).
+
+    Attributes:
+        model: the model, on the meta device.
+        tied: parameter names sharing one tensor, first owner first.
+        input_shape: one sample's shape of the first example input (synthetic data).
+        input_is_tokens: whether that input holds integer token ids.
+        num_classes: the token vocabulary (first Embedding) or the last Linear's outputs.
+    """
+
+    model: nn.Module
+    tied: list[list[str]]
+    input_shape: tuple[int, ...]
+    input_is_tokens: bool
+    num_classes: int
+
+
+def model_facts(model_spec: str) -> ModelFacts:
+    """Build ``path/to/file.py:factory`` on the meta device and read its facts."""
+    from autopar.examples import zoo
+
+    with torch.device("meta"):
+        model, inputs = zoo.load(model_spec)
+    x = inputs[0]
+    tokens = not torch.is_floating_point(x)
+    layer = nn.Embedding if tokens else nn.Linear
+    found = [m for m in model.modules() if isinstance(m, layer)]
+    if not found:
+        raise ConfigError(f"{model_spec}: cannot tell the number of classes for synthetic data "
+                          f"(no {layer.__name__} in the model)")
+    m = found[0] if tokens else found[-1]
+    classes = m.num_embeddings if isinstance(m, nn.Embedding) else m.out_features
+    return ModelFacts(model=model, tied=tied_parameter_groups(model),
+                      input_shape=tuple(x.shape[1:]), input_is_tokens=tokens,
+                      num_classes=int(classes))
+
+
+def _seconds(s: float) -> str:
+    if s <= 0:
+        return "n/a"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def _bytes(b: float) -> str:
+    if b <= 0:
+        return "n/a"
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def _layout(p: str) -> str:
+    return "Replicate()" if p == "R" else f"Shard({p[2:-1]})"
+
+
+def _attr(path: str, root: str = "model") -> str:
+    """``model.a.b`` for a path of identifiers, else ``model.get_submodule(...)``."""
+    parts = path.split(".")
+    if all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
+        return ".".join([root, *parts])
+    owner, _, last = path.rpartition(".")
+    return f'{root}.get_submodule("{owner}").{last}' if last.isidentifier() and owner else \
+        f'{root}.get_submodule("{path}")'
+
+
+def _blocks_expr(model: nn.Module, paths: list[str]) -> str:
+    """How the program iterates over ``paths``: a whole ModuleList, or by path."""
+    container = paths[0].rpartition(".")[0] if paths else ""
+    try:
+        owner = model.get_submodule(container) if container else None
+    except AttributeError:
+        owner = None
+    if isinstance(owner, nn.ModuleList) and paths == [f"{container}.{i}"
+                                                     for i in range(len(owner))]:
+        return _attr(container)
+    return "[model.get_submodule(p) for p in (" + ", ".join(f'"{p}"' for p in paths) + ",)]"
+
+
+
+
+def _arity(module: nn.Module, path: str) -> int:
+    params = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(f"module '{path}' takes *args, so the program cannot list its inputs' "
+                          "layouts; give it fixed positional inputs")
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               and p.default is p.empty)
+
+
+def style_expr(mp: ModulePlan, module: nn.Module) -> str | None:
+    """The parallel style realizing ``mp`` on ``module`` as program text, as
+    :func:`autopar.runtime.tensor_parallel.module_styles` builds it; None when the
+    module needs none."""
+    src, want, out = mp.input_layout, mp.desired_input_layout, mp.output_layout
+    if not any(True for _ in module.parameters(recurse=False)):
+        if src == want:
+            return None
+        rest = ", None" * (_arity(module, mp.path) - 1) or ","
+        return (f"PrepareModuleInput(input_layouts=({_layout(src)}{rest}), desired_input_layouts"
+                f"=({_layout(want)}{rest}), use_local_output=True)")
+    if mp.style == "colwise":
+        return "ColwiseParallel(" + _layouts(("input_layouts", src, "R"),
+                                             ("output_layouts", out, "S(-1)")) + ")"
+    if mp.style == "rowwise":
+        return "RowwiseParallel(" + _layouts(("input_layouts", src, "S(-1)"),
+                                             ("output_layouts", out, "R")) + ")"
+    if mp.style == "sequence_parallel" and src == want == out:
+        dim = want[2:-1]
+        return "SequenceParallel(" + ("" if dim == "1" else f"sequence_dim={dim}, ") + \
+            "use_local_output=True)"
+    return "ReplicateParallel(" + _layouts(("input_layout", src, "R"),
+                                           ("desired_input_layout", want, "R"),
+                                           ("output_layout", out, "R")) + ")"
+
+
+def _layouts(*pairs: tuple[str, str, str]) -> str:
+    """Layout keyword arguments that differ from their defaults: (name, value, default)."""
+    return ", ".join(f"{k}={_layout(v)}" for k, v, d in pairs if v != d)
+
+
+def _entry(key: str, expr: str, comment: str, indent: str) -> str:
+    """One ``"path": Style(...),  # comment`` dict entry, wrapped to 99 columns."""
+    line = f'{indent}"{key}": {expr},  # {comment}'
+    if len(line) <= 99:
+        return line
+    head, _, args = expr.partition("(")
+    lines, cur = [f"{indent}# {key}: {comment}"], f'{indent}"{key}": {head}('
+    for arg in _split_args(args[:-1]):
+        if len(cur) + len(arg) + 2 > 99:
+            lines.append(cur.rstrip())
+            cur = indent + " " * 8
+        cur += arg + ", "
+    lines.append(cur[:-2] + "),")
+    return "\n".join(lines)
+
+
+def _split_args(text: str) -> list[str]:
+    """Top-level comma-separated arguments of a call's argument text."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return out + ([cur.strip()] if cur.strip() else [])
+
+
+def _under(path: str, block: str) -> bool:
+    return path.startswith(block + ".")
+
+
+def _tp_section(plan: Plan, facts: ModelFacts) -> tuple[str, set[str]]:
+    """``apply_tp`` and the style names it uses."""
+    model = facts.model
+    depth_first = sorted(plan.modules, key=lambda p: -len(p.split(".")) if p else 0)
+    styles: dict[str, tuple[str, float]] = {}
+    for path in depth_first:
+        expr = style_expr(plan.modules[path], model.get_submodule(path))
+        if expr is not None:
+            styles[path] = (expr, plan.modules[path].time_s)
+    groups: dict[tuple, list[str]] = {}
+    in_block: set[str] = set()
+    for block in plan.blocks:
+        own = [(p[len(block) + 1:], e) for p, (e, _) in styles.items() if _under(p, block)]
+        in_block.update(p for p in styles if _under(p, block))
+        groups.setdefault(tuple(own), []).append(block)
+    parts = []
+    for entries, blocks in groups.items():
+        if not entries:
+            continue
+        cost = sum(styles[f"{blocks[0]}.{rel}"][1] for rel, _ in entries)
+        lines = "\n".join(_entry(rel, e, _seconds(styles[f"{blocks[0]}.{rel}"][1]), " " * 12)
+                          for rel, e in entries)
+        parts.append(T.BLOCK_TP.substitute(blocks=_blocks_expr(model, blocks),
+                                           cost=_seconds(cost), entries=lines))
+    root = [(p, e, t) for p, (e, t) in styles.items() if p not in in_block]
+    if root:
+        lines = "\n".join(_entry(p, e, _seconds(t), " " * 8) for p, e, t in root)
+        parts.append(f"    parallelize_module(model, tp_mesh, {{\n{lines}\n    }})")
+    for names in facts.tied:
+        parts.append("\n".join(f"    {_attr(n)} = {_attr(names[0])}  # tied: one parameter again"
+                               for n in names[1:]))
+    sp = " and sequence" if any(e.startswith("SequenceParallel") for e, _ in styles.values()) \
+        else ""
+    used = {e.partition("(")[0] for e, _ in styles.values()}
+    return T.APPLY_TP.substitute(sp_text=sp, tp=plan.degree("tp"), body="\n".join(parts)), used
+
+
+def _ac_section(plan: Plan, facts: ModelFacts) -> str:
+    """``apply_ac``: one loop per recomputation mode."""
+    by_mode: dict[str, list[str]] = {}
+    for block in plan.blocks:
+        mode = plan.recompute.get(block, "none")
+        if mode != "none":
+            by_mode.setdefault(mode, []).append(block)
+    lines = []
+    if "selective" in by_mode:
+        lines.append("    selective = functools.partial(create_selective_checkpoint_contexts, "
+                     "selective_policy)")
+    for mode, blocks in by_mode.items():
+        extra = ", context_fn=selective" if mode == "selective" else ""
+        lines.append(f"    for block in {_blocks_expr(facts.model, blocks)}:  # {mode}\n"
+                     f"        block.forward = functools.partial(\n"
+                     f"            checkpoint, block.forward, use_reentrant=False{extra})")
+    mem = plan.memory
+    cost = (f"predicted per device: activations {_bytes(mem.get('activations', 0.0))},\n"
+            f"    recomputation buffers {_bytes(mem.get('recompute', 0.0))}")
+    return T.APPLY_AC.substitute(ac_cost=cost, body="\n".join(lines))
+
+
+def _zero_doc(plan: Plan) -> tuple[str, str]:
+    """A title and a sentence for the plan's data parallelism."""
+    dp, z = plan.degree("dp"), plan.zero
+    if dp == 1:
+        return (f"{plan.precision} mixed precision",
+                "FSDP2 on a dp mesh of size 1 shards nothing and only casts\n   ")
+    if z == 0:
+        return (f"Data parallelism over dp={dp}", "FSDP2 in hybrid mode on (dp, dp_shard=1) "
+                "keeps full replicas\n    and all-reduces gradients")
+    if z == 3:
+        return (f"ZeRO-3 over dp={dp}", "Fully sharded: a block gathers its parameters for "
+                "forward and\n    again for backward")
+    return (f"ZeRO-{z} over dp={dp}", "Sharded at rest; parameters stay gathered from "
+            "forward to backward\n   ")
+
+
+def _fsdp_section(plan: Plan, facts: ModelFacts) -> str:
+    """``apply_fsdp`` with the plan's ZeRO stage, precision and offload."""
+    policies, kwargs = "", ""
+    if plan.precision != "fp32":
+        dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[plan.precision]
+        policies += (f"    mp_policy = MixedPrecisionPolicy(param_dtype={dtype}, "
+                     "reduce_dtype=torch.float32)\n")
+        kwargs += ", mp_policy=mp_policy"
+    if plan.offload:
+        policies += '    offload_policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")\n'
+        kwargs += ", offload_policy=offload_policy"
+    loop = T.FSDP_BLOCKS.substitute(blocks=_blocks_expr(facts.model, plan.blocks),
+                                    reshard=plan.zero == 3, kwargs=kwargs) if plan.blocks else ""
+    mem = plan.memory
+    cost = ", ".join(f"{k} {_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
+    title, doc = _zero_doc(plan)
+    return T.APPLY_FSDP.substitute(zero_title=title, zero_doc=doc, fsdp_cost=cost, policies=policies,
+                                   block_loop=loop, kwargs=kwargs)
+
+
+def _mesh_section(plan: Plan) -> tuple[str, str]:
+    """``build_mesh`` and the expression of the mesh FSDP runs on ('' without FSDP)."""
+    dp, tp = plan.degree("dp"), plan.degree("tp")
+    b = plan.breakdown
+    comment = (f"dp={dp} x tp={tp}; predicted communication {_seconds(b.get('comm_s', 0.0))} "
+               f"per step, {_seconds(b.get('exposed_comm_s', 0.0))} of it exposed")
+    if dp > 1 and plan.zero == 0:
+        shape, names, fsdp = (dp, 1, tp), ("dp", "dp_shard", "tp"), 'mesh["dp", "dp_shard"]'
+        comment += "\n    # dp_shard=1: FSDP2 replicates over dp (plain data parallelism)"
+    else:
+        shape, names = (dp, tp), ("dp", "tp")
+        fsdp = 'mesh["dp"]' if dp > 1 or needs_fsdp(plan) else ""
+    quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
+    return T.BUILD_MESH.substitute(comment=comment, shape=shape, names=quoted), fsdp
+
+
+def _save_ops() -> str:
+    lines, cur = ["SAVE_OPS = {  # outputs selective recomputation keeps (aten op names)"], "   "
+    for name in sorted(SELECTIVE_SAVE_OPS):
+        item = f' "{name}",'
+        if len(cur) + len(item) > 99:
+            lines.append(cur)
+            cur = "   "
+        cur += item
+    return "\n".join(lines + [cur, "}"])
+
+
+_IMPORTS = MappingProxyType({  # name used in the program -> the import that provides it
+    "argparse": "import argparse", "functools": "import functools",
+    "importlib": "import importlib.util", "os": "import os", "time": "import time",
+    "Path": "from pathlib import Path", "Any": "from typing import Any",
+    "torch": "import torch", "dist": "import torch.distributed as dist",
+    "dcp": "import torch.distributed.checkpoint as dcp", "F": "import torch.nn.functional as F",
+    "nn": "from torch import nn",
+})
+_FROM = MappingProxyType({  # name -> module, for `from module import a, b`
+    "get_state_dict": "torch.distributed.checkpoint.state_dict",
+    "set_state_dict": "torch.distributed.checkpoint.state_dict",
+    "DeviceMesh": "torch.distributed.device_mesh",
+    "init_device_mesh": "torch.distributed.device_mesh",
+    "CPUOffloadPolicy": "torch.distributed.fsdp", "MixedPrecisionPolicy": "torch.distributed.fsdp",
+    "fully_shard": "torch.distributed.fsdp", "DTensor": "torch.distributed.tensor",
+    "Placement": "torch.distributed.tensor", "Replicate": "torch.distributed.tensor",
+    "Shard": "torch.distributed.tensor", "distribute_module": "torch.distributed.tensor",
+    "ColwiseParallel": "torch.distributed.tensor.parallel",
+    "ParallelStyle": "torch.distributed.tensor.parallel",
+    "PrepareModuleInput": "torch.distributed.tensor.parallel",
+    "RowwiseParallel": "torch.distributed.tensor.parallel",
+    "SequenceParallel": "torch.distributed.tensor.parallel",
+    "parallelize_module": "torch.distributed.tensor.parallel",
+    "CheckpointPolicy": "torch.utils.checkpoint", "checkpoint": "torch.utils.checkpoint",
+    "create_selective_checkpoint_contexts": "torch.utils.checkpoint",
+})
+
+
+def _names(code: str) -> set[str]:
+    """The names ``code`` refers to (not attributes, strings or comments)."""
+    names, prev = set(), ""
+    for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+        if tok.type == tokenize.NAME and prev != ".":
+            names.add(tok.string)
+        if tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
+            prev = tok.string
+    return names
+
+
+def _imports(code: str) -> str:
+    """The import block for exactly the names ``code`` uses (stdlib, then torch)."""
+    used = _names(code) & (set(_IMPORTS) | set(_FROM))
+    std = sorted(_IMPORTS[n] for n in used if n in _IMPORTS and not _IMPORTS[n].startswith(
+        ("import torch", "from torch")))
+    plain = sorted((_IMPORTS[n] for n in used if n in _IMPORTS and _IMPORTS[n] not in std),
+                   key=lambda s: (s.startswith("from"), s))
+    modules: dict[str, list[str]] = {}
+    for n in sorted((n for n in used if n in _FROM), key=lambda n: (not n[0].isupper(), n)):
+        modules.setdefault(_FROM[n], []).append(n)
+    froms = []
+    for mod in sorted(modules):
+        line = f"from {mod} import {', '.join(modules[mod])}"
+        if len(line) > 99:
+            line = f"from {mod} import (\n    " + ",\n    ".join(modules[mod]) + ",\n)"
+        froms.append(line)
+    std = sorted(std, key=lambda s: (s.startswith("from"), s))
+    return "\n".join(std) + "\n\n" + "\n".join(plain + froms)
+
+
+def _cluster_text(plan: Plan) -> str:
+    c = plan.cluster
+    if not c.get("gpu"):
+        return "no cluster recorded"
+    return f"{c['gpu']}, {c.get('nodes', 1)} node(s) x {c.get('gpus_per_node', 1)}"
+
+
+def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
+                 program_name: str = "train.py") -> str:
+    """The text of a standalone ``torchrun`` training program for ``plan`` and the model
+    of ``model_spec`` (``path/to/file.py:factory``, built here on the meta device to
+    check the plan and read what the program needs).
+
+    ``model_file`` is the path written into the program (default: the spec's path; a
+    relative one is read from the program's folder); ``program_name`` appears in the
+    usage line. Raises ConfigError for a pipelined plan (not emitted yet) and
+    LoweringError when the plan does not fit the model.
+    """
+    if plan.degree("pp") > 1 or plan.pipeline is not None:
+        raise ConfigError("codegen does not emit pipelined plans yet; run this plan with "
+                          "autopar.parallelize (apply_plan), or make a plan without pp")
+    path, _, factory = model_spec.rpartition(":")
+    facts = model_facts(model_spec)
+    check_plan(facts.model, plan)
+    mesh_text, fsdp_mesh = _mesh_section(plan)
+    sections = [T.BUILD_MODEL.substitute(model_file=Path(path).name, factory=factory), mesh_text]
+    layout, extra = "", ""
+    if plan.degree("tp") > 1:
+        tp_text, styles = _tp_section(plan, facts)
+        if "ReplicateParallel" in styles:
+            sections.append(T.REPLICATE_STYLE.template)
+        sections.append(tp_text)
+        layout += '    apply_tp(model, mesh["tp"])\n'
+    if any(m != "none" for m in plan.recompute.values()):
+        if "selective" in plan.recompute.values():
+            sections.append(T.SELECTIVE_POLICY.template)
+            extra = "\n" + _save_ops()
+        sections.append(_ac_section(plan, facts))
+        layout += "    apply_ac(model)\n"
+    if fsdp_mesh:
+        sections.append(_fsdp_section(plan, facts))
+        layout += f"    apply_fsdp(model, {fsdp_mesh})\n"
+    sections.append(T.MATERIALIZE.template)
+    after = ""
+    if not fsdp_mesh and plan.degree("tp") > 1:
+        sections.append(T.PARTIAL_GRADS.template)
+        after += "    reduce_partial_gradients(model)\n"
+    if plan.degree("dp") > 1:
+        after += (f'    dist.all_reduce(total, group=mesh.get_group("dp"))\n'
+                  f"    total /= {plan.degree('dp')}  # the mean over dp\n")
+    sync = ""
+    if fsdp_mesh and plan.zero < 3 and plan.num_microbatches > 1:
+        sync = ("        model.set_requires_gradient_sync(i == NUM_MICROBATCHES - 1)  "
+                "# reduce once\n")
+    what = "token ids" if facts.input_is_tokens else "features"
+    optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
+    sections += [T.DATA.substitute(synthetic_what=what),
+                 T.LOSS_AND_STEP.substitute(sync=sync, after=after),
+                 T.CHECKPOINT.template,
+                 T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, layout=layout)]
+    body = "\n\n\n".join(sections)
+    constants = T.CONSTANTS.substitute(
+        model_file=model_file if model_file is not None else path, factory=factory,
+        global_batch=plan.global_batch, microbatch_size=plan.microbatch_size,
+        num_microbatches=plan.num_microbatches, input_shape=facts.input_shape,
+        input_is_tokens=facts.input_is_tokens, num_classes=facts.num_classes,
+        step_s=repr(float(plan.step_time_s)), extra=extra)
+    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
+    header = T.HEADER.substitute(
+        model=plan.model, mesh_text=f"mesh {mesh}", zero_text=f"ZeRO-{plan.zero}",
+        precision=plan.precision, cluster=_cluster_text(plan),
+        step_time=_seconds(plan.step_time_s), memory=_bytes(plan.memory_per_device_bytes),
+        throughput=f"{plan.throughput:.1f}", mfu=f"{plan.mfu:.1%}", world=plan.world_size,
+        program=program_name, cuda_note="NCCL on GPUs, gloo on CPUs")
+    return T.PROGRAM.substitute(header=header, imports=_imports(constants + body),
+                                constants=constants, sections=body)

@@ -1,0 +1,291 @@
+"""The text of the emitted training program, as ``string.Template`` pieces.
+
+:mod:`autopar.runtime.codegen` fills these with a plan's values; every piece of
+program text lives here, so the shape of the emitted program is read in one place.
+Each section is a top-level definition of the program; :data:`PROGRAM` puts them in
+order. ``$name`` marks a value, ``$$`` a literal dollar sign.
+"""
+
+from __future__ import annotations
+
+from string import Template
+
+__all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "REPLICATE_STYLE", "APPLY_TP",
+           "BLOCK_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS", "MATERIALIZE",
+           "PARTIAL_GRADS", "DATA", "LOSS_AND_STEP", "CHECKPOINT", "MAIN"]
+
+PROGRAM = Template('''\
+$header
+
+$imports
+
+$constants
+
+
+$sections
+''')
+"""The whole program: docstring, imports, constants, then the sections."""
+
+HEADER = Template('''\
+"""Train $model under a parallelization plan: $mesh_text, $zero_text, $precision.
+
+Predicted by the plan ($cluster): $step_time per step, $memory per device,
+$throughput samples/s, MFU $mfu. Needs torch alone. Run with
+
+    torchrun --nproc-per-node $world $program --steps 10 [--data BATCH.pt] [--save DIR]
+
+(one process per device; $cuda_note).
+"""''')
+"""The module docstring."""
+
+BUILD_MODEL = Template('''\
+def build_model() -> nn.Module:
+    """The user's model from $model_file:$factory, built on the meta device (no memory)."""
+    path = Path(MODEL_FILE)
+    if not path.is_absolute():
+        path = Path(__file__).resolve().parent / path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.device("meta"):
+        model = getattr(module, MODEL_FACTORY)()
+    return model[0] if isinstance(model, (tuple, list)) else model''')
+"""Import the user's factory by file path and build the model on ``meta``."""
+
+BUILD_MESH = Template('''\
+def build_mesh(device_type: str) -> DeviceMesh:
+    """The device mesh, ranks row-major, tp innermost (a tp group is neighbouring ranks)."""
+    # $comment
+    return init_device_mesh(device_type, $shape, mesh_dim_names=$names)''')
+"""``init_device_mesh`` with the plan's axes."""
+
+REPLICATE_STYLE = Template('''\
+def as_layout(x: Any, mesh: DeviceMesh, src: Placement, dst: Placement) -> Any:
+    """Read a local tensor as ``src`` on ``mesh`` and redistribute it to ``dst``."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (src,), run_check=False)
+    return x if x.placements == (dst,) else x.redistribute(placements=(dst,))
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated over tp, computing on DTensors: the first input is read as
+    ``input_layout`` and redistributed to ``desired_input_layout``, the output is
+    redistributed to ``output_layout`` and handed on as a local tensor. (The stock
+    styles have no replicated-parameter style with layout changes.)"""
+
+    def __init__(self, input_layout: Placement = Replicate(),
+                 desired_input_layout: Placement = Replicate(),
+                 output_layout: Placement = Replicate()) -> None:
+        super().__init__()
+        self.layouts = (input_layout, desired_input_layout, output_layout)
+
+    def _inputs(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        src, dst, _ = self.layouts
+        rest = tuple(as_layout(x, mesh, Replicate(), Replicate()) for x in inputs[1:])
+        return (as_layout(inputs[0], mesh, src, dst),) + rest
+
+    def _outputs(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        out = self.layouts[2]
+        if isinstance(output, DTensor):
+            return output.redistribute(placements=(out,)).to_local()
+        return output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, self._inputs, self._outputs)''')
+"""The one custom parallel style, emitted only when a plan needs it."""
+
+APPLY_TP = Template('''\
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor$sp_text parallelism over tp=$tp: one parallel style per module, innermost
+    modules first; each comment is the module's predicted forward + backward time."""
+$body''')
+"""Tensor parallelism: per-block plans, the root plan, re-tying shared weights."""
+
+BLOCK_TP = Template('''\
+    for block in $blocks:  # $cost per block
+        parallelize_module(block, tp_mesh, {
+$entries
+        })''')
+"""One ``parallelize_module`` per block of a group of blocks with the same layer plan."""
+
+SELECTIVE_POLICY = Template('''\
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective recomputation: keep matrix-product and attention outputs, recompute
+    the rest (norms, pointwise ops, softmax) in backward."""
+    name = getattr(getattr(op, "overloadpacket", op), "__name__", str(op))
+    if name in SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE''')
+"""The selective checkpoint policy (a save list of aten op names)."""
+
+APPLY_AC = Template('''\
+def apply_ac(model: nn.Module) -> None:
+    """Activation recomputation per block: the block's forward runs under
+    torch.utils.checkpoint ($ac_cost)."""
+$body''')
+"""Checkpoint each recomputed block's forward in place (its parameter names stay)."""
+
+APPLY_FSDP = Template('''\
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """$zero_title: fully_shard per block, then on the root.
+    $zero_doc (predicted per device: $fsdp_cost)."""
+$policies$block_loop    # the root's parameters (embeddings, head) are needed again first in backward
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False$kwargs)''')
+"""FSDP2 per block and on the root with the plan's ZeRO, precision and offload."""
+
+FSDP_BLOCKS = Template('''\
+    for block in $blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=$reshard$kwargs)
+''')
+"""The per-block ``fully_shard`` loop."""
+
+CONSTANTS = Template('''\
+MODEL_FILE = "$model_file"  # a relative path is read from this program's folder
+MODEL_FACTORY = "$factory"
+GLOBAL_BATCH = $global_batch  # samples per optimizer step, the same batch on every rank
+MICROBATCH_SIZE = $microbatch_size  # samples per forward on one dp rank
+NUM_MICROBATCHES = $num_microbatches  # micro-batches (gradient accumulation) per step
+INPUT_SHAPE = $input_shape  # one sample of synthetic data
+INPUT_IS_TOKENS = $input_is_tokens
+NUM_CLASSES = $num_classes  # synthetic token ids and targets are drawn below this
+PREDICTED_STEP_S = $step_s$extra''')
+"""The plan's values the program reads at run time."""
+
+MATERIALIZE = Template('''\
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate only this rank's shards, then initialize them with each module's
+    reset_parameters() (a tied weight once, by its first owner)."""
+    model.to_empty(device=device)
+    done: set[int] = set()
+    with torch.no_grad():
+        for m in model.modules():
+            own = [id(p) for p in m.parameters(recurse=False)]
+            if callable(getattr(m, "reset_parameters", None)) and not (
+                    own and all(i in done for i in own)):
+                m.reset_parameters()
+                done.update(own)''')
+"""``to_empty`` + ``reset_parameters`` of a laid-out meta model."""
+
+PARTIAL_GRADS = Template('''\
+def reduce_partial_gradients(model: nn.Module) -> None:
+    """A replicated parameter used on sequence shards gets a partial-sum gradient;
+    reduce it to the parameter's placement (FSDP does this when it is on)."""
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(placements=p.placements)''')
+"""Only without FSDP under tensor parallelism."""
+
+DATA = Template('''\
+def load_batch(path: str | None, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """One global batch, the same on every rank: the dict {"inputs", "targets"} saved
+    with torch.save at ``path``, or synthetic $synthetic_what."""
+    if path:
+        data = torch.load(path)
+        inputs = data["inputs"]
+        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), data["targets"]
+    g = torch.Generator().manual_seed(seed)
+    shape = (GLOBAL_BATCH,) + INPUT_SHAPE
+    if INPUT_IS_TOKENS:
+        x = torch.randint(0, NUM_CLASSES, shape, generator=g)
+        return (x,), torch.randint(0, NUM_CLASSES, shape, generator=g)
+    x = torch.randn(shape, generator=g)
+    return (x,), torch.randint(0, NUM_CLASSES, shape[:-1], generator=g)''')
+"""The training data: a saved global batch or synthetic data of the planned shape."""
+
+LOSS_AND_STEP = Template('''\
+def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dim of the logits, in fp32."""
+    logits = output if isinstance(output, torch.Tensor) else output[0]
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, ...],
+               targets: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Forward and backward of the global batch; returns the global mean loss. This
+    rank takes its dp slice (tp ranks of a dp group take the same one) in
+    NUM_MICROBATCHES micro-batches and accumulates their gradients."""
+    start = mesh.get_local_rank("dp") * NUM_MICROBATCHES * MICROBATCH_SIZE
+    total = torch.zeros((), device=device)
+    for i in range(NUM_MICROBATCHES):
+$sync        part = slice(start + i * MICROBATCH_SIZE, start + (i + 1) * MICROBATCH_SIZE)
+        output = model(*(x[part].to(device) for x in inputs))
+        loss = loss_fn(output, targets[part].to(device)) / NUM_MICROBATCHES
+        loss.backward()
+        total += loss.detach().float()
+$after    return total''')
+"""The loss (as autopar's ParallelModel.step computes it) and one training step."""
+
+CHECKPOINT = Template('''\
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    step: int) -> None:
+    """Model, optimizer and step counter with torch.distributed.checkpoint (every rank
+    writes its own shards)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}
+    dcp.save(state, checkpoint_id=path)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Restore what save_checkpoint wrote, resharded onto this plan; return the step."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return int(state["step"])''')
+"""Saving and resuming with torch.distributed.checkpoint."""
+
+MAIN = Template('''\
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=$lr)
+    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="$optimizer")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", help="torch.save'd dict with one global batch")
+    ap.add_argument("--save", metavar="DIR", help="checkpoint after the last step")
+    ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint")
+    return ap.parse_args()
+
+
+def main() -> None:
+    """Lay the model out as planned, then train."""
+    args = parse_args()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    mesh = build_mesh(device_type)
+    model = build_model()
+$layout    torch.manual_seed(args.seed)  # every rank initializes alike
+    materialize(model, device)
+    if args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    first = load_checkpoint(args.load, model, optimizer) if args.load else 0
+    inputs, targets = load_batch(args.data, args.seed)
+    for step in range(first + 1, first + args.steps + 1):
+        start = time.perf_counter()
+        loss = train_step(model, mesh, inputs, targets, device).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if dist.get_rank() == 0:
+            print(f"step {step} loss {loss:.8f} time {elapsed * 1e3:.2f} ms "
+                  f"(predicted {PREDICTED_STEP_S * 1e3:.2f} ms)", flush=True)
+    if args.save:
+        save_checkpoint(args.save, model, optimizer, first + args.steps)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()''')
+"""The command line and the main function."""
