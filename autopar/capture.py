@@ -123,6 +123,9 @@ def capture(model: nn.Module, example_inputs: torch.Tensor | tuple | list, *,
     if example_targets is not None and not isinstance(example_targets, torch.Tensor):
         raise CaptureError(f"example_targets must be a tensor, got "
                            f"{type(example_targets).__name__}")
+    inputs = _batch_of_two(inputs)
+    if example_targets is not None:
+        example_targets = _batch_of_two((example_targets,))[0]
     args = inputs + ((example_targets,) if example_targets is not None else ())
     wrapper = LossWrapper(model, loss_fn, example_targets is not None)
     label = name or type(model).__name__
@@ -156,6 +159,17 @@ def _fast_capture(model: nn.Module, wrapper: LossWrapper, args: tuple,
     for path, _, n in lists:
         g = replicate_layers(g, path, n) if g is not None else None
     return g
+
+
+def _batch_of_two(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A batch of one captured as a batch of two (a broadcast view, no copy): with one
+    sample a reshape such as (1, T, C) -> (1, T, H, D) cannot tell the batch dim from
+    the unit dims, and the batch split would be lost. Costs are scaled from the
+    captured batch to the planned one, so the plan is the same."""
+    if tensors[0].shape[0] != 1:
+        return tensors
+    return tuple(t.expand(2, *t.shape[1:]) if t.dim() and t.shape[0] == 1 else t
+                 for t in tensors)
 
 
 def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
