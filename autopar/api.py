@@ -13,7 +13,7 @@ from autopar.errors import ConfigError
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SEARCH_KEYS = ("dp", "tp", "pp", "microbatch_size", "zero", "sequence_parallel", "schedule",
-               "virtual_stages", "time_limit_s")
+               "virtual_stages", "time_limit_s", "recompute", "offload")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class Spec:
     Degrees left out are 1, except ``dp``, which fills the world. ``microbatch_size``
     defaults to each data-parallel rank's whole share of the global batch, or with
     pipelining (``pp`` > 1) to the largest that still gives ``pp`` micro-batches.
-    ``schedule`` (with ``pp`` > 1) defaults to "1f1b".
+    ``schedule`` (with ``pp`` > 1) defaults to "1f1b". ``recompute`` ("none",
+    "selective" or "full") applies to every block; None lets the solver choose per layer.
+    ``offload`` keeps parameters and optimizer state in host memory (needs ``zero=3``).
     """
 
     dp: int | None = None
@@ -34,9 +36,10 @@ class Spec:
     microbatch_size: int | None = None
     schedule: str | None = None
     virtual_stages: int = 1
-    recompute: str = "none"
+    recompute: str | None = None
     zero: int = 0
     sequence_parallel: bool = False
+    offload: bool = False
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -118,6 +121,24 @@ def _check_pipeline_space(space: dict, num_blocks: int) -> None:
                           f"them); choose pp <= {num_blocks + 2}")
 
 
+def _recompute_modes(value) -> tuple[str, ...] | None:
+    """A forced recomputation mode (one of RECOMPUTE) as the tuple the search takes."""
+    from autopar.plans import RECOMPUTE
+
+    if value is None:
+        return None
+    _check_choice("recompute", value, RECOMPUTE)
+    return (value,)
+
+
+def _offload(value, zero) -> bool | None:
+    """``offload=True`` needs ZeRO-3 (FSDP2 offloads sharded parameters)."""
+    if value and zero not in (None, 3):
+        raise ConfigError(f"offload=True needs zero=3 (FSDP2 offloads sharded parameters), "
+                          f"not zero={zero}")
+    return value
+
+
 def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | None,
                 loss_fn, precision: str, optimizer: str, memory_budget, space: dict,
                 name: str | None = None):
@@ -156,6 +177,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     res = search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node, precision=precision,
                  optimizer=optimizer, memory_budget=budget,
                  sequence_parallel=space.get("sequence_parallel"),
+                 recompute=_recompute_modes(space.get("recompute")),
+                 offload=_offload(space.get("offload"), space.get("zero")),
                  time_limit_s=space.get("time_limit_s"))
     peak = hw.matmul_flops.get(precision, hw.matmul_flops.get("fp32", 1.0))
     plan = assemble(an, res.built, res.solution, cluster_desc=cluster.describe(),
@@ -178,8 +201,11 @@ def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch:
     ``example_inputs`` is one global batch (real or ``meta`` tensors); ``global_batch``
     overrides its size. ``space`` narrows the search: ``dp``, ``tp``,
     ``pp``, ``microbatch_size``, ``zero`` (0-3), ``sequence_parallel`` (True/False),
-    ``schedule`` (one of :data:`autopar.plans.SCHEDULES`), ``virtual_stages`` and
-    ``time_limit_s``. Without a cluster, plans for the running job (see
+    ``schedule`` (one of :data:`autopar.plans.SCHEDULES`), ``virtual_stages``,
+    ``recompute`` (force "none", "selective" or "full" on every block; by default the
+    solver picks per layer), ``offload`` (True / False; by default only when nothing
+    fits without it) and ``time_limit_s``. ``memory_budget`` defaults to the GPU's
+    memory less the profile's stated reserve. Without a cluster, plans for the running job (see
     :func:`detect_cluster`).
     """
     cluster = cluster or detect_cluster()
@@ -207,8 +233,6 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
         if getattr(spec, name) != 1:
             raise ConfigError(f"Spec({name}={getattr(spec, name)}) is not supported yet; "
                               f"this version plans data, tensor and pipeline parallelism")
-    if spec.recompute != "none":
-        raise ConfigError(f"Spec(recompute={spec.recompute!r}) is not supported yet; use 'none'")
     if spec.zero not in (0, 1, 2, 3):
         raise ConfigError(f"Spec(zero={spec.zero}) is not a ZeRO stage; use 0, 1, 2 or 3")
     cluster = cluster or detect_cluster()
@@ -227,7 +251,8 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
     mb = spec.microbatch_size or max(d for d in range(1, local + 1)
                                      if local % d == 0 and (local // d >= spec.pp or d == 1))
     space = {"dp": dp, "tp": spec.tp, "pp": spec.pp, "microbatch_size": mb, "zero": spec.zero,
-             "sequence_parallel": spec.sequence_parallel if spec.tp > 1 else None}
+             "sequence_parallel": spec.sequence_parallel if spec.tp > 1 else None,
+             "recompute": spec.recompute, "offload": spec.offload}
     if spec.pp > 1:
         space["schedule"] = spec.schedule or "1f1b"
         space["virtual_stages"] = spec.virtual_stages

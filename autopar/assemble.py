@@ -93,21 +93,14 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         for alias in g.params[fqn].aliases if fqn in g.params else []:
             params[alias] = list(pl)
     acts = {name: list(s.out) for name, s in chosen.items()}
-    ev = evaluate(built.problem, sol.choice)
+    ev = evaluate(built.problem, sol.choice, sol.modes)
     times = {}
     for k, name in enumerate(built.names):
         sc = built.problem.nodes[k].strategies[sol.choice[k]]
         times[name] = sc.compute_s + sc.comm_s
     per_node = {n.name: times.get(g.canonical.get(n.name, n.name), 0.0) for n in g.nodes}
     modules = module_plans(an, chosen, tp_axis, params, per_node)
-    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
-    for k, node in enumerate(built.problem.nodes):
-        s = built.strategies[k][sol.choice[k]]
-        for cat, v in s.memory.items():
-            memory[cat] += node.multiplicity * v
-    memory["gathered_params"] = sum(
-        n.gather_multiplicity * n.strategies[sol.choice[k]].gather_bytes
-        for k, n in enumerate(built.problem.nodes))
+    memory = memory_breakdown(built, sol)
     memory["total"] = ev.memory_bytes
     model_flops = 3.0 * g.forward_flops * global_batch / g.batch_size
     world = mesh.size
@@ -120,6 +113,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
                  "param_comm_s": ev.param_comm_s,
                  "exposed_param_comm_s": ev.exposed_param_comm_s,
                  "exposed_comm_s": ev.comm_s + ev.exposed_param_comm_s}
+    recompute = recompute_of_blocks(built, sol, blocks)
     return Plan(
         model=g.model_name, graph_hash=g.fingerprint(), cluster=cluster_desc,
         mesh=mesh.as_dict(), global_batch=global_batch, microbatch_size=st.microbatch_size,
@@ -127,7 +121,39 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         precision=st.precision, optimizer=st.optimizer, params=params, activations=acts,
         modules=modules, blocks=blocks, step_time_s=ev.step_time_s, breakdown=breakdown,
         memory=memory, throughput=global_batch / ev.step_time_s if ev.step_time_s else 0.0,
-        mfu=mfu, solver=dict(sol.stats), notes=[])
+        mfu=mfu, solver=dict(sol.stats), notes=[], recompute=recompute, offload=st.offload)
+
+
+def memory_breakdown(built: Built, sol: Solution) -> dict[str, float]:
+    """Bytes per device by category for solution ``sol`` (no pipeline): params, grads,
+    optimizer, gathered (parameter copies live in forward and backward, ZeRO-3's
+    gathered blocks included), activations (after recomputation) and recompute (the
+    block being recomputed)."""
+    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "gathered": 0.0,
+              "activations": 0.0, "recompute": 0.0}
+    for k, node in enumerate(built.problem.nodes):
+        s = built.strategies[k][sol.choice[k]]
+        for cat, v in s.memory.items():
+            memory[cat] = memory.get(cat, 0.0) + node.multiplicity * v
+        memory["gathered"] += node.gather_multiplicity * \
+            node.strategies[sol.choice[k]].gather_bytes
+    modes = sol.modes or [0] * len(built.problem.recompute)
+    for grp, r in zip(built.problem.recompute, modes):
+        for k, v in enumerate(grp.nodes):
+            i, m = sol.choice[v], built.problem.nodes[v].multiplicity
+            memory["activations"] += grp.activation_scale * m * grp.act_delta[k][i][r]
+            memory["recompute"] += grp.transient[k][i][r]
+    return memory
+
+
+def recompute_of_blocks(built: Built, sol: Solution, blocks: list[str]) -> dict[str, str]:
+    """Block path -> the recomputation mode its layer group got (every block listed)."""
+    out = {b: "none" for b in blocks}
+    modes = sol.modes or [0] * len(built.problem.recompute)
+    for grp, r in zip(built.problem.recompute, modes):
+        for path in grp.name.split(","):
+            out[path] = grp.modes[r]
+    return out
 
 
 def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
@@ -141,7 +167,7 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
         units = [m for u in po.units[a:b] for m in u.modules]
         stages.append(StagePlan(k, r, units, sum(u.forward_s for u in po.units[a:b]),
                                 sum(u.backward_s for u in po.units[a:b]),
-                                po.split.estimate.peak_memory_bytes[r]))
+                                po.split.estimate.peak_memory_bytes[r] + po.transient_bytes))
     est = po.split.estimate
     plan.pipeline = PipelinePlan(schedule, virtual_stages, stages, est.bubble_fraction, po.p2p_s)
     plan.mesh = {"pp": pp, **plan.mesh}
@@ -149,7 +175,8 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
     static = sum(u.static_bytes for (a, b), r in zip(po.split.bounds, ranks) if r == worst
                  for u in po.units[a:b])
     plan.memory = {"static": static, "activations": est.peak_memory_bytes[worst] - static,
-                   "total": est.peak_memory_bytes[worst]}
+                   "recompute": po.transient_bytes,
+                   "total": est.peak_memory_bytes[worst] + po.transient_bytes}
     busy = max(est.busy_s)
     plan.breakdown = {"compute_s": busy, "bubble_s": est.step_time_s - busy,
                       "exposed_param_comm_s": po.exposed_step_comm_s,

@@ -80,6 +80,17 @@ def _units_text(units: list[str], blocks: list[str]) -> str:
     return ", ".join(out)
 
 
+def _recompute_text(plan: Plan) -> str:
+    """Blocks grouped by recomputation mode: ``selective blocks.0-11; none blocks.12-23``."""
+    if not plan.blocks:
+        return "none (no repeated blocks)"
+    by_mode: dict[str, list[str]] = {}
+    for b in plan.blocks:
+        by_mode.setdefault(plan.recompute.get(b, "none"), []).append(b)
+    return "; ".join(f"{mode} {_units_text(blocks, plan.blocks)}"
+                     for mode, blocks in by_mode.items())
+
+
 def plan_summary(plan: Plan) -> str:
     """The multi-line summary printed by ``autopar plan`` and ``Plan.summary()``."""
     c = plan.cluster
@@ -92,7 +103,10 @@ def plan_summary(plan: Plan) -> str:
         f"batch     global {plan.global_batch} = dp {plan.degree('dp')} x micro-batch "
         f"{plan.microbatch_size} x {plan.num_microbatches} "
         f"{'pipeline micro-batches' if plan.pipeline else 'accumulation step(s)'}",
-        f"data par. ZeRO-{plan.zero} ({ZERO_TEXT.get(plan.zero, '')})",
+        f"data par. ZeRO-{plan.zero} ({ZERO_TEXT.get(plan.zero, '')})"
+        + (", CPU offload of parameters, gradients and optimizer state" if plan.offload
+           else ""),
+        f"recompute {_recompute_text(plan)}",
         f"tensor p. {'tp=' + str(plan.degree('tp')) if plan.degree('tp') > 1 else 'none'}"
         f"{', sequence parallel' if plan.sequence_parallel else ''}",
         f"precision {plan.precision}, optimizer {plan.optimizer}",

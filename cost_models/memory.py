@@ -1,21 +1,56 @@
-"""Memory model: bytes per parameter for weights, gradients and optimizer state, and
-which tensors each operator saves for its backward pass.
+"""Memory model: bytes per device for parameters, gradients and optimizer state by
+ZeRO stage, precision and offload, and which tensors each operator saves for its
+backward pass.
 
-Per parameter element (Rajbhandari et al., "ZeRO", SC'20, §3.1: mixed-precision Adam
-keeps 2 + 2 + 12 = 16 bytes):
+Peak model (what the planner bounds; bytes per device, per pipeline rank):
 
-==========  =======  ======  ==========  ==========================================
-precision   param    grad    Adam/AdamW  SGD (momentum)
-==========  =======  ======  ==========  ==========================================
-fp32        4        4       8 (m, v)    4 (momentum buffer)
-bf16/fp16   4 + 2    4       8           4
-==========  =======  ======  ==========  ==========================================
+    M = P_rest + G + O + P_gathered + held · A_kept + A_transient
 
-Mixed precision is counted as PyTorch-native mixed precision runs it (FSDP2's
-MixedPrecisionPolicy or autocast): fp32 master parameters (4) plus the low-precision
-compute copy (2), fp32 gradients after reduction (4), fp32 moments (8) — 18 bytes for
-Adam, 2 more than ZeRO's table because the fp32 master is the parameter itself and a
-bf16 copy is cached for compute.
+* ``P_rest``, ``G``, ``O``: parameters (fp32 masters), fp32 gradients and optimizer
+  state of the device's share, each divided by ``dp`` when the ZeRO stage shards it
+  (table below); zero on the device with CPU offload.
+* ``P_gathered``: low-precision (or, in fp32, separate all-gathered) parameter copies
+  live during forward and backward: every parameter for ZeRO-1/2 (FSDP2 keeps them
+  gathered from forward to backward) and for ZeRO-0 under bf16/fp16 (the cast copy);
+  the root's parameters plus two blocks for ZeRO-3 (the block computing and the one
+  prefetched: FSDP2 prefetches one ``fully_shard`` unit ahead).
+* ``A_kept``: the bytes autograd saves for backward for one micro-batch (per op:
+  :func:`saved_for_backward`), after recomputation (only the block inputs under full
+  recomputation, plus the outputs of ``SELECTIVE_SAVE_OPS`` under selective);
+  ``held`` micro-batches are in flight (1 without a pipeline; the schedule's count on a
+  pipeline rank).
+* ``A_transient``: the one block being recomputed holds its whole activations again
+  during its backward.
+
+The model is the peak at the start of backward with the gradients counted whole: in
+steady state the gradients of the previous step are freed by ``zero_grad()`` and grow
+while the activations shrink, so the sum bounds the liveness curve from above; it is
+exact when gradients persist across the forward (gradient accumulation over several
+micro-batches, pipelines, or ``zero_grad(set_to_none=False)``).
+
+Allocator allowance: the bytes above are what the caching allocator hands out. Its
+rounding (512 B blocks below 1 MiB, 2 MiB segments above: PyTorch's
+``CUDACachingAllocator``), fragmentation, the CUDA context and NCCL's own buffers are not
+in M; they are the profile's ``memory_reserve_bytes`` (6 GiB on the GPU profiles, stated
+there), which the default budget leaves free.
+
+Per parameter element (Rajbhandari et al., "ZeRO", SC'20, §3.1, counted as PyTorch's
+FSDP2 lowers each stage: ``fully_shard`` keeps fp32 sharded parameters and, with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, all-gathers bf16
+copies that are freed after use; sharded gradients are fp32; AdamW's ``exp_avg`` and
+``exp_avg_sq`` follow the fp32 parameter):
+
+=====  =================  ==================  ===========  =======================
+zero   param (rest)       gathered copy       grad         Adam/AdamW (SGD)
+=====  =================  ==================  ===========  =======================
+0      4                  2 (bf16/fp16) / 0   4            8 (4)
+1, 2   4 / dp             2 or 4 (all)        4 / dp       8 / dp (4 / dp)
+3      4 / dp             2 or 4 (2 blocks)   4 / dp       8 / dp (4 / dp)
+=====  =================  ==================  ===========  =======================
+
+ZeRO-1 lowers as ZeRO-2 (FSDP2 ``reshard_after_forward=False`` shards gradients too),
+so the two cost the same. Offload (FSDP2 ``CPUOffloadPolicy``, ZeRO-3 only) keeps the
+param, grad and optimizer columns in host memory.
 """
 
 from __future__ import annotations
@@ -53,6 +88,38 @@ def state_bytes(precision: str, optimizer: str) -> StateBytes:
     return StateBytes(param, 4.0, opt)
 
 
+@dataclass(frozen=True)
+class ParamBytes:
+    """Bytes per parameter element on one device, by category, for one ZeRO stage
+    (already divided by ``dp`` where the stage shards; see the module table).
+    ``gathered`` applies to every parameter for ZeRO-0/1/2 and to the gathered blocks
+    only for ZeRO-3 (``gathered_all`` says which)."""
+
+    param: float
+    grad: float
+    optimizer: float
+    gathered: float
+    gathered_all: bool
+
+
+def param_bytes(precision: str, optimizer: str, zero: int, dp: int,
+                offload: bool = False) -> ParamBytes:
+    """Bytes per parameter element on a device (module table)."""
+    sb = state_bytes(precision, optimizer)
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero={zero!r} is not a ZeRO stage (0, 1, 2 or 3)")
+    if offload and zero != 3:
+        raise ConfigError("offload needs zero=3 (FSDP2 offloads sharded parameters)")
+    low = activation_bytes_per_element(precision)
+    shard = dp if zero >= 1 else 1
+    # a separate gathered copy exists under mixed precision (the cast) and, in fp32, when
+    # FSDP2 all-gathers shards (dp > 1 with ZeRO >= 1)
+    gathered = float(low) if precision != "fp32" or (zero >= 1 and dp > 1) else 0.0
+    keep = 0.0 if offload else 1.0
+    return ParamBytes(keep * 4.0 / shard, keep * sb.grad / shard, keep * sb.optimizer / shard,
+                      gathered, zero != 3)
+
+
 def activation_bytes_per_element(precision: str) -> int:
     """Bytes of one activation element: 4 in fp32, 2 under bf16/fp16 mixed precision."""
     return 4 if precision == "fp32" else 2
@@ -60,7 +127,13 @@ def activation_bytes_per_element(precision: str) -> int:
 
 # What autograd saves (tensor-input indices; -1 = the output). Parameters are skipped by
 # the caller (they are counted as parameters). Sources: the derivative formulas in
-# PyTorch's tools/autograd/derivatives.yaml.
+# PyTorch's tools/autograd/derivatives.yaml: linear/mm save both operands (input and
+# weight), addmm its two matrices; layer_norm its input (plus mean and rstd, B·S fp32
+# each, left out: 1/h of the input); gelu and silu their input; sigmoid, tanh, relu,
+# exp, softmax their output; scaled_dot_product_attention q, k, v and its output (plus
+# logsumexp, B·H·S fp32, left out: 1/head_dim of the output); embedding its indices
+# (int64); cross_entropy the log-softmax of its input (sized as the input); dropout its
+# mask.
 _SAVED: dict[str, tuple[int, ...]] = {
     "linear": (0, 1), "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "addmm": (1, 2),
     "baddbmm": (1, 2), "einsum": (0, 1),
@@ -73,13 +146,24 @@ _SAVED: dict[str, tuple[int, ...]] = {
     "embedding": (1,), "cross_entropy_loss": (0,), "nll_loss": (0,),
     "dropout": (-1,), "native_dropout": (-1,),
 }
+# Saved tensors whose element size is not the activation dtype's: dropout keeps its
+# boolean mask (1 byte; derivatives.yaml: native_dropout_backward(grad, mask, scale)).
+_SAVED_ELEMENT_BYTES: dict[str, float] = {"dropout": 1.0, "native_dropout": 1.0}
+
+
+def saved_element_bytes(target: str) -> float | None:
+    """Bytes per element of the op's saved output when it is not an activation (None)."""
+    return _SAVED_ELEMENT_BYTES.get(_op(target))
+
+
+def _op(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
 
 
 def saved_for_backward(target: str, n_inputs: int) -> tuple[int, ...]:
     """Indices of the op's tensor inputs (and -1 for its output) saved for backward."""
-    parts = target.split(".")
-    op = parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
-    return tuple(i for i in _SAVED.get(op, ()) if i < n_inputs)
+    return tuple(i for i in _SAVED.get(_op(target), ()) if i < n_inputs)
 
 
 def memory_budget(hw, budget: float | None) -> float:

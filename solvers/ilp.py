@@ -5,17 +5,23 @@ Solved with PuLP's bundled CBC. The formulation follows Alpa (Zheng et al., OSDI
 per node strategy and a continuous ``y[e,i,j] ∈ [0, 1]`` per allowed strategy pair of
 each edge, tied to the node variables by marginal constraints. Each family of
 constraints is its own method whose docstring gives the formula it adds.
+
+Recomputation (:class:`~autopar.solvers.problem.RecomputeGroup`) adds a binary
+``z[g,r]`` per group and mode and a continuous ``w[g,k,i,r] ∈ [0, 1]`` per node strategy
+of the group and mode, tied by marginals exactly like the edge variables, so that
+``w = x·z`` at every integral point: the product of a node's strategy and its layer's
+mode stays linear and the ILP stays exact.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pulp
 
 from autopar.errors import NoFeasiblePlanError
-from autopar.solvers.problem import Problem, evaluate
+from autopar.solvers.problem import Problem, evaluate, least_memory
 
 
 @dataclass
@@ -26,6 +32,7 @@ class Solution:
     objective_s: float
     status: str
     stats: dict[str, float | int | str] = field(default_factory=dict)
+    modes: list[int] = field(default_factory=list)
 
 
 class IntraOpILP:
@@ -43,6 +50,9 @@ class IntraOpILP:
         self.model = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
         self.x: list[list[pulp.LpVariable]] = []
         self.y: list[dict[tuple[int, int], pulp.LpVariable]] = []
+        self.z: list[dict[int, pulp.LpVariable]] = []
+        self.w: list[dict[tuple[int, int, int], pulp.LpVariable]] = []
+        self.classes: list[list[list[list[int]]]] = []
 
     def build(self) -> None:
         """Create the variables, the objective and every constraint family."""
@@ -53,9 +63,18 @@ class IntraOpILP:
         for k, e in enumerate(p.edges):
             self.y.append({ij: pulp.LpVariable(f"y_{k}_{ij[0]}_{ij[1]}", 0, 1)
                            for ij in e.cost})
+        for g, grp in enumerate(p.recompute):
+            self.z.append({r: pulp.LpVariable(f"z_{g}_{r}", cat="Binary") for r in grp.allowed})
+            self.classes.append([_classes(grp, k, len(p.nodes[v].strategies))
+                                 for k, v in enumerate(grp.nodes)])
+            self.w.append({(k, c, r): pulp.LpVariable(f"w_{g}_{k}_{c}_{r}", 0, 1)
+                           for k in range(len(grp.nodes))
+                           for c in range(len(self.classes[g][k])) for r in grp.allowed})
         self.add_one_strategy_per_node()
         self.add_edge_marginals()
         self.add_ties()
+        self.add_one_mode_per_group()
+        self.add_recompute_marginals()
         self.add_memory_budget()
         self.set_objective()
 
@@ -84,25 +103,65 @@ class IntraOpILP:
                 self.model += (pulp.lpSum(self.x[t.a][i] for i in ga)
                                == pulp.lpSum(self.x[t.b][j] for j in gb)), f"tie_{t_i}_{k}"
 
+    def add_one_mode_per_group(self) -> None:
+        """Σ_r z[g,r] = 1 for every recomputation group g (r over its allowed modes)."""
+        for g, zs in enumerate(self.z):
+            self.model += pulp.lpSum(zs.values()) == 1, f"mode_{g}"
+
+    def add_recompute_marginals(self) -> None:
+        """For group g, its k-th node v and each class C of v's strategies with equal
+        recomputation costs: Σ_r w[g,k,C,r] = Σ_{i∈C} x[v,i], and for every mode r
+        Σ_C w[g,k,C,r] = z[g,r] (so w[g,k,C,r] = [s_v ∈ C]·z[g,r] when integral)."""
+        for g, grp in enumerate(self.p.recompute):
+            ws = self.w[g]
+            for k, v in enumerate(grp.nodes):
+                classes = self.classes[g][k]
+                for c, members in enumerate(classes):
+                    self.model += (pulp.lpSum(ws[(k, c, r)] for r in grp.allowed)
+                                   == pulp.lpSum(self.x[v][i] for i in members)), \
+                        f"wx_{g}_{k}_{c}"
+                for r in grp.allowed:
+                    self.model += (pulp.lpSum(ws[(k, c, r)] for c in range(len(classes)))
+                                   == self.z[g][r]), f"wz_{g}_{k}_{r}"
+
+    def _recompute_sum(self, what: str, scale: float) -> list:
+        """Σ_g Σ_{k,C,r} coefficient · w[g,k,C,r] for ``what`` = "time" (m_v·extra_s) or
+        "memory" (:meth:`RecomputeGroup.memory`), the coefficient of any member of C."""
+        terms = []
+        for g, grp in enumerate(self.p.recompute):
+            for (k, c, r), w in self.w[g].items():
+                i = self.classes[g][k][c][0]
+                m = self.p.nodes[grp.nodes[k]].multiplicity
+                c = m * grp.extra_s[k][i][r] if what == "time" else grp.memory(k, i, r, m)
+                if c:
+                    terms.append(scale * c * w)
+        return terms
+
     def add_memory_budget(self) -> None:
-        """fixed + Σ_v Σ_i x[v,i] (m_v·memory[v,i] + g_v·gather[v,i]) ≤ budget."""
+        """fixed + Σ_v Σ_i x[v,i] (m_v·memory[v,i] + g_v·gather[v,i])
+        + Σ_g Σ_{k,i,r} w[g,k,i,r]·(a_g·m_v·act_delta + transient) ≤ budget."""
         p = self.p
         if p.memory_budget == float("inf"):
             return
         k = 1e3 / p.memory_budget if p.memory_budget > 0 else self.MEMORY  # budget = 1000 units
         terms = [k * (n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes)
                  * x for n, xs in zip(p.nodes, self.x) for s, x in zip(n.strategies, xs)]
+        terms += self._recompute_sum("memory", k)
         self.model += pulp.lpSum(terms) + k * p.fixed_memory <= k * p.memory_budget, "memory"
 
     def _sum(self, attr: str) -> pulp.LpAffineExpression:
-        return pulp.lpSum(self.TIME * n.multiplicity * getattr(s, attr) * x
-                          for n, xs in zip(self.p.nodes, self.x)
-                          for s, x in zip(n.strategies, xs) if getattr(s, attr))
+        terms = [self.TIME * n.multiplicity * getattr(s, attr) * x
+                 for n, xs in zip(self.p.nodes, self.x)
+                 for s, x in zip(n.strategies, xs) if getattr(s, attr)]
+        if attr in ("compute_s", "bwd_compute_s"):  # recomputation runs in backward
+            terms += self._recompute_sum("time", self.TIME)
+        return pulp.lpSum(terms)
 
     def set_objective(self) -> None:
         """min n·(Σ m·(compute + comm) + Σ_e m_e·cost_e·y_e) + E_step + n·E_micro, with
         E_step ≥ Σ m·step_param_comm − overlap·Σ m·bwd_compute, E_micro ≥
-        Σ m·micro_param_comm − overlap·Σ m·compute, and E ≥ 0."""
+        Σ m·micro_param_comm − overlap·Σ m·compute, and E ≥ 0; compute and bwd_compute
+        include the recomputation Σ_g Σ m_v·extra_s·w; plus Σ m·host_step (offload)."""
         p = self.p
         n = p.num_microbatches
         edge_cost = pulp.lpSum(self.TIME * e.multiplicity * c * self.y[k][ij]
@@ -114,7 +173,7 @@ class IntraOpILP:
         self.model += e_micro >= self._sum("micro_param_comm_s") - p.overlap * self._sum(
             "compute_s"), "exposed_micro_def"
         self.model += n * (self._sum("compute_s") + self._sum("comm_s") + edge_cost) \
-            + e_step + n * e_micro
+            + e_step + n * e_micro + self._sum("host_step_s")
 
     def solve(self, time_limit_s: float | None = None) -> Solution:
         """Run CBC and read back one strategy per node."""
@@ -128,13 +187,113 @@ class IntraOpILP:
         if name not in ("Optimal",):
             raise NoFeasiblePlanError(f"the intra-op ILP is {name.lower()}")
         choice = [max(range(len(xs)), key=lambda i: xs[i].value() or 0.0) for xs in self.x]
-        ev = evaluate(self.p, choice)
+        modes = [max(zs, key=lambda r: zs[r].value() or 0.0) for zs in self.z]
+        self.stats_extra = {"recompute_variables": sum(len(w) for w in self.w)}
+        ev = evaluate(self.p, choice, modes)
         stats = {"solver": "ilp-cbc", "status": name, "variables": len(self.model.variables()),
                  "constraints": len(self.model.constraints), "build_s": built - t0,
                  "time_s": elapsed}
-        return Solution(choice, ev.step_time_s, name, stats)
+        return Solution(choice, ev.step_time_s, name, stats, modes)
+
+
+def _classes(grp, k: int, n: int) -> list[list[int]]:
+    """Node k's strategies grouped by equal (extra_s, act_delta, transient) rows."""
+    out: dict[tuple, list[int]] = {}
+    for i in range(n):
+        key = (tuple(grp.extra_s[k][i]), tuple(grp.act_delta[k][i]), tuple(grp.transient[k][i]))
+        out.setdefault(key, []).append(i)
+    return list(out.values())
+
+
+def most_memory(problem: Problem) -> float:
+    """An upper bound on M(s) without recomputation: every node's largest memory."""
+    return problem.fixed_memory + sum(
+        max(n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes
+            for s in n.strategies) for n in problem.nodes)
+
+
+def fold_modes(problem: Problem, modes: list[int]) -> Problem:
+    """``problem`` with every recomputation group fixed to ``modes``: each node's
+    strategies carry the mode's extra time and memory, and no groups remain."""
+    nodes = list(problem.nodes)
+    for grp, r in zip(problem.recompute, modes):
+        for k, v in enumerate(grp.nodes):
+            node = nodes[v]
+            m = node.multiplicity
+            costs = [replace(sc, compute_s=sc.compute_s + grp.extra_s[k][i][r],
+                             bwd_compute_s=sc.bwd_compute_s + grp.extra_s[k][i][r],
+                             memory_bytes=sc.memory_bytes + grp.memory(k, i, r, m) / m)
+                     for i, sc in enumerate(node.strategies)]
+            nodes[v] = replace(node, strategies=costs)
+    return replace(problem, nodes=nodes, recompute=[])
+
+
+def _recompute_only_adds_time(problem: Problem) -> bool:
+    """True when no strategy pays both per-step and per-micro-batch parameter traffic
+    (then T(s, r) ≥ T(s, none) for every assignment s and modes r)."""
+    step = any(s.step_param_comm_s for n in problem.nodes for s in n.strategies)
+    micro = any(s.micro_param_comm_s for n in problem.nodes for s in n.strategies)
+    return not (step and micro)
+
+
+def _least_time(problem: Problem) -> float:
+    """n·Σ_v m_v min_i (compute + comm) + Σ_v m_v min_i host_step: no assignment is faster
+    (edges and exposed parameter traffic are ≥ 0)."""
+    return sum(n.multiplicity * min(problem.num_microbatches * (s.compute_s + s.comm_s)
+                                    + s.host_step_s for s in n.strategies)
+               for n in problem.nodes)
+
+
+ENUMERATE_MODES = 9
+"""Up to this many combinations of recomputation modes, :func:`solve_ilp` solves one
+ILP per combination with the modes folded in (smaller models that CBC solves faster
+than one model with the mode variables); above it, one ILP with ``z`` and ``w``."""
 
 
 def solve_ilp(problem: Problem, time_limit_s: float | None = None) -> Solution:
-    """Solve ``problem`` to optimality with the ILP; raises NoFeasiblePlanError."""
-    return IntraOpILP(problem).solve(time_limit_s)
+    """Solve ``problem`` to optimality with the ILP; raises NoFeasiblePlanError.
+
+    Recomputation only adds time (when no strategy has both per-step and per-micro-batch
+    parameter communication, as the builder makes them: then the recomputed forward
+    can hide at most the micro-batch term it adds to), and a memory budget only removes
+    assignments, so when the fastest assignment without recomputation and without the
+    budget fits the budget it is the optimum. Otherwise, with few groups, every
+    combination of modes is solved as its own ILP (skipping a combination whose least
+    memory exceeds the budget, or whose least time n·Σ_v m_v min_i(compute + comm +
+    extra) cannot beat the best found), and the fastest wins; with many groups, one ILP
+    with the mode variables decides."""
+    import itertools
+
+    groups = problem.recompute
+    combos = list(itertools.product(*(g.allowed for g in groups)))
+    if not groups or len(combos) > ENUMERATE_MODES or not all(0 in g.allowed for g in groups):
+        if len(combos) == 1:
+            sol = IntraOpILP(fold_modes(problem, list(combos[0]))).solve(time_limit_s)
+            sol.modes = list(combos[0])
+            return sol
+        return IntraOpILP(problem).solve(time_limit_s)
+    none = [0] * len(groups)
+    if _recompute_only_adds_time(problem):
+        plain = replace(problem, recompute=[], memory_budget=float("inf"))
+        free = IntraOpILP(plain).solve(time_limit_s)
+        if evaluate(problem, free.choice, none).feasible:
+            free.modes = none
+            return free
+    best: Solution | None = None
+    for modes in combos:
+        folded = fold_modes(problem, list(modes))
+        if least_memory(folded) > problem.memory_budget:
+            continue
+        if best is not None and _least_time(folded) >= best.objective_s:
+            continue
+        try:
+            sol = IntraOpILP(folded).solve(time_limit_s)
+        except NoFeasiblePlanError:
+            continue
+        sol.modes = list(modes)
+        sol.objective_s = evaluate(problem, sol.choice, sol.modes).step_time_s
+        if best is None or sol.objective_s < best.objective_s * (1 - 1e-12):
+            best = sol
+    if best is None:
+        raise NoFeasiblePlanError("the intra-op ILP is infeasible")
+    return best

@@ -12,7 +12,9 @@ all have the shape dp × tp):
        M_pp(s) = Σ_v m_v (static_v(s_v) / pp + activations_v(s_v) · in_flight / pp)
 
    where ``in_flight`` is what the first rank holds at the schedule's peak (min(m, p)
-   for 1F1B-like schedules, m for GPipe);
+   for 1F1B-like schedules, m for GPipe); the recomputation groups' activation terms
+   scale the same way (``activation_scale`` = in_flight / pp) and the one block being
+   recomputed is added once;
 2. the units' costs under that solution (:func:`autopar.solvers.units.unit_costs`)
    go to the stage DP (:func:`autopar.solvers.interop.split_stages`), which places
    the units on pp · v stages, checks each rank's memory exactly for the schedule,
@@ -35,9 +37,9 @@ from autopar.graph import Graph
 from autopar.sharding import Mesh
 from autopar.solvers.ilp import Solution, solve_ilp
 from autopar.solvers.interop import StageSplit, UnitCost, split_stages
-from autopar.solvers.problem import NodeChoice, Problem
+from autopar.solvers.problem import NodeChoice, Problem, least_memory
 from autopar.solvers.schedules import stage_ranks
-from autopar.solvers.units import Unit, unit_costs
+from autopar.solvers.units import Unit, recompute_transient, unit_costs
 from autopar.strategies.build import Built
 
 
@@ -52,6 +54,7 @@ class PipelineOutcome:
     memory_bytes: float
     p2p_s: float
     exposed_step_comm_s: float
+    transient_bytes: float = 0.0
 
 
 def in_flight(schedule: str, pp: int, num_microbatches: int) -> int:
@@ -71,7 +74,8 @@ def pipeline_problem(built: Built, pp: int, held: int) -> Problem:
             static = sc.memory_bytes - act
             costs.append(replace(sc, memory_bytes=(static + act * held) / pp))
         nodes.append(NodeChoice(node.name, costs, node.multiplicity, node.gather_multiplicity))
-    return replace(built.problem, nodes=nodes)
+    groups = [replace(grp, activation_scale=held / pp) for grp in built.problem.recompute]
+    return replace(built.problem, nodes=nodes, recompute=groups)
 
 
 def boundary_bytes(g: Graph, built: Built, choice: list[int]) -> float:
@@ -99,9 +103,7 @@ def boundary_bytes(g: Graph, built: Built, choice: list[int]) -> float:
 def _solve(problem: Problem) -> Solution | NoFeasiblePlanError:
     """The ILP's solution, or the error saying it does not fit (checked first with the
     cheap bound: every node's smallest memory)."""
-    least = problem.fixed_memory + sum(
-        min(n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes
-            for s in n.strategies) for n in problem.nodes)
+    least = least_memory(problem)
     if least > problem.memory_budget:
         return NoFeasiblePlanError(f"one pipeline rank needs at least {least / 1e9:.2f} GB "
                                    f"of the {problem.memory_budget / 1e9:.2f} GB budget")
@@ -131,7 +133,7 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
         else:
             memory = [[s.memory for s in ss] for ss in built.strategies]
             solved[key] = (found, unit_costs(g, built.problem, built.names, memory,
-                                             found.choice))
+                                             found.choice, found.modes))
     entry = solved[key]
     if isinstance(entry, NoFeasiblePlanError):
         raise entry
@@ -143,9 +145,10 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
     p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2, link)
     costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
                       u.activation_bytes, u.static_bytes) for u in units]
+    transient = recompute_transient(built.problem, sol.choice, sol.modes)
     split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
-                         p2p_s=p2p, memory_budget=st.memory_budget, explain=False)
-    ranks = split.estimate.peak_memory_bytes
+                         p2p_s=p2p, memory_budget=st.memory_budget - transient, explain=False)
+    ranks = [r + transient for r in split.estimate.peak_memory_bytes]
     per_rank_comm = [0.0] * pp
     per_rank_bwd = [0.0] * pp
     for (a, b), r in zip(split.bounds, stage_ranks(schedule, pp, virtual_stages)):
@@ -155,4 +158,4 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
     if not split.bounds:
         raise NoFeasiblePlanError("the stage split is empty")
     return PipelineOutcome(sol, units, split, split.estimate.step_time_s + exposed,
-                           max(ranks), p2p, exposed)
+                           max(ranks), p2p, exposed, transient)

@@ -10,7 +10,10 @@ per node (``m_v`` = how many identical instances node ``v`` stands for, ``n`` =
 micro-batches per step):
 
     T(s) = n · Σ_v m_v (compute_v + comm_v) + n · Σ_e m_e cost_e(s_u, s_v) + E(s)
+           + Σ_v m_v host_step_v
 
+(``host_step`` is the optimizer step run on the host under CPU offload, once per step,
+after the backward: nothing hides it)
 where ``compute`` is forward + backward time, ``comm`` the activation collectives on
 the critical path, and E the parameter communication that cannot hide behind
 compute:
@@ -30,6 +33,18 @@ Memory per device, which must not exceed ``memory_budget``:
 
 where ``gather`` is transient memory (e.g. all-gathered parameters of the layers
 in flight) counted ``g_v`` times.
+
+Recomputation (:class:`RecomputeGroup`): each group of canonical layer nodes (one
+distinct repeated layer) also picks one mode r ∈ {none, selective, full}; for node v
+in the group with strategy i the mode adds, per micro-batch and per instance,
+
+    time:    n · m_v · extra_s[v][i][r]               (the recomputed forward, in backward)
+    memory:  a · m_v · act_delta[v][i][r] + transient[v][i][r]
+
+where ``act_delta`` (≤ 0) is the change of the bytes kept for backward, ``a`` the
+group's ``activation_scale`` (1, or in-flight micro-batches / pp on a pipeline rank),
+and ``transient`` (≥ 0 summed over the layer) what the one layer being recomputed
+holds again during its backward. Mode "none" adds nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +64,7 @@ class StrategyCost:
     step_param_comm_s: float = 0.0
     memory_bytes: float = 0.0
     gather_bytes: float = 0.0
+    host_step_s: float = 0.0
 
 
 @dataclass
@@ -86,6 +102,29 @@ class Tie:
 
 
 @dataclass
+class RecomputeGroup:
+    """One recomputation decision shared by the canonical nodes ``nodes`` of a layer.
+
+    ``extra_s[k][i][r]`` / ``act_delta[k][i][r]`` / ``transient[k][i][r]``: for the k-th
+    node of ``nodes`` using its strategy i under mode ``modes[r]`` (see the module
+    docstring). ``allowed`` lists the mode indices the solver may pick."""
+
+    name: str
+    nodes: list[int]
+    extra_s: list[list[list[float]]]
+    act_delta: list[list[list[float]]]
+    transient: list[list[list[float]]]
+    modes: tuple[str, ...] = ("none", "selective", "full")
+    allowed: tuple[int, ...] = (0, 1, 2)
+    activation_scale: float = 1.0
+
+    def memory(self, k: int, i: int, r: int, multiplicity: int) -> float:
+        """Bytes node ``nodes[k]`` with strategy i adds under mode r (all instances)."""
+        return (self.activation_scale * multiplicity * self.act_delta[k][i][r]
+                + self.transient[k][i][r])
+
+
+@dataclass
 class Problem:
     """An intra-op placement problem (see the module docstring for the objective)."""
 
@@ -96,6 +135,7 @@ class Problem:
     memory_budget: float = float("inf")
     fixed_memory: float = 0.0
     overlap: float = 1.0
+    recompute: list[RecomputeGroup] = field(default_factory=list)
 
     @property
     def num_choices(self) -> int:
@@ -117,10 +157,20 @@ class Evaluation:
     feasible: bool
 
 
-def evaluate(p: Problem, choice: list[int]) -> Evaluation:
-    """Score an assignment of one strategy index per node, exactly as the ILP does."""
+def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> Evaluation:
+    """Score an assignment of one strategy index per node (and one recomputation mode
+    index per group of ``p.recompute``; default: mode 0, "none"), exactly as the ILP does."""
     n = p.num_microbatches
-    comp = bwd = comm = micro_pc = step_pc = mem = 0.0
+    comp = bwd = comm = micro_pc = step_pc = mem = host = 0.0
+    modes = list(modes) if modes is not None else [0] * len(p.recompute)
+    feasible = True
+    for grp, r in zip(p.recompute, modes):
+        feasible &= r in grp.allowed
+        for k, v in enumerate(grp.nodes):
+            i, m = choice[v], p.nodes[v].multiplicity
+            comp += m * grp.extra_s[k][i][r]
+            bwd += m * grp.extra_s[k][i][r]
+            mem += grp.memory(k, i, r, m)
     for node, i in zip(p.nodes, choice):
         s = node.strategies[i]
         m = node.multiplicity
@@ -129,9 +179,9 @@ def evaluate(p: Problem, choice: list[int]) -> Evaluation:
         comm += m * s.comm_s
         micro_pc += m * s.micro_param_comm_s
         step_pc += m * s.step_param_comm_s
+        host += m * s.host_step_s
         mem += m * s.memory_bytes + node.gather_multiplicity * s.gather_bytes
     reshard = 0.0
-    feasible = True
     for e in p.edges:
         c = e.cost.get((choice[e.u], choice[e.v]))
         if c is None:
@@ -147,6 +197,26 @@ def evaluate(p: Problem, choice: list[int]) -> Evaluation:
     e_step = max(0.0, step_pc - p.overlap * bwd)
     e_micro = max(0.0, micro_pc - p.overlap * comp)
     exposed = e_step + n * e_micro
-    total = n * (comp + comm + reshard) + exposed
+    total = n * (comp + comm + reshard) + exposed + host
     return Evaluation(total, n * comp, n * (comm + reshard), n * reshard, exposed,
                       step_pc + n * micro_pc, mem, feasible)
+
+
+def least_memory(p: Problem) -> float:
+    """A lower bound on M over every assignment and recomputation mode: each node's
+    smallest memory on its own, with the most saving mode of its group for it."""
+    saving: dict[int, tuple[RecomputeGroup, int]] = {}
+    for grp in p.recompute:
+        for k, v in enumerate(grp.nodes):
+            saving[v] = (grp, k)
+    total = p.fixed_memory
+    for v, n in enumerate(p.nodes):
+        best = float("inf")
+        for i, s in enumerate(n.strategies):
+            m = n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes
+            if v in saving:
+                grp, k = saving[v]
+                m += min(grp.memory(k, i, r, n.multiplicity) for r in grp.allowed)
+            best = min(best, m)
+        total += best
+    return total

@@ -1,6 +1,12 @@
 """The outer search: every factorization of the world into pp x dp x tp, every
 micro-batch size, ZeRO stage and pipeline schedule; one intra-op ILP per candidate
 (and, with pipelining, one stage DP per schedule); the fastest feasible wins.
+Recomputation is chosen inside each ILP (one mode per distinct layer), not here.
+
+ZeRO stages tried over dp > 1: 0, 2 and 3 without a pipeline, 0 and 2 with one
+(ZeRO-1 lowers as ZeRO-2 and costs the same; ask for it with ``zero=1``). CPU offload
+(ZeRO-3, no pipeline) is tried only when no candidate fits without it: it trades the
+host link's time for device memory and never wins otherwise.
 
 Candidates are visited in a fixed order and ties keep the first found, so the same
 inputs always give the same plan.
@@ -9,14 +15,16 @@ inputs always give the same plan.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.sharding import Mesh
 from autopar.solvers.ilp import Solution, solve_ilp
-from autopar.solvers.pipeline_search import PipelineOutcome, solve_pipeline
+from autopar.plans import RECOMPUTE
+from autopar.solvers.pipeline_search import (PipelineOutcome, in_flight, pipeline_problem,
+                                             solve_pipeline)
 from autopar.solvers.schedules import validate
-from autopar.solvers.problem import evaluate
+from autopar.solvers.problem import evaluate, least_memory
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, Settings, build_problem
 
@@ -33,6 +41,7 @@ class Candidate:
     pp: int = 1
     schedule: str = ""
     virtual_stages: int = 1
+    offload: bool = False
 
     def label(self) -> str:
         """Short readable description."""
@@ -40,7 +49,7 @@ class Candidate:
             f" v={self.virtual_stages}" if self.virtual_stages > 1 else "") + " " \
             if self.pp > 1 else ""
         return (f"{pipe}dp={self.dp} tp={self.tp} mb={self.microbatch_size}x"
-                f"{self.num_microbatches} zero={self.zero}")
+                f"{self.num_microbatches} zero={self.zero}" + (" offload" if self.offload else ""))
 
 
 @dataclass
@@ -106,8 +115,8 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                 if local % mb or (microbatch_size is None and local // mb < p):
                     continue
                 m = local // mb
-                zs = [zero] if zero is not None else ([0, 3] if d > 1 and p == 1 else
-                                                      [0, 1] if d > 1 else [0])
+                zs = [zero] if zero is not None else ([0, 2, 3] if d > 1 and p == 1 else
+                                                      [0, 2] if d > 1 else [0])
                 for z in zs:
                     for sched, v in _schedules(p, m, schedule, virtual_stages, num_units):
                         out.append(Candidate(d, t, mb, m, z, p, sched, v))
@@ -134,25 +143,60 @@ def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None
     return [(sc, v) for sc, v in pairs if pp * v <= num_units and validate(sc, pp, m, v) is None]
 
 
+def offload_candidates(cands: list[Candidate]) -> list[Candidate]:
+    """The ZeRO-3 candidates without a pipeline, with CPU offload (for when nothing else
+    fits)."""
+    out = []
+    for c in cands:
+        if c.pp == 1 and c.zero == 3 and not c.offload:
+            out.append(replace(c, offload=True))
+    return out
+
+
 def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
            precision: str, optimizer: str, memory_budget: float,
-           sequence_parallel: bool | None = None,
-           time_limit_s: float | None = None) -> SearchResult:
-    """Solve every candidate and return the fastest feasible plan's pieces.
+           sequence_parallel: bool | None = None, recompute: tuple[str, ...] | None = None,
+           offload: bool | None = None, time_limit_s: float | None = None) -> SearchResult:
+    """Solve every candidate and return the fastest feasible plan's pieces; when none
+    fits and ``offload`` is not False, try again with CPU offload (``offload=True``:
+    only offload). ``recompute`` limits the recomputation modes (None: all).
 
     Raises NoFeasiblePlanError when none fits, naming the least memory a plan needs.
     """
+    kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
+              memory_budget=memory_budget, sequence_parallel=sequence_parallel,
+              recompute=recompute, time_limit_s=time_limit_s)
+    first = offload_candidates(cands) if offload else cands
+    try:
+        return _search(an, first, **kw)
+    except NoFeasiblePlanError as e:
+        again = offload_candidates(cands) if offload is None else []
+        if not again:
+            raise
+        try:
+            return _search(an, again, **kw)
+        except NoFeasiblePlanError as e2:  # name the smaller of the two minima
+            worse = getattr(e2, "least_bytes", 0.0) >= getattr(e, "least_bytes", 0.0)
+            raise (e if worse else e2) from None
+
+
+def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
+            precision: str, optimizer: str, memory_budget: float,
+            sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
+            time_limit_s: float | None) -> SearchResult:
+    """:func:`search` over ``cands`` as given."""
     t0 = time.perf_counter()
     best: tuple[float, Built, Solution, Candidate, PipelineOutcome | None] | None = None
     outcomes: list[Outcome] = []
-    infeasible: list[Built] = []
+    infeasible: list[tuple[Candidate, Built]] = []
     built_by: dict[tuple, Built | NoFeasiblePlanError] = {}
     for c in cands:
         key = _mesh_key(c)
         if key not in built_by:
             st = Settings(Mesh(("dp", "tp"), (c.dp, c.tp)), c.microbatch_size,
                           c.num_microbatches, c.zero, precision, optimizer, memory_budget, hw,
-                          gpus_per_node, sequence_parallel=sequence_parallel)
+                          gpus_per_node, sequence_parallel=sequence_parallel,
+                          offload=c.offload, recompute_modes=recompute or RECOMPUTE)
             try:
                 built_by[key] = build_problem(an, st)
             except NoFeasiblePlanError as e:
@@ -171,7 +215,7 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
             continue
         if bounds[_mesh_key(c)][1] / c.pp > memory_budget:
             outcomes.append(Outcome(c, None, None, "does not fit in memory"))
-            infeasible.append(built)
+            infeasible.append((c, built))
             continue
         if c.pp > 1:
             try:
@@ -180,6 +224,7 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                                     bound=best[0] if best is not None else float("inf"))
             except NoFeasiblePlanError as e:
                 outcomes.append(Outcome(c, None, None, str(e)))
+                infeasible.append((c, built))
                 continue
             if po is None:
                 outcomes.append(Outcome(c, None, None, "pruned: even without a bubble it is no "
@@ -193,16 +238,19 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                 sol = solve_ilp(built.problem)
             except NoFeasiblePlanError:
                 outcomes.append(Outcome(c, None, None, "does not fit in memory"))
-                infeasible.append(built)
+                infeasible.append((c, built))
                 continue
-            ev = evaluate(built.problem, sol.choice)
+            ev = evaluate(built.problem, sol.choice, sol.modes)
             outcomes.append(Outcome(c, ev.step_time_s, ev.memory_bytes))
             if best is None or ev.step_time_s < best[0] * (1 - 1e-9):
                 best = (ev.step_time_s, built, sol, c, None)
         if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
             break
     if best is None:
-        raise NoFeasiblePlanError(_no_fit_message(infeasible, memory_budget, outcomes))
+        err = NoFeasiblePlanError(_no_fit_message(infeasible, memory_budget, outcomes))
+        err.least_bytes = min((lower_bound_memory(b, c) for c, b in infeasible),
+                              default=float("inf"))
+        raise err
     res = SearchResult(best[1], best[2], outcomes, time.perf_counter() - t0, best[3], best[4])
     res.solution.stats["candidates"] = len(outcomes)
     res.solution.stats["search_s"] = res.time_s
@@ -211,7 +259,7 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
 
 def _mesh_key(c: Candidate) -> tuple:
     """What a candidate's intra-op problem depends on (pipelined or not)."""
-    return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero)
+    return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload)
 
 
 def lower_bounds(built: Built) -> tuple[float, float]:
@@ -236,29 +284,39 @@ def _time_bound(c: Candidate, bounds: dict[tuple, tuple[float, float]]) -> float
     return float("inf") if b is None else c.num_microbatches * b[0] / c.pp
 
 
-def lower_bound_memory(built: Built) -> float:
-    """Σ over nodes of the smallest memory any of its strategies needs (a lower bound)."""
-    p = built.problem
-    return p.fixed_memory + sum(
-        min(n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes
-            for s in n.strategies) for n in p.nodes)
+def lower_bound_memory(built: Built, c: Candidate | None = None) -> float:
+    """A lower bound on the memory per device of candidate ``c`` (every node's smallest
+    memory with its most saving recomputation mode; on a pipeline, that of one rank
+    holding 1/pp of the model and the schedule's in-flight micro-batches)."""
+    if c is None or c.pp == 1:
+        return least_memory(built.problem)
+    held = in_flight(c.schedule, c.pp, c.num_microbatches)
+    return least_memory(pipeline_problem(built, c.pp, held))
 
 
-def _no_fit_message(infeasible: list[Built], budget: float, outcomes: list[Outcome]) -> str:
+def _consumers(built: Built, c: Candidate) -> dict[str, float]:
+    """Bytes per device by category of each node's smallest-memory strategy (a
+    pipeline rank's share: static / pp, activations · in-flight / pp)."""
+    held = in_flight(c.schedule, c.pp, c.num_microbatches) if c.pp > 1 else 1
+    cats: dict[str, float] = {}
+    for k, n in enumerate(built.problem.nodes):
+        i = min(range(len(n.strategies)), key=lambda j: n.strategies[j].memory_bytes)
+        for cat, v in built.strategies[k][i].memory.items():
+            scale = held if cat == "activations" else 1
+            cats[cat] = cats.get(cat, 0.0) + n.multiplicity * v * scale / c.pp
+    return cats
+
+
+def _no_fit_message(infeasible: list[tuple[Candidate, Built]], budget: float,
+                    outcomes: list[Outcome]) -> str:
     if not infeasible:
         reasons = "; ".join(sorted({o.reason for o in outcomes if o.reason}))
         return f"no candidate plan could be built ({reasons})"
-    best = min(infeasible, key=lower_bound_memory)
-    need = lower_bound_memory(best)
-    cats: dict[str, float] = {}
-    for k, n in enumerate(best.problem.nodes):
-        i = min(range(len(n.strategies)), key=lambda j: n.strategies[j].memory_bytes)
-        for cat, v in best.strategies[k][i].memory.items():
-            cats[cat] = cats.get(cat, 0.0) + n.multiplicity * v
+    c, best = min(infeasible, key=lambda cb: lower_bound_memory(cb[1], cb[0]))
+    need = lower_bound_memory(best, c)
     top = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in
-                    sorted(cats.items(), key=lambda kv: -kv[1]) if v > 0)
-    st = best.settings
+                    sorted(_consumers(best, c).items(), key=lambda kv: -kv[1]) if v > 0)
     return (f"no plan fits in {budget / 1e9:.2f} GB per device: the smallest needs at least "
-            f"{need / 1e9:.2f} GB (dp={st.mesh.sizes[0]}, tp={st.mesh.sizes[1]}, "
-            f"micro-batch {st.microbatch_size}, ZeRO-{st.zero}; largest consumers: {top}). "
-            f"Raise memory_budget, use more devices, or a smaller global batch.")
+            f"{need / 1e9:.2f} GB ({c.label()}, with the most saving recomputation; largest "
+            f"consumers without recomputation: {top}). Raise memory_budget, use more "
+            f"devices, or a smaller global batch.")

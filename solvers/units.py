@@ -19,6 +19,12 @@ conversion has its dual conversion of the gradient in backward.) Bytes per devic
 ``static_bytes`` = parameters, gradients, optimizer state and ZeRO-3 gathered
 parameters; ``activation_bytes`` = what autograd saves for one micro-batch.
 ``step_comm_s`` is the unit's once-per-step gradient synchronization over ``dp``.
+
+With recomputation (the problem's :class:`~autopar.solvers.problem.RecomputeGroup` s and
+one mode per group), each block instance's ``activation_bytes`` change by the mode's
+``act_delta`` and its ``backward_s`` grows by the recomputed forward ``extra_s``; the
+one block being recomputed at a time (:func:`recompute_transient`) is charged per rank,
+not per unit.
 """
 
 from __future__ import annotations
@@ -76,13 +82,28 @@ def unit_of_nodes(g: Graph) -> tuple[list[Unit], dict[str, int]]:
     return units, where
 
 
+def recompute_transient(problem: Problem, choice: list[int], modes: list[int]) -> float:
+    """Bytes the block being recomputed holds again during its backward: the largest
+    over groups of Σ transient (one block at a time)."""
+    best = 0.0
+    for grp, r in zip(problem.recompute, modes):
+        best = max(best, sum(grp.transient[k][choice[v]][r] for k, v in enumerate(grp.nodes)))
+    return best
+
+
 def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[dict]],
-               choice: list[int]) -> list[Unit]:
+               choice: list[int], modes: list[int] | None = None) -> list[Unit]:
     """The units of ``g`` with their costs under ``choice`` (one strategy index per
     problem node; ``names`` are the problem nodes' graph names and ``memory[k][i]``
-    the memory categories of node k's strategy i)."""
+    the memory categories of node k's strategy i) and recomputation ``modes`` (one
+    per problem group; default none)."""
     units, where = unit_of_nodes(g)
     index = {name: k for k, name in enumerate(names)}
+    modes = modes or [0] * len(problem.recompute)
+    in_group: dict[int, tuple] = {}
+    for grp, r in zip(problem.recompute, modes):
+        for pos, v in enumerate(grp.nodes):
+            in_group[v] = (grp, pos, r)
     for n in g.nodes:
         k = index.get(g.canonical.get(n.name, n.name))
         if k is None:
@@ -96,6 +117,10 @@ def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[d
         mem = memory[k][choice[k]]
         u.activation_bytes += mem.get("activations", 0.0)
         u.static_bytes += sum(v for c, v in mem.items() if c != "activations")
+        if k in in_group:
+            grp, pos, r = in_group[k]
+            u.activation_bytes += grp.act_delta[pos][choice[k]][r]
+            u.backward_s += grp.extra_s[pos][choice[k]][r]
     _add_edges(g, problem, names, choice, units, where)
     return units
 

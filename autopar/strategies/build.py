@@ -18,11 +18,18 @@ Costs (seconds per micro-batch, bytes per device):
   R→S is a local slice), forward and, for tensors that need gradients, the dual
   conversion of the gradient backward;
 * parameters: weight gradients that come out partial over ``tp`` are all-reduced
-  over ``tp`` each micro-batch; over ``dp``, ZeRO-0 all-reduces gradients once per
-  step, ZeRO-3 all-gathers parameters in forward and backward and reduce-scatters
-  gradients each micro-batch;
-* memory: parameter, gradient and optimizer state of the parameters each op owns,
-  and the activations autograd saves for backward.
+  over ``tp`` each micro-batch; over ``dp``, ZeRO-0 all-reduces fp32 gradients once
+  per step, ZeRO-1/2 all-gather the parameters (compute dtype) once per micro-batch
+  and reduce-scatter fp32 gradients each micro-batch (FSDP2 with
+  ``reshard_after_forward=False``), ZeRO-3 all-gathers in forward and again in
+  backward and reduce-scatters each micro-batch; with CPU offload (ZeRO-3) the
+  sharded fp32 parameters cross the host link twice per micro-batch and the
+  gradients once (:mod:`autopar.cost_models.offload`), and the optimizer step runs on
+  the host once per step;
+* memory: parameter, gradient and optimizer state of the parameters each op owns
+  (:func:`autopar.cost_models.memory.param_bytes`), and the activations autograd
+  saves for backward; the recomputation choice per layer is added by
+  :mod:`autopar.strategies.recompute`.
 """
 
 from __future__ import annotations
@@ -32,12 +39,14 @@ from dataclasses import dataclass, field
 
 from autopar.cost_models.comm import bucketed_time, collective_time, group_link
 from autopar.cost_models.compute import OpShapes, backward_factors, local_shape, op_time
-from autopar.cost_models.memory import (activation_bytes_per_element, saved_for_backward,
-                                        state_bytes)
+from autopar.cost_models.memory import (activation_bytes_per_element, param_bytes,
+                                        saved_element_bytes, saved_for_backward)
+from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.graph import OpNode, TensorMeta
 from autopar.sharding import Mesh, layout_name
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
 from autopar.strategies.analysis import GraphAnalysis
+from autopar.strategies.recompute import recompute_groups
 from autopar.strategies.rules import OpRule
 
 Placements = tuple[str, ...]
@@ -59,6 +68,8 @@ class Settings:
     gpus_per_node: int
     overlap: float = 1.0
     sequence_parallel: bool | None = None
+    offload: bool = False
+    recompute_modes: tuple[str, ...] = ("none", "selective", "full")
 
 
 @dataclass
@@ -103,7 +114,9 @@ class _Builder:
         # then leaves microbatch_size samples per device
         self.factor = st.microbatch_size * dp / self.g.batch_size
         self.act_elt = activation_bytes_per_element(st.precision)
-        self.states = state_bytes(st.precision, st.optimizer)
+        self.dp = dp
+        self.pbytes = param_bytes(st.precision, st.optimizer, st.zero if dp > 1 else 0, dp,
+                                  st.offload)
         self.dtype = st.precision
         self.saved_owner = self._saved_owner()
 
@@ -119,9 +132,19 @@ class _Builder:
         return TensorMeta(tuple(shape), m.dtype)
 
     def nbytes(self, m: TensorMeta | None) -> float:
+        """Bytes of an activation: float tensors in the compute dtype, others as they are."""
         if m is None:
             return 0.0
         return m.numel * (self.act_elt if m.is_float else m.nbytes / max(m.numel, 1))
+
+    def tensor_bytes(self, name: str) -> float:
+        """Bytes of node ``name``'s output at the micro-batch size; an explicit cast to
+        float32 (e.g. the logits before the loss) stays 4 bytes under mixed precision."""
+        n, m = self.g.node(name), self.meta(name)
+        if m is not None and m.dtype == "float32" and n.target.startswith(
+                ("aten.to.", "aten._to_copy.")):
+            return m.numel * 4.0
+        return self.nbytes(m)
 
     def scaled(self, n: OpNode) -> float:
         """Batch factor of an op's work (1 for ops that see no batch dim)."""
@@ -321,7 +344,7 @@ class _Builder:
             name += f"  [{layout_name(raw, len(rule.out))} -> {layout_name(out, len(rule.out))}]"
         ns = NodeStrategy(name, out, raw, ins, grads, memory)
         sc = StrategyCost(name, fwd + bwd, bwd, comm, micro_pc, step_pc,
-                          sum(memory.values()), gather)
+                          sum(memory.values()), gather, self._host_step(n, ins))
         return ns, sc
 
     def _memory(self, n: OpNode, rule: OpRule, ins, out) -> dict[str, float]:
@@ -330,15 +353,17 @@ class _Builder:
         if n.requires_grad:
             for idx in saved_for_backward(n.target, len(n.inputs)):
                 if idx == -1:
-                    key, m, pl = (n.name, -1), self.meta(n.name), out
+                    key, name, pl = (n.name, -1), n.name, out
                 elif idx < len(n.inputs) and kinds[idx] != "param":
-                    key, m, pl = (n.inputs[idx], 0), self.meta(n.inputs[idx]), ins[idx]
+                    key, name, pl = (n.inputs[idx], 0), n.inputs[idx], ins[idx]
                 else:
                     continue
-                if self.saved_owner.get(key) != n.name or m is None:
+                if self.saved_owner.get(key) != n.name or self.meta(name) is None:
                     continue
-                mem["activations"] += self.nbytes(m) / _degree(pl, self.mesh)
-        dp = self.mesh.sizes[self.dp_axis] if self.dp_axis is not None else 1
+                elt = saved_element_bytes(n.target) if idx == -1 else None
+                size = self.meta(name).numel * elt if elt else self.tensor_bytes(name)
+                mem["activations"] += size / _degree(pl, self.mesh)
+        pb = self.pbytes
         for pos, i in enumerate(n.inputs):
             if kinds[pos] != "param" or self.an.param_owner.get(i) != (n.name, pos):
                 continue
@@ -348,11 +373,31 @@ class _Builder:
                 mem["params"] += numel * self.g.node(i).out.nbytes / max(
                     self.g.node(i).out.numel, 1)
                 continue
-            zdiv = dp if self.st.zero == 3 else 1
-            mem["params"] += numel * self.states.param / zdiv
-            mem["grads"] += numel * self.states.grad / (dp if self.st.zero >= 2 else 1)
-            mem["optimizer"] += numel * self.states.optimizer / (dp if self.st.zero >= 1 else 1)
+            mem["params"] += numel * pb.param
+            mem["grads"] += numel * pb.grad
+            mem["optimizer"] += numel * pb.optimizer
+            if pb.gathered_all:
+                mem["gathered"] = mem.get("gathered", 0.0) + numel * pb.gathered
         return mem
+
+    def _own_params(self, n: OpNode, ins) -> list[float]:
+        """Local element counts of the trainable parameters op ``n`` owns."""
+        out = []
+        for pos, i in enumerate(n.inputs):
+            node = self.g.node(i)
+            if node.kind != "param" or self.an.param_owner.get(i) != (n.name, pos):
+                continue
+            info = self.g.params.get(node.target)
+            if info is None or info.trainable:
+                out.append(node.out.numel / _degree(ins[pos], self.mesh))
+        return out
+
+    def _host_step(self, n: OpNode, ins) -> float:
+        """Seconds per step of the host-side optimizer step under CPU offload."""
+        if not self.st.offload:
+            return 0.0
+        return sum(host_step_time(local / self.dp, self.st.optimizer, self.st.hw)
+                   for local in self._own_params(n, ins))
 
     def _param_costs(self, n: OpNode, ins, grads) -> tuple[float, float, float, float]:
         """(per-micro-batch dp comm, per-step dp comm, tp gradient comm, gathered bytes)."""
@@ -374,14 +419,16 @@ class _Builder:
                 continue
             dpn, link = self.mesh.sizes[dpa], self.links[dpa]
             grad_bytes = local * 4.0  # gradients are reduced in fp32 (MixedPrecisionPolicy)
+            w = local * self.pbytes.gathered if self.pbytes.gathered else local * 4.0
             if self.st.zero == 3:
-                w = local * self.act_elt
                 micro += 2 * bucketed_time("all_gather", w, dpn, link)
                 micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link)
                 gather += w
+                if self.st.offload:
+                    micro += offload_transfer_time(local / dpn, self.st.hw)
             elif self.st.zero in (1, 2):
-                step += bucketed_time("reduce_scatter", grad_bytes, dpn, link)
-                step += bucketed_time("all_gather", local * self.states.param, dpn, link)
+                micro += bucketed_time("all_gather", w, dpn, link)
+                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link)
             else:
                 step += bucketed_time("all_reduce", grad_bytes, dpn, link)
         return micro, step, tp, gather
@@ -439,7 +486,9 @@ def build_problem(an: GraphAnalysis, st: Settings) -> Built:
         names.append(n.name)
     edges = _edges(b, index, details, names)
     ties = _ties(b, index, details)
-    prob = Problem(nodes, edges, ties, st.num_microbatches, st.memory_budget, 0.0, st.overlap)
+    groups = recompute_groups(b, index, details, [nc.strategies for nc in nodes])
+    prob = Problem(nodes, edges, ties, st.num_microbatches, st.memory_budget, 0.0, st.overlap,
+                   groups)
     return Built(prob, names, details, st)
 
 

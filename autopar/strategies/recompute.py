@@ -1,0 +1,129 @@
+"""Activation recomputation as a solver choice: one :class:`RecomputeGroup` per distinct
+repeated layer (the canonical layer that identical blocks share), with what each mode
+keeps and what it costs again in backward.
+
+For a canonical op node v of the layer and its strategy i, per micro-batch and per
+layer instance (bytes per device, seconds):
+
+* kept bytes ``K_r``:
+  - none: what autograd saves (the node's share of ``memory["activations"]``);
+  - selective: the node's output when its operator is in
+    :data:`autopar.plans.SELECTIVE_SAVE_OPS` (matrix products and attention: the
+    selective-checkpoint policy caches them), plus the block input below;
+  - full: only the block input: each activation the layer reads from outside it
+    (the residual stream), charged to its first reader, sized by the placement that
+    reader takes it in (``torch.utils.checkpoint`` saves the block's inputs);
+* ``act_delta_r = K_r − K_none`` and ``transient_r = K_none − K_r`` (during its own
+  backward, the layer being recomputed holds all its activations again: one layer at
+  a time, so counted once, not per instance);
+* ``extra_s``: the forward time the mode runs again inside backward: for selective,
+  the forward of every op not in the save list; for full, the forward of every op;
+  both re-run the forward half of the node's activation collectives (``comm/2``: the
+  policy keeps the matrix-product output, not the collective's). Resharding on edges
+  inside the layer (zero for the Megatron layouts) is not re-charged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
+from autopar.solvers.problem import RecomputeGroup, StrategyCost
+
+if TYPE_CHECKING:
+    from autopar.strategies.build import NodeStrategy, _Builder
+
+
+def op_name(target: str) -> str:
+    """``aten.linear.default`` -> ``linear``."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
+
+
+def layer_groups(g) -> dict[int, list[str]]:
+    """Canonical layer index -> paths of the blocks that share its canonical nodes."""
+    out: dict[int, list[str]] = {}
+    for lay in g.layers:
+        first = next((n for n in lay.nodes if g.node(n).kind == "op"), None)
+        if first is None:
+            continue
+        canon = g.node(g.canonical.get(first, first)).layer
+        out.setdefault(canon if canon is not None else lay.index, []).append(lay.path)
+    return out
+
+
+def _block_inputs(b: "_Builder", layer: int, names: list[str]) -> dict[tuple[str, int], str]:
+    """(node, input position) -> input name for the first reader of each activation the
+    layer reads from outside itself."""
+    g, an = b.g, b.an
+    inside = set(names)
+    seen: set[str] = set()
+    out: dict[tuple[str, int], str] = {}
+    for name in names:
+        n = g.node(name)
+        if n.kind != "op":
+            continue
+        for pos, i in enumerate(n.inputs):
+            src = g.node(i)
+            if i in inside or i in seen or src.kind == "param" or i in an.constants \
+                    or an.batch_dim.get(i) is None:
+                continue
+            seen.add(i)
+            out[(name, pos)] = i
+    return out
+
+
+def _kept(b: "_Builder", name: str, ns: "NodeStrategy", mode: str,
+          inputs: dict[tuple[str, int], str]) -> float:
+    """K_mode of node ``name`` under strategy ``ns`` (module docstring), bytes per instance."""
+    from autopar.strategies.build import _degree
+
+    if mode == "none":
+        return ns.memory.get("activations", 0.0)
+    n = b.g.node(name)
+    kept = sum(b.tensor_bytes(i) / _degree(ns.ins[pos], b.mesh)
+               for (v, pos), i in inputs.items() if v == name)
+    if mode == "selective" and n.requires_grad and op_name(n.target) in SELECTIVE_SAVE_OPS:
+        kept += b.tensor_bytes(name) / _degree(ns.raw_out, b.mesh)
+    return kept
+
+
+def _extra(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> float:
+    """Forward seconds re-run in backward under ``mode`` (module docstring)."""
+    if mode == "none":
+        return 0.0
+    fwd = sc.compute_s - sc.bwd_compute_s
+    if mode == "selective" and op_name(b.g.node(name).target) in SELECTIVE_SAVE_OPS:
+        fwd = 0.0
+    return fwd + sc.comm_s / 2
+
+
+def recompute_groups(b: "_Builder", index: dict[str, int], details: list[list["NodeStrategy"]],
+                     costs: list[list[StrategyCost]]) -> list[RecomputeGroup]:
+    """One group per canonical layer of the graph, over the modes ``b.st.recompute_modes``
+    allows (mode indices follow :data:`autopar.plans.RECOMPUTE`)."""
+    g = b.g
+    allowed = tuple(k for k, m in enumerate(RECOMPUTE) if m in b.st.recompute_modes)
+    groups = []
+    for layer, paths in layer_groups(g).items():
+        names = [n for n in g.layers[layer].nodes if n in index]
+        inputs = _block_inputs(b, layer, names)
+        nodes, extra, delta, trans = [], [], [], []
+        for name in names:
+            k = index[name]
+            ex_k, de_k, tr_k = [], [], []
+            for ns, sc in zip(details[k], costs[k]):
+                base = _kept(b, name, ns, "none", inputs)
+                kept = [_kept(b, name, ns, m, inputs) for m in RECOMPUTE]
+                ex_k.append([_extra(b, name, sc, m) for m in RECOMPUTE])
+                de_k.append([x - base for x in kept])
+                tr_k.append([base - x for x in kept])
+            if any(v for row in ex_k + de_k for v in row):
+                nodes.append(k)
+                extra.append(ex_k)
+                delta.append(de_k)
+                trans.append(tr_k)
+        if nodes:
+            groups.append(RecomputeGroup(",".join(paths), nodes, extra, delta, trans,
+                                         RECOMPUTE, allowed))
+    return groups

@@ -1,0 +1,44 @@
+"""Time of CPU offload (FSDP2 ``CPUOffloadPolicy`` with ZeRO-3).
+
+With offload the sharded fp32 parameters, their gradients and the optimizer state
+live in host memory. Per micro-batch, each device copies its parameter shard to the
+GPU before the forward all-gather and again before the backward one, and copies its
+reduced gradient shard back (``CPUOffloadPolicy`` keeps nothing on the device between
+uses):
+
+    t_transfer = 2 · 4·N_shard / B_host + 4·N_shard / B_host          (per micro-batch)
+
+with ``B_host`` the profile's ``host_link`` bandwidth (PCIe, per direction; the
+latency is paid per bucketed copy and left out). The optimizer step then runs on the
+host's cores once per step and is memory-bound there (AdamW reads parameter, gradient
+and both moments and writes parameter and moments: 7 fp32 streams = 28 bytes per
+element; SGD with momentum 5 streams = 20 bytes):
+
+    t_step = bytes_per_element · N_shard / B_dram
+
+``B_dram`` = :data:`HOST_MEMORY_BANDWIDTH_PER_GPU`.
+"""
+
+from __future__ import annotations
+
+HOST_MEMORY_BANDWIDTH_PER_GPU = 51.2e9
+"""Bytes/s of host DRAM bandwidth one GPU's optimizer step can use: a DGX A100 / H100
+host has two sockets of 8 DDR4-3200 (A100) or DDR5-4800 (H100) channels, 2 x 8 x 25.6
+GB/s = 409.6 GB/s at DDR4-3200 (AMD EPYC 7742 datasheet: 8 channels DDR4-3200), shared
+by 8 GPUs: 51.2 GB/s each (the DDR4 figure, the lower of the two)."""
+
+OPTIMIZER_STEP_BYTES = {"adam": 28.0, "adamw": 28.0, "sgd": 20.0}
+"""Bytes of host memory traffic per parameter element of one optimizer step (module
+docstring)."""
+
+
+def offload_transfer_time(shard_elements: float, hw) -> float:
+    """Seconds per micro-batch of host<->device copies for ``shard_elements`` fp32
+    parameter elements (two parameter copies in, one gradient copy out)."""
+    return 3 * 4.0 * shard_elements / hw.host_link.bandwidth
+
+
+def host_step_time(shard_elements: float, optimizer: str, hw) -> float:
+    """Seconds per step of the optimizer step on the host for ``shard_elements``."""
+    return OPTIMIZER_STEP_BYTES.get(optimizer, 28.0) * shard_elements / \
+        HOST_MEMORY_BANDWIDTH_PER_GPU
