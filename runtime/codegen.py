@@ -11,7 +11,8 @@ exactly as :func:`autopar.runtime.apply_plan` does, so both train alike.
 
 All program text lives in :mod:`autopar.runtime.codegen_templates`; this module only
 computes the values that fill it, with a comment per decision giving its predicted
-cost. Pipelined plans are not emitted yet (a clear ConfigError says so).
+cost; :mod:`autopar.runtime.codegen_pipeline` adds a pipelined plan's stage splitter,
+tied copies and schedule.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from torch import nn
 from autopar.errors import ConfigError
 from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
 from autopar.runtime import codegen_templates as T
+from autopar.runtime.codegen_pipeline import pipeline_text
 from autopar.runtime.lower import check_plan
 from autopar.runtime.mesh import needs_fsdp
+from autopar.runtime.pipeline import ZERO_BUBBLE_SCHEDULES
 from autopar.runtime.tensor_parallel import tied_parameter_groups
 
 __all__ = ["ModelFacts", "model_facts", "emit_program"]
@@ -107,8 +110,11 @@ def _attr(path: str, root: str = "model") -> str:
         f'{root}.get_submodule("{path}")'
 
 
-def _blocks_expr(model: nn.Module, paths: list[str]) -> str:
-    """How the program iterates over ``paths``: a whole ModuleList, or by path."""
+def _blocks_expr(model: nn.Module, paths: list[str], pipelined: bool = False) -> str:
+    """How the program iterates over ``paths``: a whole ModuleList, or by path; in a
+    pipelined program, the ones the stage holds (``local_modules``)."""
+    if pipelined:
+        return "local_modules(model, " + _paths_tuple(paths) + ")"
     container = paths[0].rpartition(".")[0] if paths else ""
     try:
         owner = model.get_submodule(container) if container else None
@@ -120,6 +126,11 @@ def _blocks_expr(model: nn.Module, paths: list[str]) -> str:
     return "[model.get_submodule(p) for p in (" + ", ".join(f'"{p}"' for p in paths) + ",)]"
 
 
+
+
+def _paths_tuple(paths: list[str]) -> str:
+    """A tuple of module paths as program text."""
+    return "(" + ", ".join(f'"{p}"' for p in paths) + ("," if len(paths) == 1 else "") + ")"
 
 
 def _arity(module: nn.Module, path: str) -> int:
@@ -198,8 +209,9 @@ def _under(path: str, block: str) -> bool:
     return path.startswith(block + ".")
 
 
-def _tp_section(plan: Plan, facts: ModelFacts) -> tuple[str, set[str]]:
-    """``apply_tp`` and the style names it uses."""
+def _tp_section(plan: Plan, facts: ModelFacts,
+                pipelined: bool = False) -> tuple[str, set[str]]:
+    """``apply_tp`` and the style names it uses (on one stage when ``pipelined``)."""
     model = facts.model
     depth_first = sorted(plan.modules, key=lambda p: -len(p.split(".")) if p else 0)
     styles: dict[str, tuple[str, float]] = {}
@@ -220,22 +232,42 @@ def _tp_section(plan: Plan, facts: ModelFacts) -> tuple[str, set[str]]:
         cost = sum(styles[f"{blocks[0]}.{rel}"][1] for rel, _ in entries)
         lines = "\n".join(_entry(rel, e, _seconds(styles[f"{blocks[0]}.{rel}"][1]), " " * 12)
                           for rel, e in entries)
-        parts.append(T.BLOCK_TP.substitute(blocks=_blocks_expr(model, blocks),
+        parts.append(T.BLOCK_TP.substitute(blocks=_blocks_expr(model, blocks, pipelined),
                                            cost=_seconds(cost), entries=lines))
     root = [(p, e, t) for p, (e, t) in styles.items() if p not in in_block]
     if root:
         lines = "\n".join(_entry(p, e, _seconds(t), " " * 8) for p, e, t in root)
-        parts.append(f"    parallelize_module(model, tp_mesh, {{\n{lines}\n    }})")
-    for names in facts.tied:
-        parts.append("\n".join(f"    {_attr(n)} = {_attr(names[0])}  # tied: one parameter again"
-                               for n in names[1:]))
+        if pipelined:
+            parts.append(f"    parallelize_module(model, tp_mesh, local_plan(model, {{\n{lines}"
+                         "\n    }))")
+        else:
+            parts.append(f"    parallelize_module(model, tp_mesh, {{\n{lines}\n    }})")
+    parts += _retie_lines(plan, facts.tied) if pipelined else [
+        "\n".join(f"    {_attr(n)} = {_attr(names[0])}  # tied: one parameter again"
+                  for n in names[1:]) for names in facts.tied]
     sp = " and sequence" if any(e.startswith("SequenceParallel") for e, _ in styles.values()) \
         else ""
     used = {e.partition("(")[0] for e, _ in styles.values()}
     return T.APPLY_TP.substitute(sp_text=sp, tp=plan.degree("tp"), body="\n".join(parts)), used
 
 
-def _ac_section(plan: Plan, facts: ModelFacts) -> str:
+def _retie_lines(plan: Plan, tied: list[list[str]]) -> list[str]:
+    """Re-tying, in a pipelined program, of the names of a tied parameter that one
+    stage holds together (names on other stages hold copies, see untie_across_stages)."""
+    assert plan.pipeline is not None
+    parts = []
+    for names in tied:
+        for st in plan.pipeline.stages:
+            here = [n for n in names if any(n.startswith(u + ".") for u in st.units)]
+            if len(here) > 1:
+                owner = here[0].rpartition(".")[0]
+                parts.append(f'    if local_modules(model, ("{owner}",)):  # tied on stage '
+                             f"{st.index}: one parameter again\n" + "\n".join(
+                                 f"        {_attr(n)} = {_attr(here[0])}" for n in here[1:]))
+    return parts
+
+
+def _ac_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str:
     """``apply_ac``: one loop per recomputation mode."""
     by_mode: dict[str, list[str]] = {}
     for block in plan.blocks:
@@ -248,7 +280,8 @@ def _ac_section(plan: Plan, facts: ModelFacts) -> str:
                      "selective_policy)")
     for mode, blocks in by_mode.items():
         extra = ", context_fn=selective" if mode == "selective" else ""
-        lines.append(f"    for block in {_blocks_expr(facts.model, blocks)}:  # {mode}\n"
+        lines.append(f"    for block in {_blocks_expr(facts.model, blocks, pipelined)}:  "
+                     f"# {mode}\n"
                      f"        block.forward = functools.partial(\n"
                      f"            checkpoint, block.forward, use_reentrant=False{extra})")
     mem = plan.memory
@@ -273,8 +306,10 @@ def _zero_doc(plan: Plan) -> tuple[str, str]:
             "forward to backward\n   ")
 
 
-def _fsdp_section(plan: Plan, facts: ModelFacts) -> str:
-    """``apply_fsdp`` with the plan's ZeRO stage, precision and offload."""
+def _fsdp_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str:
+    """``apply_fsdp`` with the plan's ZeRO stage, precision and offload (on one stage
+    when ``pipelined``; the zero-bubble schedules keep ZeRO-3 blocks gathered from
+    forward to backward, as the runtime does)."""
     policies, kwargs = "", ""
     if plan.precision != "fp32":
         dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[plan.precision]
@@ -284,8 +319,10 @@ def _fsdp_section(plan: Plan, facts: ModelFacts) -> str:
     if plan.offload:
         policies += '    offload_policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")\n'
         kwargs += ", offload_policy=offload_policy"
-    loop = T.FSDP_BLOCKS.substitute(blocks=_blocks_expr(facts.model, plan.blocks),
-                                    reshard=plan.zero == 3, kwargs=kwargs) if plan.blocks else ""
+    reshard = plan.zero == 3 and not (pipelined and plan.pipeline is not None and
+                                      plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES)
+    loop = T.FSDP_BLOCKS.substitute(blocks=_blocks_expr(facts.model, plan.blocks, pipelined),
+                                    reshard=reshard, kwargs=kwargs) if plan.blocks else ""
     mem = plan.memory
     cost = ", ".join(f"{k} {_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
     title, doc = _zero_doc(plan)
@@ -295,9 +332,10 @@ def _fsdp_section(plan: Plan, facts: ModelFacts) -> str:
 
 def _mesh_section(plan: Plan) -> tuple[str, str]:
     """``build_mesh`` and the expression of the mesh FSDP runs on ('' without FSDP)."""
-    dp, tp = plan.degree("dp"), plan.degree("tp")
+    pp, dp, tp = plan.degree("pp"), plan.degree("dp"), plan.degree("tp")
+    outer: tuple[int, ...] = (pp,) if pp > 1 else ()
     b = plan.breakdown
-    comment = (f"dp={dp} x tp={tp}; predicted communication {_seconds(b.get('comm_s', 0.0))} "
+    comment = (f"{f'pp={pp} x ' if pp > 1 else ''}dp={dp} x tp={tp}; predicted communication {_seconds(b.get('comm_s', 0.0))} "
                f"per step, {_seconds(b.get('exposed_comm_s', 0.0))} of it exposed")
     if dp > 1 and plan.zero == 0:
         shape, names, fsdp = (dp, 1, tp), ("dp", "dp_shard", "tp"), 'mesh["dp", "dp_shard"]'
@@ -305,8 +343,11 @@ def _mesh_section(plan: Plan) -> tuple[str, str]:
     else:
         shape, names = (dp, tp), ("dp", "tp")
         fsdp = 'mesh["dp"]' if dp > 1 or needs_fsdp(plan) else ""
+    shape, names = outer + shape, ("pp",) * len(outer) + names
     quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
-    return T.BUILD_MESH.substitute(comment=comment, shape=shape, names=quoted), fsdp
+    one_line = len(f"    return init_device_mesh(device_type, {shape}, mesh_dim_names={quoted})")
+    sep = " " if one_line <= 99 else "\n" + " " * 28
+    return T.BUILD_MESH.substitute(comment=comment, shape=shape, names=quoted, sep=sep), fsdp
 
 
 def _save_ops() -> str:
@@ -326,7 +367,7 @@ _IMPORTS = MappingProxyType({  # name used in the program -> the import that pro
     "Path": "from pathlib import Path", "Any": "from typing import Any",
     "torch": "import torch", "dist": "import torch.distributed as dist",
     "dcp": "import torch.distributed.checkpoint as dcp", "F": "import torch.nn.functional as F",
-    "nn": "from torch import nn",
+    "nn": "from torch import nn", "fx": "from torch import fx",
 })
 _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "get_state_dict": "torch.distributed.checkpoint.state_dict",
@@ -343,6 +384,12 @@ _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "RowwiseParallel": "torch.distributed.tensor.parallel",
     "SequenceParallel": "torch.distributed.tensor.parallel",
     "parallelize_module": "torch.distributed.tensor.parallel",
+    "PipelineStage": "torch.distributed.pipelining",
+    "Schedule1F1B": "torch.distributed.pipelining",
+    "ScheduleGPipe": "torch.distributed.pipelining",
+    "ScheduleInterleaved1F1B": "torch.distributed.pipelining",
+    "ScheduleInterleavedZeroBubble": "torch.distributed.pipelining",
+    "ScheduleZBVZeroBubble": "torch.distributed.pipelining",
     "CheckpointPolicy": "torch.utils.checkpoint", "checkpoint": "torch.utils.checkpoint",
     "create_selective_checkpoint_contexts": "torch.utils.checkpoint",
 })
@@ -386,6 +433,14 @@ def _cluster_text(plan: Plan) -> str:
     return f"{c['gpu']}, {c.get('nodes', 1)} node(s) x {c.get('gpus_per_node', 1)}"
 
 
+def _pipeline_title(plan: Plan) -> str:
+    """", <schedule> pipeline of <n> stages" for a pipelined plan, else ''."""
+    pipe = plan.pipeline
+    if pipe is None or len(pipe.stages) < 2:
+        return ""
+    return f",\n{pipe.schedule} pipeline of {len(pipe.stages)} stages"
+
+
 def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
                  program_name: str = "train.py") -> str:
     """The text of a standalone ``torchrun`` training program for ``plan`` and the model
@@ -394,51 +449,70 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
 
     ``model_file`` is the path written into the program (default: the spec's path; a
     relative one is read from the program's folder); ``program_name`` appears in the
-    usage line. Raises ConfigError for a pipelined plan (not emitted yet) and
-    LoweringError when the plan does not fit the model.
+    usage line. A pipelined plan's program cuts the model into its stages (see
+    :mod:`autopar.runtime.codegen_pipeline`). Raises LoweringError when the plan does
+    not fit the model.
     """
-    if plan.degree("pp") > 1 or plan.pipeline is not None:
-        raise ConfigError("codegen does not emit pipelined plans yet; run this plan with "
-                          "autopar.parallelize (apply_plan), or make a plan without pp")
     path, _, factory = model_spec.rpartition(":")
     facts = model_facts(model_spec)
     check_plan(facts.model, plan)
+    pipelined = plan.degree("pp") > 1 or (plan.pipeline is not None and
+                                          len(plan.pipeline.stages) > 1)
     mesh_text, fsdp_mesh = _mesh_section(plan)
     sections = [T.BUILD_MODEL.substitute(model_file=Path(path).name, factory=factory), mesh_text]
-    layout, extra = "", ""
+    layout: list[str] = []
+    extra = ""
+    target = "stage" if pipelined else "model"
     if plan.degree("tp") > 1:
-        tp_text, styles = _tp_section(plan, facts)
+        tp_text, styles = _tp_section(plan, facts, pipelined)
         if "ReplicateParallel" in styles:
             sections.append(T.REPLICATE_STYLE.template)
         sections.append(tp_text)
-        layout += '    apply_tp(model, mesh["tp"])\n'
+        layout.append(f'apply_tp({target}, mesh["tp"])')
     if any(m != "none" for m in plan.recompute.values()):
         if "selective" in plan.recompute.values():
             sections.append(T.SELECTIVE_POLICY.template)
             extra = "\n" + _save_ops()
-        sections.append(_ac_section(plan, facts))
-        layout += "    apply_ac(model)\n"
+        sections.append(_ac_section(plan, facts, pipelined))
+        layout.append(f"apply_ac({target})")
     if fsdp_mesh:
-        sections.append(_fsdp_section(plan, facts))
-        layout += f"    apply_fsdp(model, {fsdp_mesh})\n"
+        sections.append(_fsdp_section(plan, facts, pipelined))
+        layout.append(f"apply_fsdp({target}, {fsdp_mesh})")
     sections.append(T.MATERIALIZE.template)
-    after = ""
-    if not fsdp_mesh and plan.degree("tp") > 1:
+    partial = not fsdp_mesh and plan.degree("tp") > 1
+    if partial:
         sections.append(T.PARTIAL_GRADS.template)
-        after += "    reduce_partial_gradients(model)\n"
+    dp_mean = ""
     if plan.degree("dp") > 1:
-        after += (f'    dist.all_reduce(total, group=mesh.get_group("dp"))\n'
-                  f"    total /= {plan.degree('dp')}  # the mean over dp\n")
-    sync = ""
-    if fsdp_mesh and plan.zero < 3 and plan.num_microbatches > 1:
-        sync = ("        model.set_requires_gradient_sync(i == NUM_MICROBATCHES - 1)  "
-                "# reduce once\n")
+        dp_mean = (f'    dist.all_reduce(total, group=mesh.get_group("dp"))\n'
+                   f"    total /= {plan.degree('dp')}  # the mean over dp\n")
     what = "token ids" if facts.input_is_tokens else "features"
     optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
-    sections += [T.DATA.substitute(synthetic_what=what),
-                 T.LOSS_AND_STEP.substitute(sync=sync, after=after),
-                 T.CHECKPOINT.template,
-                 T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, layout=layout)]
+    sections += [T.DATA.substitute(synthetic_what=what), T.LOSS.template]
+    if pipelined:
+        pipe = pipeline_text(plan, model_facts(model_spec).model, layout, partial, dp_mean)
+        extra = pipe.constants + extra
+        *split, materialize_stage, schedule = pipe.sections
+        sections[2:2] = split  # the splitter first, as main runs it first
+        at = sections.index(T.MATERIALIZE.template) + 1
+        sections[at:at] = [materialize_stage]
+        sections += [schedule, pipe.step]
+        build, step_args = pipe.build, pipe.step_args
+    else:
+        after = ("    reduce_partial_gradients(model)\n" if partial else "") + dp_mean
+        sync = ""
+        if fsdp_mesh and plan.zero < 3 and plan.num_microbatches > 1:
+            sync = ("        model.set_requires_gradient_sync(i == NUM_MICROBATCHES - 1)  "
+                    "# reduce once\n")
+        sections.append(T.TRAIN_STEP.substitute(sync=sync, after=after))
+        build = T.BUILD.substitute(layout="".join(f"    {line}\n" for line in layout))
+        step_args = "model, mesh, inputs, targets, device"
+    # a pipelined rank's optimizer groups name its own stages: a key per pp rank,
+    # named by the stages (the keys of model), or DCP would keep one rank's groups
+    optim_key = 'f"optim{list(model)}"' if pipelined else '"optim"'
+    sections += [T.CHECKPOINT.substitute(optim_key=optim_key),
+                 T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, build=build,
+                                   step_args=step_args)]
     body = "\n\n\n".join(sections)
     constants = T.CONSTANTS.substitute(
         model_file=model_file if model_file is not None else path, factory=factory,
@@ -448,7 +522,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         step_s=repr(float(plan.step_time_s)), extra=extra)
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
     header = T.HEADER.substitute(
-        model=plan.model, mesh_text=f"mesh {mesh}", zero_text=f"ZeRO-{plan.zero}",
+        model=plan.model, mesh_text=f"mesh {mesh}" + _pipeline_title(plan), zero_text=f"ZeRO-{plan.zero}",
         precision=plan.precision, cluster=_cluster_text(plan),
         step_time=_seconds(plan.step_time_s), memory=_bytes(plan.memory_per_device_bytes),
         throughput=f"{plan.throughput:.1f}", mfu=f"{plan.mfu:.1%}", world=plan.world_size,

@@ -12,7 +12,7 @@ from string import Template
 
 __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "REPLICATE_STYLE", "APPLY_TP",
            "BLOCK_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS", "MATERIALIZE",
-           "PARTIAL_GRADS", "DATA", "LOSS_AND_STEP", "CHECKPOINT", "MAIN"]
+           "PARTIAL_GRADS", "DATA", "LOSS", "TRAIN_STEP", "CHECKPOINT", "BUILD", "MAIN"]
 
 PROGRAM = Template('''\
 $header
@@ -56,7 +56,7 @@ BUILD_MESH = Template('''\
 def build_mesh(device_type: str) -> DeviceMesh:
     """The device mesh, ranks row-major, tp innermost (a tp group is neighbouring ranks)."""
     # $comment
-    return init_device_mesh(device_type, $shape, mesh_dim_names=$names)''')
+    return init_device_mesh(device_type, $shape,${sep}mesh_dim_names=$names)''')
 """``init_device_mesh`` with the plan's axes."""
 
 REPLICATE_STYLE = Template('''\
@@ -194,13 +194,14 @@ def load_batch(path: str | None, seed: int) -> tuple[tuple[torch.Tensor, ...], t
     return (x,), torch.randint(0, NUM_CLASSES, shape[:-1], generator=g)''')
 """The training data: a saved global batch or synthetic data of the planned shape."""
 
-LOSS_AND_STEP = Template('''\
+LOSS = Template('''\
 def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dim of the logits, in fp32."""
     logits = output if isinstance(output, torch.Tensor) else output[0]
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())''')
+"""The loss, as autopar's ParallelModel.step computes it."""
 
-
+TRAIN_STEP = Template('''\
 def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, ...],
                targets: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Forward and backward of the global batch; returns the global mean loss. This
@@ -215,7 +216,7 @@ $sync        part = slice(start + i * MICROBATCH_SIZE, start + (i + 1) * MICROBA
         loss.backward()
         total += loss.detach().float()
 $after    return total''')
-"""The loss (as autopar's ParallelModel.step computes it) and one training step."""
+"""One training step without a pipeline."""
 
 CHECKPOINT = Template('''\
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -223,19 +224,27 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Model, optimizer and step counter with torch.distributed.checkpoint (every rank
     writes its own shards)."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}
+    state = {"model": model_state, $optim_key: optim_state, "step": torch.tensor(step)}
     dcp.save(state, checkpoint_id=path)
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Restore what save_checkpoint wrote, resharded onto this plan; return the step."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
+    state = {"model": model_state, $optim_key: optim_state, "step": torch.tensor(0)}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state[$optim_key])
     return int(state["step"])''')
 """Saving and resuming with torch.distributed.checkpoint."""
+
+BUILD = Template('''\
+    mesh = build_mesh(device_type)
+    model = build_model()
+$layout    torch.manual_seed(args.seed)  # every rank initializes alike
+    materialize(model, device)
+''')
+"""The start of ``main`` without a pipeline: lay the whole model out, materialize it."""
 
 MAIN = Template('''\
 def parse_args() -> argparse.Namespace:
@@ -260,11 +269,7 @@ def main() -> None:
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    mesh = build_mesh(device_type)
-    model = build_model()
-$layout    torch.manual_seed(args.seed)  # every rank initializes alike
-    materialize(model, device)
-    if args.optimizer == "adamw":
+$build    if args.optimizer == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -272,7 +277,7 @@ $layout    torch.manual_seed(args.seed)  # every rank initializes alike
     inputs, targets = load_batch(args.data, args.seed)
     for step in range(first + 1, first + args.steps + 1):
         start = time.perf_counter()
-        loss = train_step(model, mesh, inputs, targets, device).item()
+        loss = train_step($step_args).item()
         optimizer.step()
         optimizer.zero_grad()
         if device_type == "cuda":

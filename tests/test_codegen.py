@@ -1,4 +1,5 @@
-"""The code generator (:mod:`autopar.runtime.codegen`): emitted programs compile,
+"""The code generator (:mod:`autopar.runtime.codegen`; pipelined plans in
+test_codegen_pipeline.py): emitted programs compile,
 pass pyflakes, match a golden file, and under ``torchrun`` on 4 CPU processes print
 the same losses as ``apply_plan`` with the same plan, seed and data; a run saved with
 ``--save`` and resumed with ``--load`` continues the loss curve exactly."""
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from autopar.cli import main as cli_main
-from autopar.errors import ConfigError
+from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.codegen import emit_program, model_facts
 from tests.dist_utils import free_port, run_distributed
@@ -62,7 +63,8 @@ def write_batch(path: Path) -> Path:
 
 
 def reference_losses(cases: list[tuple[str, dict, str, float, int]], data: str) -> list[list[float]]:
-    """Losses of ``apply_plan`` on a meta model for each case (one gloo group)."""
+    """Losses of ``apply_plan`` on a meta model for each case (one gloo group); a case
+    whose plan arguments name ``pp`` gets a pipelined plan."""
     from autopar.examples import zoo
     from autopar.runtime import apply_plan
 
@@ -72,7 +74,8 @@ def reference_losses(cases: list[tuple[str, dict, str, float, int]], data: str) 
         torch.manual_seed(SEED)
         with torch.device("meta"):
             model, _ = zoo.load(f"{MODELS}:{factory}")
-        pm = apply_plan(model, megatron_plan(model, global_batch=BATCH, **kwargs))
+        make = pipeline_plan if "pp" in kwargs else megatron_plan
+        pm = apply_plan(model, make(model, global_batch=BATCH, **kwargs))
         opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
         opt = opt_cls(pm.parameters(), lr=lr)
         losses = []
@@ -131,11 +134,14 @@ def test_emitted_programs_are_clean(tmp_path: Path) -> None:
             assert "autopar" not in path.read_text().replace(str(MODELS), "")
 
 
-def test_pipelined_plan_is_refused() -> None:
-    """Pipelines are not emitted yet: one clear error."""
+def test_bad_pipeline_is_refused() -> None:
+    """A pipelined plan whose stages name units the model lacks: one clear error."""
     model = model_facts(f"{MODELS}:tiny_gpt").model
-    with pytest.raises(ConfigError, match="pipelined"):
-        emit_program(pipeline_plan(model, pp=2), f"{MODELS}:tiny_gpt")
+    plan = pipeline_plan(model, pp=2)
+    assert plan.pipeline is not None
+    plan.pipeline.stages[1].units.append("no_such_unit")
+    with pytest.raises(LoweringError, match="no_such_unit"):
+        emit_program(plan, f"{MODELS}:tiny_gpt")
 
 
 def test_cli_codegen(tmp_path: Path) -> None:
