@@ -10,6 +10,7 @@ from autopar.solvers.ilp import Solution
 from autopar.solvers.pipeline_search import PipelineOutcome
 from autopar.solvers.problem import evaluate
 from autopar.solvers.schedules import stage_ranks
+from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, NodeStrategy
 
@@ -127,10 +128,11 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
 def memory_breakdown(built: Built, sol: Solution) -> dict[str, float]:
     """Bytes per device by category for solution ``sol`` (no pipeline): params, grads,
     optimizer, gathered (parameter copies live in forward and backward, ZeRO-3's
-    gathered blocks included), activations (after recomputation) and recompute (the
-    block being recomputed)."""
+    gathered blocks included), activations (after recomputation) and
+    backward_transient (the larger of the logits' gradient at the start of backward and
+    the block being recomputed)."""
     memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "gathered": 0.0,
-              "activations": 0.0, "recompute": 0.0}
+              "activations": 0.0}
     for k, node in enumerate(built.problem.nodes):
         s = built.strategies[k][sol.choice[k]]
         for cat, v in s.memory.items():
@@ -142,7 +144,7 @@ def memory_breakdown(built: Built, sol: Solution) -> dict[str, float]:
         for k, v in enumerate(grp.nodes):
             i, m = sol.choice[v], built.problem.nodes[v].multiplicity
             memory["activations"] += grp.activation_scale * m * grp.act_delta[k][i][r]
-            memory["recompute"] += grp.transient[k][i][r]
+    memory["backward_transient"] = recompute_transient(built.problem, sol.choice, modes)
     return memory
 
 
@@ -175,7 +177,7 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
     static = sum(u.static_bytes for (a, b), r in zip(po.split.bounds, ranks) if r == worst
                  for u in po.units[a:b])
     plan.memory = {"static": static, "activations": est.peak_memory_bytes[worst] - static,
-                   "recompute": po.transient_bytes,
+                   "backward_transient": po.transient_bytes,
                    "total": est.peak_memory_bytes[worst] + po.transient_bytes}
     busy = max(est.busy_s)
     plan.breakdown = {"compute_s": busy, "bubble_s": est.step_time_s - busy,

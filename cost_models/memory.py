@@ -4,7 +4,7 @@ backward pass.
 
 Peak model (what the planner bounds; bytes per device, per pipeline rank):
 
-    M = P_rest + G + O + P_gathered + held · A_kept + A_transient
+    M = P_rest + acc·G + O + P_gathered + held · A_kept + max(T_loss, A_recompute)
 
 * ``P_rest``, ``G``, ``O``: parameters (fp32 masters), fp32 gradients and optimizer
   state of the device's share, each divided by ``dp`` when the ZeRO stage shards it
@@ -19,14 +19,19 @@ Peak model (what the planner bounds; bytes per device, per pipeline rank):
   recomputation, plus the outputs of ``SELECTIVE_SAVE_OPS`` under selective);
   ``held`` micro-batches are in flight (1 without a pipeline; the schedule's count on a
   pipeline rank).
-* ``A_transient``: the one block being recomputed holds its whole activations again
-  during its backward.
+* ``T_loss``: at the start of backward the loss's gradient w.r.t. its input and, when
+  the loss casts the logits to fp32, w.r.t. the logits (both logits-sized); freed
+  once the head's backward ran;
+* ``A_recompute``: the one block being recomputed holds its whole activations again
+  during its backward (by then ``T_loss`` is freed, hence the max).
 
-The model is the peak at the start of backward with the gradients counted whole: in
-steady state the gradients of the previous step are freed by ``zero_grad()`` and grow
-while the activations shrink, so the sum bounds the liveness curve from above; it is
-exact when gradients persist across the forward (gradient accumulation over several
-micro-batches, pipelines, or ``zero_grad(set_to_none=False)``).
+Liveness: this is the peak at the start of backward (or while the first recomputed
+block runs its backward). Gradients count there only when they outlive the step's
+forward: ``acc`` = 1 with several micro-batches (gradient accumulation, pipelines),
+0 with one, where ``zero_grad()`` (``set_to_none``) freed them and they grow only as
+the activations are freed. Not modeled: a step whose gradients outweigh its
+activations peaks at the end of backward or in the optimizer step (P + O + G + the
+optimizer's temporaries) instead.
 
 Allocator allowance: the bytes above are what the caching allocator hands out. Its
 rounding (512 B blocks below 1 MiB, 2 MiB segments above: PyTorch's
@@ -112,9 +117,10 @@ def param_bytes(precision: str, optimizer: str, zero: int, dp: int,
         raise ConfigError("offload needs zero=3 (FSDP2 offloads sharded parameters)")
     low = activation_bytes_per_element(precision)
     shard = dp if zero >= 1 else 1
-    # a separate gathered copy exists under mixed precision (the cast) and, in fp32, when
-    # FSDP2 all-gathers shards (dp > 1 with ZeRO >= 1)
-    gathered = float(low) if precision != "fp32" or (zero >= 1 and dp > 1) else 0.0
+    # FSDP2 (applied for dp > 1, and for the mixed-precision cast) computes on a separate
+    # unsharded copy, even on a shard group of one (ZeRO-0's replicate mesh): measured
+    # by the probe (tests/test_memory_accuracy.py), params = 2x the fp32 parameters
+    gathered = float(low) if precision != "fp32" or dp > 1 else 0.0
     keep = 0.0 if offload else 1.0
     return ParamBytes(keep * 4.0 / shard, keep * sb.grad / shard, keep * sb.optimizer / shard,
                       gathered, zero != 3)

@@ -76,6 +76,7 @@ class IntraOpILP:
         self.add_one_mode_per_group()
         self.add_recompute_marginals()
         self.add_memory_budget()
+        self.add_recompute_memory_budget()
         self.set_objective()
 
     def add_one_strategy_per_node(self) -> None:
@@ -137,17 +138,47 @@ class IntraOpILP:
                     terms.append(scale * c * w)
         return terms
 
+    def _common_memory(self, k: float) -> list:
+        """k·C: fixed + Σ_v Σ_i x[v,i] (m_v·memory[v,i] + g_v·gather[v,i])
+        + Σ_g Σ_{k,C,r} w·a_g·m_v·act_delta."""
+        p = self.p
+        terms = [k * (n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes)
+                 * x for n, xs in zip(p.nodes, self.x) for s, x in zip(n.strategies, xs)]
+        return terms + self._recompute_sum("memory", k)
+
+    def _scale(self) -> float:
+        """Memory enters in thousandths of the budget (budget = 1000 units)."""
+        b = self.p.memory_budget
+        return 1e3 / b if b > 0 else self.MEMORY
+
     def add_memory_budget(self) -> None:
-        """fixed + Σ_v Σ_i x[v,i] (m_v·memory[v,i] + g_v·gather[v,i])
-        + Σ_g Σ_{k,i,r} w[g,k,i,r]·(a_g·m_v·act_delta + transient) ≤ budget."""
+        """C + Σ_v Σ_i x[v,i]·m_v·backward_start[v,i] ≤ budget (the start of backward)."""
         p = self.p
         if p.memory_budget == float("inf"):
             return
-        k = 1e3 / p.memory_budget if p.memory_budget > 0 else self.MEMORY  # budget = 1000 units
-        terms = [k * (n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes)
-                 * x for n, xs in zip(p.nodes, self.x) for s, x in zip(n.strategies, xs)]
-        terms += self._recompute_sum("memory", k)
+        k = self._scale()
+        terms = self._common_memory(k) + [
+            k * n.multiplicity * s.backward_start_bytes * x for n, xs in zip(p.nodes, self.x)
+            for s, x in zip(n.strategies, xs) if s.backward_start_bytes]
         self.model += pulp.lpSum(terms) + k * p.fixed_memory <= k * p.memory_budget, "memory"
+
+    def add_recompute_memory_budget(self) -> None:
+        """C + Σ_v Σ_i x[v,i]·recompute[v,i] + Σ_g Σ_{k,C,r} w[g,k,C,r]·transient ≤ budget
+        (while a recomputed block runs its backward)."""
+        p = self.p
+        if p.memory_budget == float("inf"):
+            return
+        k = self._scale()
+        redo = [k * s.recompute_bytes * x for n, xs in zip(p.nodes, self.x)
+                for s, x in zip(n.strategies, xs) if s.recompute_bytes]
+        for g, grp in enumerate(p.recompute):
+            for (kk, c, r), w in self.w[g].items():
+                t = grp.transient[kk][self.classes[g][kk][c][0]][r]
+                if t:
+                    redo.append(k * t * w)
+        if redo:
+            self.model += pulp.lpSum(self._common_memory(k) + redo) + k * p.fixed_memory \
+                <= k * p.memory_budget, "memory_recompute"
 
     def _sum(self, attr: str) -> pulp.LpAffineExpression:
         terms = [self.TIME * n.multiplicity * getattr(s, attr) * x
@@ -205,13 +236,6 @@ def _classes(grp, k: int, n: int) -> list[list[int]]:
     return list(out.values())
 
 
-def most_memory(problem: Problem) -> float:
-    """An upper bound on M(s) without recomputation: every node's largest memory."""
-    return problem.fixed_memory + sum(
-        max(n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes
-            for s in n.strategies) for n in problem.nodes)
-
-
 def fold_modes(problem: Problem, modes: list[int]) -> Problem:
     """``problem`` with every recomputation group fixed to ``modes``: each node's
     strategies carry the mode's extra time and memory, and no groups remain."""
@@ -222,7 +246,8 @@ def fold_modes(problem: Problem, modes: list[int]) -> Problem:
             m = node.multiplicity
             costs = [replace(sc, compute_s=sc.compute_s + grp.extra_s[k][i][r],
                              bwd_compute_s=sc.bwd_compute_s + grp.extra_s[k][i][r],
-                             memory_bytes=sc.memory_bytes + grp.memory(k, i, r, m) / m)
+                             memory_bytes=sc.memory_bytes + grp.memory(k, i, r, m) / m,
+                             recompute_bytes=sc.recompute_bytes + grp.transient[k][i][r])
                      for i, sc in enumerate(node.strategies)]
             nodes[v] = replace(node, strategies=costs)
     return replace(problem, nodes=nodes, recompute=[])

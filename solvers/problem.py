@@ -29,17 +29,22 @@ streams, as DDP's bucketed all-reduce and FSDP's prefetching aim for).
 
 Memory per device, which must not exceed ``memory_budget``:
 
-    M(s) = fixed_memory + Σ_v m_v memory_v(s_v) + Σ_v g_v gather_v(s_v)
+    M(s) = C(s) + max(Σ_v m_v backward_start_v(s_v), Σ_v recompute_v(s_v))
+    C(s) = fixed_memory + Σ_v m_v memory_v(s_v) + Σ_v g_v gather_v(s_v)
 
 where ``gather`` is transient memory (e.g. all-gathered parameters of the layers
-in flight) counted ``g_v`` times.
+in flight) counted ``g_v`` times, ``backward_start`` what exists only at the start of
+backward (the gradient of the logits) and ``recompute`` what exists only while a
+recomputed block runs its backward (by then the logits' gradient is freed): the two
+transients never coexist, so the larger counts. The ILP writes the max as two
+constraints, C + Σ backward_start ≤ budget and C + Σ recompute ≤ budget.
 
 Recomputation (:class:`RecomputeGroup`): each group of canonical layer nodes (one
 distinct repeated layer) also picks one mode r ∈ {none, selective, full}; for node v
 in the group with strategy i the mode adds, per micro-batch and per instance,
 
     time:    n · m_v · extra_s[v][i][r]               (the recomputed forward, in backward)
-    memory:  a · m_v · act_delta[v][i][r] + transient[v][i][r]
+    memory:  a · m_v · act_delta[v][i][r]  to C,  transient[v][i][r]  to Σ recompute
 
 where ``act_delta`` (≤ 0) is the change of the bytes kept for backward, ``a`` the
 group's ``activation_scale`` (1, or in-flight micro-batches / pp on a pipeline rank),
@@ -65,6 +70,8 @@ class StrategyCost:
     memory_bytes: float = 0.0
     gather_bytes: float = 0.0
     host_step_s: float = 0.0
+    backward_start_bytes: float = 0.0
+    recompute_bytes: float = 0.0
 
 
 @dataclass
@@ -119,9 +126,8 @@ class RecomputeGroup:
     activation_scale: float = 1.0
 
     def memory(self, k: int, i: int, r: int, multiplicity: int) -> float:
-        """Bytes node ``nodes[k]`` with strategy i adds under mode r (all instances)."""
-        return (self.activation_scale * multiplicity * self.act_delta[k][i][r]
-                + self.transient[k][i][r])
+        """Bytes node ``nodes[k]`` with strategy i adds to C under mode r (all instances)."""
+        return self.activation_scale * multiplicity * self.act_delta[k][i][r]
 
 
 @dataclass
@@ -161,7 +167,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
     """Score an assignment of one strategy index per node (and one recomputation mode
     index per group of ``p.recompute``; default: mode 0, "none"), exactly as the ILP does."""
     n = p.num_microbatches
-    comp = bwd = comm = micro_pc = step_pc = mem = host = 0.0
+    comp = bwd = comm = micro_pc = step_pc = mem = host = start = redo = 0.0
     modes = list(modes) if modes is not None else [0] * len(p.recompute)
     feasible = True
     for grp, r in zip(p.recompute, modes):
@@ -171,6 +177,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
             comp += m * grp.extra_s[k][i][r]
             bwd += m * grp.extra_s[k][i][r]
             mem += grp.memory(k, i, r, m)
+            redo += grp.transient[k][i][r]
     for node, i in zip(p.nodes, choice):
         s = node.strategies[i]
         m = node.multiplicity
@@ -180,6 +187,8 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
         micro_pc += m * s.micro_param_comm_s
         step_pc += m * s.step_param_comm_s
         host += m * s.host_step_s
+        start += m * s.backward_start_bytes
+        redo += s.recompute_bytes
         mem += m * s.memory_bytes + node.gather_multiplicity * s.gather_bytes
     reshard = 0.0
     for e in p.edges:
@@ -192,7 +201,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
         ga = next(k for k, g in enumerate(t.groups_a) if choice[t.a] in g)
         gb = next(k for k, g in enumerate(t.groups_b) if choice[t.b] in g)
         feasible &= ga == gb
-    mem += p.fixed_memory
+    mem += p.fixed_memory + max(start, redo)
     feasible &= mem <= p.memory_budget * (1 + 1e-9)
     e_step = max(0.0, step_pc - p.overlap * bwd)
     e_micro = max(0.0, micro_pc - p.overlap * comp)
@@ -204,19 +213,24 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
 
 def least_memory(p: Problem) -> float:
     """A lower bound on M over every assignment and recomputation mode: each node's
-    smallest memory on its own, with the most saving mode of its group for it."""
+    smallest C share on its own (with the most saving mode of its group for it) plus
+    its backward-start bytes, or plus its recompute bytes, whichever sum is larger."""
     saving: dict[int, tuple[RecomputeGroup, int]] = {}
     for grp in p.recompute:
         for k, v in enumerate(grp.nodes):
             saving[v] = (grp, k)
-    total = p.fixed_memory
+    with_start = with_redo = p.fixed_memory
     for v, n in enumerate(p.nodes):
-        best = float("inf")
+        a = b = float("inf")
         for i, s in enumerate(n.strategies):
             m = n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes
+            redo = s.recompute_bytes
             if v in saving:
                 grp, k = saving[v]
                 m += min(grp.memory(k, i, r, n.multiplicity) for r in grp.allowed)
-            best = min(best, m)
-        total += best
-    return total
+                redo += min(grp.transient[k][i][r] for r in grp.allowed)
+            a = min(a, m + n.multiplicity * s.backward_start_bytes)
+            b = min(b, m + redo)
+        with_start += a
+        with_redo += b
+    return max(with_start, with_redo)

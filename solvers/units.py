@@ -83,12 +83,15 @@ def unit_of_nodes(g: Graph) -> tuple[list[Unit], dict[str, int]]:
 
 
 def recompute_transient(problem: Problem, choice: list[int], modes: list[int]) -> float:
-    """Bytes the block being recomputed holds again during its backward: the largest
-    over groups of Σ transient (one block at a time)."""
-    best = 0.0
+    """The transient bytes of backward (see :mod:`autopar.solvers.problem`): the larger of
+    the logits' gradient at its start and what the block being recomputed holds again
+    (the largest over groups, one block at a time)."""
+    redo = sum(n.strategies[i].recompute_bytes for n, i in zip(problem.nodes, choice))
     for grp, r in zip(problem.recompute, modes):
-        best = max(best, sum(grp.transient[k][choice[v]][r] for k, v in enumerate(grp.nodes)))
-    return best
+        redo = max(redo, sum(grp.transient[k][choice[v]][r] for k, v in enumerate(grp.nodes)))
+    start = sum(n.multiplicity * n.strategies[i].backward_start_bytes
+                for n, i in zip(problem.nodes, choice))
+    return max(start, redo)
 
 
 def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[dict]],

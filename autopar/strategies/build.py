@@ -344,7 +344,8 @@ class _Builder:
             name += f"  [{layout_name(raw, len(rule.out))} -> {layout_name(out, len(rule.out))}]"
         ns = NodeStrategy(name, out, raw, ins, grads, memory)
         sc = StrategyCost(name, fwd + bwd, bwd, comm, micro_pc, step_pc,
-                          sum(memory.values()), gather, self._host_step(n, ins))
+                          sum(memory.values()), gather, self._host_step(n, ins),
+                          self._loss_gradient(n, ins))
         return ns, sc
 
     def _memory(self, n: OpNode, rule: OpRule, ins, out) -> dict[str, float]:
@@ -374,11 +375,25 @@ class _Builder:
                     self.g.node(i).out.numel, 1)
                 continue
             mem["params"] += numel * pb.param
-            mem["grads"] += numel * pb.grad
+            if self.st.num_microbatches > 1:  # gradients outlive the forward (module doc)
+                mem["grads"] += numel * pb.grad
             mem["optimizer"] += numel * pb.optimizer
             if pb.gathered_all:
                 mem["gathered"] = mem.get("gathered", 0.0) + numel * pb.gathered
         return mem
+
+    def _loss_gradient(self, n: OpNode, ins) -> float:
+        """Bytes of the loss's input gradient at the start of backward (on the loss op),
+        plus the logits' gradient when the loss input is a cast of them
+        (:mod:`autopar.cost_models.memory`)."""
+        if n.name != self.g.loss or not n.inputs:
+            return 0.0
+        src = self.g.node(n.inputs[0])
+        d = _degree(ins[0], self.mesh)
+        total = self.tensor_bytes(src.name) / d
+        if src.target.startswith(("aten.to.", "aten._to_copy.")) and src.inputs:
+            total += self.tensor_bytes(src.inputs[0]) / d
+        return total
 
     def _own_params(self, n: OpNode, ins) -> list[float]:
         """Local element counts of the trainable parameters op ``n`` owns."""
