@@ -164,21 +164,22 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
     plan of ``po``: the ``pp`` mesh axis, the stages, and the pipeline's time and
     memory (those of the busiest / fullest rank)."""
     ranks = stage_ranks(schedule, pp, virtual_stages)
+    extra = po.rank_extra_bytes or [po.transient_bytes] * pp
     stages = []
     for k, ((a, b), r) in enumerate(zip(po.split.bounds, ranks)):
         units = [m for u in po.units[a:b] for m in u.modules]
         stages.append(StagePlan(k, r, units, sum(u.forward_s for u in po.units[a:b]),
                                 sum(u.backward_s for u in po.units[a:b]),
-                                po.split.estimate.peak_memory_bytes[r] + po.transient_bytes))
+                                po.split.estimate.peak_memory_bytes[r] + extra[r]))
     est = po.split.estimate
     plan.pipeline = PipelinePlan(schedule, virtual_stages, stages, est.bubble_fraction, po.p2p_s)
     plan.mesh = {"pp": pp, **plan.mesh}
-    worst = max(range(pp), key=lambda r: est.peak_memory_bytes[r])
+    worst = max(range(pp), key=lambda r: est.peak_memory_bytes[r] + extra[r])
     static = sum(u.static_bytes for (a, b), r in zip(po.split.bounds, ranks) if r == worst
                  for u in po.units[a:b])
     plan.memory = {"static": static, "activations": est.peak_memory_bytes[worst] - static,
-                   "backward_transient": po.transient_bytes,
-                   "total": est.peak_memory_bytes[worst] + po.transient_bytes}
+                   "backward_transient": extra[worst],
+                   "total": est.peak_memory_bytes[worst] + extra[worst]}
     busy = max(est.busy_s)
     plan.breakdown = {"compute_s": busy, "bubble_s": est.step_time_s - busy,
                       "exposed_param_comm_s": po.exposed_step_comm_s,

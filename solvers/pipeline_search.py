@@ -20,6 +20,17 @@ all have the shape dp × tp):
    the units on pp · v stages, checks each rank's memory exactly for the schedule,
    and returns the schedule's simulated step time.
 
+Backward transients per rank: every rank adds the block being recomputed (one at a
+time); the rank of the last stage also holds, for the whole of that stage's backward,
+the gradient of the loss w.r.t. the stage output (``torch.distributed.pipelining``
+computes the loss outside the stage and passes that gradient into the stage's
+backward) and keeps the stage output (the logits) of the micro-batch in its forward
+cache, so there the two transients add up (measured: tests/test_memory_accuracy.py):
+
+    extra_r = A_recompute + [r is the last stage's rank] · (T_loss + logits)
+
+The stage DP checks its ranks against the budget less the largest ``extra_r``.
+
 The step time adds the data-parallel gradient synchronization each rank cannot hide:
 it runs after the rank's last backward and overlaps only with it (Megatron-LM's
 overlapped gradient reduction):
@@ -39,7 +50,7 @@ from autopar.solvers.ilp import Solution, solve_ilp
 from autopar.solvers.interop import StageSplit, UnitCost, split_stages
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
 from autopar.solvers.schedules import stage_ranks
-from autopar.solvers.units import Unit, recompute_transient, unit_costs
+from autopar.solvers.units import Unit, backward_transients, unit_costs
 from autopar.strategies.build import Built
 
 
@@ -55,6 +66,7 @@ class PipelineOutcome:
     p2p_s: float
     exposed_step_comm_s: float
     transient_bytes: float = 0.0
+    rank_extra_bytes: list[float] | None = None
 
 
 def in_flight(schedule: str, pp: int, num_microbatches: int) -> int:
@@ -98,6 +110,26 @@ def boundary_bytes(g: Graph, built: Built, choice: list[int]) -> float:
     for p, size in zip(built.strategies[k][choice[k]].out, st.mesh.sizes):
         split *= size if p.startswith("S(") else 1
     return out.numel * factor * elt / split
+
+
+def loss_input_bytes(g: Graph, built: Built, choice: list[int]) -> float:
+    """Bytes per device of the loss's input for one micro-batch under its chosen
+    placement (the logits the last stage hands to the loss)."""
+    if g.loss is None or g.loss not in built.names:
+        return 0.0
+    k = built.names.index(g.loss)
+    ins = built.strategies[k][choice[k]].ins
+    node = g.node(g.loss)
+    if not ins or not node.inputs or g.node(node.inputs[0]).out is None:
+        return 0.0
+    src = g.node(node.inputs[0])
+    st = built.settings
+    dp = st.mesh.sizes[st.mesh.names.index("dp")] if "dp" in st.mesh.names else 1
+    elt = 4.0 if st.precision == "fp32" or src.out.dtype == "float32" else 2.0
+    split = 1
+    for p, size in zip(ins[0], st.mesh.sizes):
+        split *= size if p.startswith("S(") else 1
+    return src.out.numel * st.microbatch_size * dp / g.batch_size * elt / split
 
 
 def _solve(problem: Problem) -> Solution | NoFeasiblePlanError:
@@ -145,10 +177,13 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
     p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2, link)
     costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
                       u.activation_bytes, u.static_bytes) for u in units]
-    transient = recompute_transient(built.problem, sol.choice, sol.modes)
+    start, redo = backward_transients(built.problem, sol.choice, sol.modes)
+    last = stage_ranks(schedule, pp, virtual_stages)[-1]
+    extra = [redo + (start + loss_input_bytes(g, built, sol.choice) if r == last else 0.0)
+             for r in range(pp)]
     split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
-                         p2p_s=p2p, memory_budget=st.memory_budget - transient, explain=False)
-    ranks = [r + transient for r in split.estimate.peak_memory_bytes]
+                         p2p_s=p2p, memory_budget=st.memory_budget - max(extra), explain=False)
+    ranks = [r + e for r, e in zip(split.estimate.peak_memory_bytes, extra)]
     per_rank_comm = [0.0] * pp
     per_rank_bwd = [0.0] * pp
     for (a, b), r in zip(split.bounds, stage_ranks(schedule, pp, virtual_stages)):
@@ -158,4 +193,4 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
     if not split.bounds:
         raise NoFeasiblePlanError("the stage split is empty")
     return PipelineOutcome(sol, units, split, split.estimate.step_time_s + exposed,
-                           max(ranks), p2p, exposed, transient)
+                           max(ranks), p2p, exposed, max(extra), extra)

@@ -82,16 +82,22 @@ def unit_of_nodes(g: Graph) -> tuple[list[Unit], dict[str, int]]:
     return units, where
 
 
-def recompute_transient(problem: Problem, choice: list[int], modes: list[int]) -> float:
-    """The transient bytes of backward (see :mod:`autopar.solvers.problem`): the larger of
-    the logits' gradient at its start and what the block being recomputed holds again
-    (the largest over groups, one block at a time)."""
+def backward_transients(problem: Problem, choice: list[int],
+                        modes: list[int]) -> tuple[float, float]:
+    """(bytes at the start of backward: the logits' gradient; bytes the block being
+    recomputed holds again, the largest over groups, one block at a time)."""
     redo = sum(n.strategies[i].recompute_bytes for n, i in zip(problem.nodes, choice))
     for grp, r in zip(problem.recompute, modes):
         redo = max(redo, sum(grp.transient[k][choice[v]][r] for k, v in enumerate(grp.nodes)))
     start = sum(n.multiplicity * n.strategies[i].backward_start_bytes
                 for n, i in zip(problem.nodes, choice))
-    return max(start, redo)
+    return start, redo
+
+
+def recompute_transient(problem: Problem, choice: list[int], modes: list[int]) -> float:
+    """The transient bytes of backward without a pipeline (see
+    :mod:`autopar.solvers.problem`): the larger of the two :func:`backward_transients`."""
+    return max(backward_transients(problem, choice, modes))
 
 
 def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[dict]],

@@ -29,7 +29,34 @@ PLANS = {  # name -> planning options (everything else fixed by the planner)
     "dp=4 zero=3": dict(dp=4, tp=1, pp=1, zero=3, recompute="none"),
     "dp=4 zero=3 full": dict(dp=4, tp=1, pp=1, zero=3, recompute="full"),
     "dp=2 tp=2 selective": dict(dp=2, tp=2, pp=1, zero=0, recompute="selective"),
+    "pp=2 dp=2 1f1b": dict(dp=2, tp=1, pp=2, zero=0, recompute="none", schedule="1f1b"),
+    "pp=2 dp=2 1f1b full": dict(dp=2, tp=1, pp=2, zero=0, recompute="full", schedule="1f1b"),
 }
+
+
+def _pipeline_tracker():
+    """A ``MemTracker`` that follows a root module called once per micro-batch.
+
+    ``MemTracker`` (private torch API, torch 2.5 to 2.13) takes a second forward of a
+    root module for a second iteration and refuses it; a pipeline stage runs its
+    forward once per micro-batch within one step. While such a call's pre-forward hook
+    runs, a placeholder parent makes the stage look like a submodule, which the tracker
+    follows (its bytes are tracked the same either way: storages, not modules)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PipelineMemTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            parents = self._mod_tracker.parents
+            repeat = module in self.memory_tracking and not self._mod_tracker.is_bw
+            if repeat:
+                parents.add("<pipeline step>")
+            try:
+                super()._pre_fw_hook(module, inputs)
+            finally:
+                if repeat:
+                    parents.discard("<pipeline step>")
+
+    return PipelineMemTracker()
 
 
 def make_model(device: str = "cpu") -> GPT:
@@ -58,7 +85,7 @@ def make_plans() -> dict[str, autopar.Plan]:
 def measure(texts: dict[str, str]) -> dict[str, dict]:
     """Run inside each rank: the measured step memory of every plan."""
     from autopar.runtime import apply_plan
-    from autopar.runtime.memory_probe import measure_step_memory
+    from autopar.runtime import memory_probe
 
     out = {}
     x, y = batch()
@@ -72,7 +99,10 @@ def measure(texts: dict[str, str]) -> dict[str, dict]:
             opt.step()
             opt.zero_grad()
         step()  # AdamW creates its state
-        mem = measure_step_memory(step, modules=[pm], optimizers=[opt], device="cpu")
+        if plan.pipeline is not None:
+            memory_probe._tracker = _pipeline_tracker
+        mem = memory_probe.measure_step_memory(step, modules=[pm], optimizers=[opt],
+                                               device="cpu")
         out[name] = {"peak": mem.peak_bytes, "breakdown": dict(mem.breakdown)}
         del pm, opt
     return out
