@@ -152,19 +152,24 @@ class IntraOpILP:
         return 1e3 / b if b > 0 else self.MEMORY
 
     def add_memory_budget(self) -> None:
-        """C + Σ_v Σ_i x[v,i]·m_v·backward_start[v,i] ≤ budget (the start of backward)."""
+        """c = k·C (one continuous variable, so the two budgets below share it), and
+        c + k·Σ_v Σ_i x[v,i]·m_v·backward_start[v,i] ≤ k·budget (the start of backward);
+        k = 1000 / budget."""
         p = self.p
         if p.memory_budget == float("inf"):
             return
         k = self._scale()
-        terms = self._common_memory(k) + [
-            k * n.multiplicity * s.backward_start_bytes * x for n, xs in zip(p.nodes, self.x)
-            for s, x in zip(n.strategies, xs) if s.backward_start_bytes]
-        self.model += pulp.lpSum(terms) + k * p.fixed_memory <= k * p.memory_budget, "memory"
+        self.common = pulp.LpVariable("memory_common")
+        self.model += self.common == pulp.lpSum(self._common_memory(k)) + k * p.fixed_memory, \
+            "memory_common_def"
+        start = [k * n.multiplicity * s.backward_start_bytes * x
+                 for n, xs in zip(p.nodes, self.x) for s, x in zip(n.strategies, xs)
+                 if s.backward_start_bytes]
+        self.model += self.common + pulp.lpSum(start) <= k * p.memory_budget, "memory"
 
     def add_recompute_memory_budget(self) -> None:
-        """C + Σ_v Σ_i x[v,i]·recompute[v,i] + Σ_g Σ_{k,C,r} w[g,k,C,r]·transient ≤ budget
-        (while a recomputed block runs its backward)."""
+        """c + k·(Σ_v Σ_i x[v,i]·recompute[v,i] + Σ_g Σ_{k,C,r} w[g,k,C,r]·transient)
+        ≤ k·budget (while a recomputed block runs its backward)."""
         p = self.p
         if p.memory_budget == float("inf"):
             return
@@ -177,8 +182,8 @@ class IntraOpILP:
                 if t:
                     redo.append(k * t * w)
         if redo:
-            self.model += pulp.lpSum(self._common_memory(k) + redo) + k * p.fixed_memory \
-                <= k * p.memory_budget, "memory_recompute"
+            self.model += self.common + pulp.lpSum(redo) <= k * p.memory_budget, \
+                "memory_recompute"
 
     def _sum(self, attr: str) -> pulp.LpAffineExpression:
         terms = [self.TIME * n.multiplicity * getattr(s, attr) * x
