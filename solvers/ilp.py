@@ -303,7 +303,8 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None) -> Solution:
             return sol
         return IntraOpILP(problem).solve(time_limit_s)
     none = [0] * len(groups)
-    if _recompute_only_adds_time(problem):
+    if _recompute_only_adds_time(problem) and \
+            least_memory(fold_modes(problem, none)) <= problem.memory_budget:
         plain = replace(problem, recompute=[], memory_budget=float("inf"))
         free = IntraOpILP(plain).solve(time_limit_s)
         if evaluate(problem, free.choice, none).feasible:
