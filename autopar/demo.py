@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.capture import default_loss
+from typing import Callable, Iterable
+
+from autopar.capture import default_loss, first_tensor
 
 CONFIG = dict(vocab_size=128, max_seq_len=32, dim=64, n_layers=2, n_heads=4)
 BATCH, SEQ, LR = 8, 32, 0.1
@@ -24,17 +26,33 @@ def _data():
             torch.randint(0, 128, (BATCH, SEQ), generator=g))
 
 
-def _single(steps: int) -> list[float]:
-    model, (x, y) = _model(), _data()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+def sgd_losses(params: Iterable[torch.Tensor], step: Callable[[], torch.Tensor], steps: int,
+               lr: float) -> list[float]:
+    """The losses of ``steps`` plain SGD steps; ``step()`` runs one forward and backward
+    and returns the loss (``ParallelModel.step`` or :func:`reference_step`)."""
+    opt = torch.optim.SGD(params, lr=lr)
     out = []
     for _ in range(steps):
-        loss = default_loss(model(x), y)
-        loss.backward()
+        out.append(float(step()))
         opt.step()
         opt.zero_grad()
-        out.append(loss.item())
     return out
+
+
+def reference_step(model: torch.nn.Module, inputs: torch.Tensor,
+                   targets: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One single-process forward and backward with the default loss (the loss a
+    ParallelModel computes), as a step function for :func:`sgd_losses`."""
+    def step() -> torch.Tensor:
+        loss = default_loss(first_tensor(model(inputs)), targets)
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def _single(steps: int) -> list[float]:
+    model, (x, y) = _model(), _data()
+    return sgd_losses(model.parameters(), reference_step(model, x, y), steps, LR)
 
 
 def _parallel(steps: int):
@@ -42,13 +60,7 @@ def _parallel(steps: int):
 
     (x, y) = _data()
     pm = autopar.parallelize(_model(), (x,), precision="fp32")
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
-    out = []
-    for _ in range(steps):
-        out.append(float(pm.step(x, y)))
-        opt.step()
-        opt.zero_grad()
-    return out, pm.plan.summary()
+    return sgd_losses(pm.parameters(), lambda: pm.step(x, y), steps, LR), pm.plan.summary()
 
 
 def run_demo(ranks: int = 4, steps: int = 3) -> None:

@@ -9,6 +9,7 @@ import torch
 
 import autopar
 from autopar.capture import capture
+from autopar.demo import reference_step, sgd_losses
 from autopar.strategies.analysis import analyze
 from tests.dist_utils import run_distributed
 
@@ -67,31 +68,16 @@ def test_captures_on_meta_with_repeated_blocks_and_plans(kind: str) -> None:
 
 
 def reference(kind: str) -> list[float]:
-    from autopar.capture import default_loss
     model = make(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = data()
-    out = []
-    for _ in range(STEPS):
-        loss = default_loss(model(x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return sgd_losses(model.parameters(), reference_step(model, x, y), STEPS, LR)
 
 
 def train(kind: str, space: dict) -> list[float]:
     model = make(kind)
     x, y = data()
     pm = autopar.parallelize(model, (x,), precision="fp32", **space)
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        losses.append(float(pm.step(x, y)))
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
 
 
 def rank_main() -> dict:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from autopar.demo import reference_step, sgd_losses
 from autopar.launch import run_distributed
 
 TINY = {
@@ -30,18 +31,9 @@ def data():
 
 
 def reference(kind: str) -> list[float]:
-    from autopar.capture import default_loss
     model = make(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = data()
-    losses = []
-    for _ in range(STEPS):
-        loss = default_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return sgd_losses(model.parameters(), reference_step(model, x, y), STEPS, LR)
 
 
 def parallel_run(kind: str, space: dict) -> tuple[list[float], dict]:
@@ -49,12 +41,7 @@ def parallel_run(kind: str, space: dict) -> tuple[list[float], dict]:
     model = make(kind)
     x, y = data()
     pm = autopar.parallelize(model, (x,), precision="fp32", **space)
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        losses.append(float(pm.step(x, y)))
-        opt.step()
-        opt.zero_grad()
+    losses = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
     pipe = pm.plan.pipeline
     return losses, {"mesh": pm.plan.mesh, "zero": pm.plan.zero,
                     "sp": pm.plan.sequence_parallel, "mb": pm.plan.num_microbatches,
