@@ -40,13 +40,14 @@ overlapped gradient reduction):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from autopar.cost_models.comm import collective_time, group_link
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh
-from autopar.solvers.ilp import Solution, solve_ilp
+from autopar.solvers.ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
 from autopar.solvers.interop import StageSplit, UnitCost, split_stages
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
 from autopar.solvers.schedules import stage_ranks
@@ -170,6 +171,53 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
     if isinstance(entry, NoFeasiblePlanError):
         raise entry
     sol, units = entry
+    return _outcome(g, built, sol, units, pp=pp, schedule=schedule,
+                    virtual_stages=virtual_stages, overlap=overlap, bound=bound)
+
+
+def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedule: str,
+                 virtual_stages: int, overlap: float = 1.0) -> PipelineOutcome:
+    """The winning candidate's recomputation modes chosen jointly with its stage split.
+
+    The intra-op ILP picks the modes under its memory model of one pipeline rank;
+    only the stage split knows each rank's exact memory and the schedule's time. So
+    for the winner (only: it costs one ILP per combination of modes) every other
+    feasible combination is solved with its modes fixed and split into stages, and
+    the fastest whole pipeline is kept."""
+    st = built.settings
+    problem = pipeline_problem(built, pp, in_flight(schedule, pp, st.num_microbatches))
+    combos = list(itertools.product(*(grp.allowed for grp in problem.recompute)))
+    if len(combos) < 2 or len(combos) > ENUMERATE_MODES:
+        return po
+    memory = [[s.memory for s in ss] for ss in built.strategies]
+    best = po
+    for modes in combos:
+        if list(modes) == list(po.solution.modes or []):
+            continue
+        try:
+            sol = solve_ilp(fold_modes(problem, list(modes)))
+        except NoFeasiblePlanError:
+            continue
+        sol.modes = list(modes)
+        units = unit_costs(g, built.problem, built.names, memory, sol.choice, sol.modes)
+        try:
+            out = _outcome(g, built, sol, units, pp=pp, schedule=schedule,
+                           virtual_stages=virtual_stages, overlap=overlap,
+                           bound=best.step_time_s)
+        except NoFeasiblePlanError:
+            continue
+        if out is not None and out.step_time_s < best.step_time_s * (1 - 1e-9):
+            best = out
+    return best
+
+
+def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: int,
+             schedule: str, virtual_stages: int, overlap: float,
+             bound: float) -> PipelineOutcome | None:
+    """Split the units of one intra-op solution into stages and price the pipeline
+    (None when even a bubble-free pipeline would take ``bound`` or more)."""
+    st = built.settings
+    m = st.num_microbatches
     if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
         return None
     full = Mesh(("pp",) + st.mesh.names, (pp,) + st.mesh.sizes)

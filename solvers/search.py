@@ -22,7 +22,7 @@ from autopar.sharding import Mesh
 from autopar.solvers.ilp import Solution, solve_ilp
 from autopar.plans import RECOMPUTE
 from autopar.solvers.pipeline_search import (PipelineOutcome, in_flight, pipeline_problem,
-                                             solve_pipeline)
+                                             refine_modes, solve_pipeline)
 from autopar.solvers.schedules import validate
 from autopar.solvers.problem import evaluate, least_memory
 from autopar.strategies.analysis import GraphAnalysis
@@ -251,6 +251,11 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         err.least_bytes = min((lower_bound_memory(b, c) for c, b in infeasible),
                               default=float("inf"))
         raise err
+    if best[4] is not None:  # the winner's recomputation, chosen with its stage split
+        c = best[3]
+        po = refine_modes(an.graph, best[1], best[4], pp=c.pp, schedule=c.schedule,
+                          virtual_stages=c.virtual_stages)
+        best = (po.step_time_s, best[1], po.solution, c, po)
     res = SearchResult(best[1], best[2], outcomes, time.perf_counter() - t0, best[3], best[4])
     res.solution.stats["candidates"] = len(outcomes)
     res.solution.stats["search_s"] = res.time_s
