@@ -67,6 +67,9 @@ class ComputeTables:
         default_factory=dict)
     launch_s: float | None = None
     source: str = ""
+    memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+    """Lookups already answered, and the rows' log coordinates (filled on first use;
+    a planning search asks for the same shapes thousands of times)."""
 
 
 def _device_seconds(r: Mapping[str, Any]) -> float | None:
@@ -181,15 +184,32 @@ def _idw_log(q: Sequence[float], log_pts: Sequence[Sequence[float]],
 
 def gemm_time(t: ComputeTables, m: float, n: float, k: float, dtype: str) -> float | None:
     """Seconds of an (m, n, k) GEMM in ``dtype`` from the table, or None outside it."""
+    key = ("gemm", m, n, k, dtype)
+    if key not in t.memo:
+        t.memo[key] = _gemm_lookup(t, m, n, k, dtype)
+    return t.memo[key]
+
+
+def _gemm_lookup(t: ComputeTables, m: float, n: float, k: float, dtype: str) -> float | None:
     rows = t.gemm.get(dtype)
     if not rows or min(m, n, k) <= 0 or not _in_range((m, n, k), rows):
         return None
-    logs = [(math.log(a), math.log(b), math.log(c)) for a, b, c, _ in rows]
-    rates = [2 * a * b * c / s for a, b, c, s in rows]
+    logs, rates = _log_rows(t, ("gemm", dtype), rows,
+                            lambda a, b, c, s: 2 * a * b * c / s)
     est = 2 * m * n * k / _idw_log((m, n, k), logs, rates)
     low = max((s for a, b, c, s in rows if a <= m and b <= n and c <= k), default=0.0)
     high = min((s for a, b, c, s in rows if a >= m and b >= n and c >= k), default=math.inf)
     return min(max(est, low), high)
+
+
+def _log_rows(t: ComputeTables, key: tuple, rows, value) -> tuple[list, list]:
+    """(log coordinates of the rows' first three fields, ``value(*row)`` per row),
+    computed once per table."""
+    key = ("logs",) + key
+    if key not in t.memo:
+        t.memo[key] = ([(math.log(r[0]), math.log(r[1]), math.log(r[2])) for r in rows],
+                       [value(*r) for r in rows])
+    return t.memo[key]
 
 
 def attention_time(t: ComputeTables, bh: float, seq: float, head_dim: float, flops: float,
@@ -200,8 +220,11 @@ def attention_time(t: ComputeTables, bh: float, seq: float, head_dim: float, flo
     q = (bh, seq, head_dim)
     if not rows or flops <= 0 or min(q) <= 0 or not _in_range(q, rows):
         return None
-    logs = [(math.log(a), math.log(b), math.log(c)) for a, b, c, _ in rows]
-    return flops / _idw_log(q, logs, [r[3] for r in rows])
+    key = ("attention", q, dtype, pass_)
+    if key not in t.memo:
+        logs, rates = _log_rows(t, ("attention", dtype, pass_), rows, lambda a, b, c, r: r)
+        t.memo[key] = _idw_log(q, logs, rates)
+    return flops / t.memo[key]
 
 
 def memory_bound_time(t: ComputeTables, op: str, nbytes: float, dtype: str,

@@ -35,13 +35,14 @@ Costs (seconds per micro-batch, bytes per device):
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.cost_models.comm import bucketed_time, collective_time, group_link
 from autopar.cost_models.compute import OpShapes, backward_factors, local_shape, op_time
 from autopar.cost_models.memory import (activation_bytes_per_element, param_bytes,
                                         saved_element_bytes, saved_for_backward)
 from autopar.cost_models.offload import host_step_time, offload_transfer_time
+from autopar.errors import NoFeasiblePlanError
 from autopar.graph import OpNode, TensorMeta
 from autopar.sharding import Mesh, layout_name
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
@@ -470,9 +471,64 @@ def _degree(pl: Placements, mesh: Mesh) -> int:
     return d
 
 
-def build_problem(an: GraphAnalysis, st: Settings) -> Built:
-    """Build the solver problem for graph analysis ``an`` under settings ``st``."""
+def build_problem(an: GraphAnalysis, st: Settings, cache: dict | None = None) -> Built:
+    """Build the solver problem for graph analysis ``an`` under settings ``st``.
+
+    ``cache`` (a dict the caller owns for one search) keeps each built problem under
+    the settings its layouts depend on (:func:`layout_key`); a later call that differs
+    only in ZeRO stage, micro-batch count, offload, optimizer or budget reprices just
+    the parameter terms (:func:`_reprice`) and shares the rest."""
     b = _Builder(an, st)
+    key = layout_key(st)
+    if cache is not None and key in cache:
+        return _reprice(b, cache[key])
+    built = _build(b)
+    if cache is not None:
+        cache[key] = built
+    return built
+
+
+def layout_key(st: Settings) -> tuple:
+    """What a problem's strategies, compute and activation costs, edges, ties and
+    recomputation groups depend on: everything in ``st`` but the ZeRO stage, the
+    micro-batch count, offload, the optimizer and the memory budget."""
+    return (st.mesh, st.microbatch_size, st.precision, id(st.hw), st.gpus_per_node,
+            st.overlap, st.sequence_parallel, st.recompute_modes)
+
+
+def _reprice(b: _Builder, base: Built) -> Built:
+    """``base`` (built under the same :func:`layout_key`) with the terms that depend on
+    the ZeRO stage, micro-batch count, offload and optimizer priced for ``b.st``:
+    each strategy's parameter, gradient and optimizer memory, its parameter
+    communication and its host-side optimizer step."""
+    nodes, details = [], []
+    for nc, ds, name in zip(base.problem.nodes, base.strategies, base.names):
+        n = b.g.node(name)
+        if n.kind != "op":
+            nodes.append(nc)
+            details.append(ds)
+            continue
+        rule = b.an.rules[name]
+        costs, strategies = [], []
+        for sc, ns in zip(nc.strategies, ds):
+            mem = b._memory(n, rule, ns.ins, ns.out)
+            micro, step, _, gather = b._param_costs(n, ns.ins, ns.grads)
+            strategies.append(replace(ns, memory=mem))
+            costs.append(replace(sc, micro_param_comm_s=micro, step_param_comm_s=step,
+                                 memory_bytes=sum(mem.values()), gather_bytes=gather,
+                                 host_step_s=b._host_step(n, ns.ins)))
+        nodes.append(replace(nc, strategies=costs))
+        details.append(strategies)
+    st = b.st
+    prob = replace(base.problem, nodes=nodes, num_microbatches=st.num_microbatches,
+                   memory_budget=st.memory_budget, overlap=st.overlap)
+    return Built(prob, base.names, details, st)
+
+
+def _build(b: _Builder) -> Built:
+    """Enumerate and price every canonical node's strategies, the edges, the ties and
+    the recomputation groups."""
+    an, st = b.an, b.st
     g = an.graph
     canon = g.canonical
     index: dict[str, int] = {}
@@ -490,9 +546,8 @@ def build_problem(an: GraphAnalysis, st: Settings) -> Built:
         else:
             ns, sc = b.strategies(n)
         if not sc:
-            from autopar.errors import NoFeasiblePlanError
-            raise NoFeasiblePlanError(f"operator {n.target} in '{n.module_path}' has no strategy "
-                                      f"on mesh {st.mesh.as_dict()}")
+            raise NoFeasiblePlanError(f"operator {n.target} in '{n.module_path}' has no "
+                                      f"strategy on mesh {st.mesh.as_dict()}")
         index[n.name] = len(nodes)
         layer = n.layer is not None
         nodes.append(NodeChoice(n.name, sc, an.multiplicity.get(n.name, 1),
