@@ -11,15 +11,17 @@ and run it with PyTorch's own distributed stack::
 
 from autopar.api import Spec, detect_cluster, estimate, parallelize, plan
 from autopar.cluster import Cluster
+from autopar.compare import Comparison, compare
 from autopar.errors import (AutoparError, CaptureError, ConfigError, LoweringError,
                             NoFeasiblePlanError, PlanFormatError, UnsupportedOpError)
 from autopar.plans import ModulePlan, Plan
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Plan", "ModulePlan", "Spec", "plan", "estimate", "parallelize",
-           "detect_cluster", "AutoparError", "CaptureError", "ConfigError", "LoweringError",
-           "NoFeasiblePlanError", "PlanFormatError", "UnsupportedOpError", "ParallelModel"]
+__all__ = ["Cluster", "Plan", "ModulePlan", "Spec", "Comparison", "plan", "estimate", "compare",
+           "parallelize", "detect_cluster", "AutoparError", "CaptureError", "ConfigError",
+           "LoweringError", "NoFeasiblePlanError", "PlanFormatError", "UnsupportedOpError",
+           "ParallelModel"]
 
 
 def __getattr__(name: str):

@@ -1,6 +1,27 @@
 """Turn a solved problem into a :class:`~autopar.plan.Plan`: placements of every
 parameter and activation, one ModulePlan per module for the lowering, the predicted
-step time with its breakdown, memory by category, throughput and MFU."""
+step time with its breakdown, memory by category, throughput and MFU.
+
+The breakdown's terms :data:`~autopar.summary.STEP_TERMS` add up to the step time,
+with or without a pipeline (n micro-batches; on a pipeline, sums over the units of the
+busiest rank r, the rank with the most busy time)::
+
+    step_time_s = compute_s + recompute_s + exposed_comm_s + bubble_s + host_step_s
+
+* ``compute_s``: forward + backward without recomputation (n · Σ compute);
+* ``recompute_s``: the forwards recomputed in backward (n · Σ m_v · extra_s);
+* ``exposed_comm_s``: communication on the critical path — activation collectives and
+  resharding (``comm_s``), parameter communication that compute does not hide
+  (``exposed_param_comm_s``; on a pipeline the ZeRO-3 traffic, which the unit costs
+  charge in full, plus the gradient synchronization after the last backward) and, on
+  a pipeline, the stage-to-stage transfers' share of the makespan (``exposed_p2p_s``
+  = T − T₀, with T₀ the schedule simulated with free transfers);
+* ``bubble_s``: the busiest rank's idle time in the schedule with free transfers
+  (T₀ − busy_r); 0 without a pipeline;
+* ``host_step_s``: the optimizer step on the host under CPU offload; 0 otherwise.
+
+The other keys (``comm_s``, ``reshard_s``, ``param_comm_s``, ``p2p_s`` = seconds per
+transfer, ...) detail these terms; they are not added again."""
 
 from __future__ import annotations
 
@@ -9,7 +30,7 @@ from autopar.plans import ModulePlan, PipelinePlan, Plan, StagePlan
 from autopar.solvers.ilp import Solution
 from autopar.solvers.pipeline_search import PipelineOutcome
 from autopar.solvers.problem import evaluate
-from autopar.solvers.schedules import stage_ranks
+from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
 from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, NodeStrategy
@@ -110,10 +131,11 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
              if m.module_type in ("LayerNorm", "RMSNorm"))
     blocks = sorted({lay.path for lay in g.layers}, key=lambda p: [
         int(t) if t.isdigit() else t for t in p.split(".")])
-    breakdown = {"compute_s": ev.compute_s, "comm_s": ev.comm_s, "reshard_s": ev.reshard_s,
+    breakdown = {"compute_s": ev.compute_s - ev.recompute_s, "recompute_s": ev.recompute_s,
+                 "exposed_comm_s": ev.comm_s + ev.exposed_param_comm_s, "bubble_s": 0.0,
+                 "host_step_s": ev.host_step_s, "comm_s": ev.comm_s, "reshard_s": ev.reshard_s,
                  "param_comm_s": ev.param_comm_s,
-                 "exposed_param_comm_s": ev.exposed_param_comm_s,
-                 "exposed_comm_s": ev.comm_s + ev.exposed_param_comm_s}
+                 "exposed_param_comm_s": ev.exposed_param_comm_s}
     recompute = recompute_of_blocks(built, sol, blocks)
     return Plan(
         model=g.model_name, graph_hash=g.fingerprint(), cluster=cluster_desc,
@@ -180,11 +202,39 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
     plan.memory = {"static": static, "activations": est.peak_memory_bytes[worst] - static,
                    "backward_transient": extra[worst],
                    "total": est.peak_memory_bytes[worst] + extra[worst]}
-    busy = max(est.busy_s)
-    plan.breakdown = {"compute_s": busy, "bubble_s": est.step_time_s - busy,
-                      "exposed_param_comm_s": po.exposed_step_comm_s,
-                      "p2p_s": po.p2p_s, "exposed_comm_s": po.exposed_step_comm_s}
+    plan.breakdown = pipeline_breakdown(po, pp=pp, schedule=schedule,
+                                        virtual_stages=virtual_stages,
+                                        num_microbatches=plan.num_microbatches)
     plan.step_time_s = po.step_time_s
     plan.throughput = plan.global_batch / po.step_time_s if po.step_time_s else 0.0
     world = plan.world_size
     plan.mfu = model_flops / (po.step_time_s * world * peak_flops) if po.step_time_s else 0.0
+
+
+def pipeline_breakdown(po: PipelineOutcome, *, pp: int, schedule: str, virtual_stages: int,
+                       num_microbatches: int) -> dict[str, float]:
+    """The step time of pipeline ``po`` by term (module docstring): the busiest rank's
+    busy time split by its units' costs, the p2p share of the makespan and the bubble."""
+    est = po.split.estimate
+    ranks = stage_ranks(schedule, pp, virtual_stages)
+    busiest = max(range(pp), key=lambda r: est.busy_s[r])
+    mine = [u for (a, b), r in zip(po.split.bounds, ranks) if r == busiest
+            for u in po.units[a:b]]
+    m = num_microbatches
+    compute = m * sum(u.compute_s for u in mine)
+    recompute = m * sum(u.recompute_s for u in mine)
+    comm = m * sum(u.comm_s for u in mine)
+    param = m * sum(u.param_comm_s for u in mine)
+    chunks = [ChunkCost(sum(u.forward_s for u in po.units[a:b]),
+                        sum(u.backward_s for u in po.units[a:b]),
+                        sum(u.backward_weight_s for u in po.units[a:b]))
+              for a, b in po.split.bounds]
+    free_p2p = simulate(schedule, chunks, pp, m, virtual_stages=virtual_stages,
+                        p2p_s=0.0).step_time_s
+    p2p = est.step_time_s - free_p2p
+    exposed_param = param + po.exposed_step_comm_s
+    return {"compute_s": compute, "recompute_s": recompute,
+            "exposed_comm_s": comm + exposed_param + p2p,
+            "bubble_s": free_p2p - (compute + recompute + comm + param), "host_step_s": 0.0,
+            "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p,
+            "p2p_s": po.p2p_s}

@@ -1,4 +1,5 @@
-"""The ``autopar`` command line: ``plan`` a model for a cluster, ``demo`` a local run."""
+"""The ``autopar`` command line: ``plan`` a model for a cluster, ``compare`` a hand-written
+configuration with the plan, ``demo`` a local run."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import argparse
 import re
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError, ConfigError
+
+if TYPE_CHECKING:
+    from autopar.cluster import Cluster
 
 
 def parse_bytes(text: str) -> float:
@@ -27,6 +32,49 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU inside a node")
     p.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU across nodes")
+
+
+def _add_workload_args(p: argparse._ActionsContainer) -> None:
+    """Batch, sequence length, precision, optimizer and memory budget options."""
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    p.add_argument("--seq-len", type=int, help="sequence length (zoo models)")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw", "sgd"])
+    p.add_argument("--memory-budget", type=parse_bytes, help="per device, e.g. 40GB")
+
+
+def _cluster_from_args(args: argparse.Namespace) -> Cluster:
+    """The :class:`autopar.Cluster` named by the options of :func:`_add_cluster_args`."""
+    from autopar.cluster import Cluster
+
+    return Cluster(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                           intra_node_bandwidth=args.intra_node_bandwidth,
+                           inter_node_bandwidth=args.inter_node_bandwidth)
+
+
+def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    """``autopar compare MODEL``: the cluster and workload, then the hand-written
+    configuration (degrees left out are 1, except --dp, which fills the world)."""
+    from autopar.plans import RECOMPUTE, SCHEDULES
+
+    p = sub.add_parser("compare", help="score a hand-written configuration beside the plan")
+    p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory")
+    _add_cluster_args(p)
+    _add_workload_args(p.add_argument_group("workload"))
+    h = p.add_argument_group("hand-written configuration")
+    h.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    h.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    h.add_argument("--dp", type=int, help="data-parallel degree (default: fills the world)")
+    h.add_argument("--microbatch", type=int, help="micro-batch size (default: the largest "
+                   "that gives pp micro-batches)")
+    h.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    h.add_argument("--virtual-stages", type=int,
+                   help="model chunks per pipeline rank (default 1; 2 for zbv)")
+    h.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    h.add_argument("--recompute", choices=RECOMPUTE,
+                   help="recomputation of every block (default: the solver's choice per layer)")
+    h.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                   default=False, help="norms and pointwise ops on sequence shards (with tp)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -50,6 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="fix the ZeRO stage")
     p.add_argument("--microbatch", type=int, help="fix the micro-batch size")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    _add_compare_parser(sub)
     sub.add_parser("models", help="list the zoo models")
     d = sub.add_parser("demo", help="train a small GPT on local CPU processes under its plan")
     d.add_argument("--ranks", type=int, default=4)
@@ -97,6 +146,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(plan.to_json())
         print(f"plan written to {args.json}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``autopar compare``: plan the model, score the hand-written configuration with the
+    same cost model, and print the two term by term."""
+    import autopar
+
+    t0 = time.perf_counter()
+    cluster = _cluster_from_args(args)
+    model, inputs = _load_model(args.model, args.seq_len)
+    spec = autopar.Spec(dp=args.dp, tp=args.tp, pp=args.pp, microbatch_size=args.microbatch,
+                        schedule=args.schedule,
+                        virtual_stages=args.virtual_stages or (2 if args.schedule == "zbv" else 1),
+                        recompute=args.recompute, zero=args.zero,
+                        sequence_parallel=args.sequence_parallel)
+    result = autopar.compare(model, inputs, spec, cluster=cluster,
+                             global_batch=args.global_batch, precision=args.precision,
+                             optimizer=args.optimizer, memory_budget=args.memory_budget)
+    name = args.model if ":" not in args.model else result.planned.model
+    print(f"autopar compare for {name} on {cluster.nodes} node(s) x {cluster.gpus_per_node} "
+          f"{args.gpu}, global batch {result.planned.global_batch}\n")
+    print(result.table())
+    print(f"\ncompared in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -151,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``autopar`` console script."""
     args = _build_parser().parse_args(argv)
     handler = {"plan": cmd_plan, "models": cmd_models, "demo": cmd_demo,
-               "profile": cmd_profile, "codegen": cmd_codegen}[args.command]
+               "profile": cmd_profile, "codegen": cmd_codegen,
+               "compare": cmd_compare}[args.command]
     try:
         return handler(args)
     except AutoparError as e:

@@ -7,6 +7,26 @@ import re
 from autopar.plans import Plan
 
 
+STEP_TERMS = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "host_step_s")
+"""The breakdown keys whose sum is a plan's step time (see :mod:`autopar.assemble`)."""
+
+TERM_LABELS = (("compute_s", "compute"), ("recompute_s", "recomputation"),
+               ("exposed_comm_s", "exposed communication"), ("bubble_s", "bubble"),
+               ("host_step_s", "host optimizer step"))
+"""Readable names of :data:`STEP_TERMS`, in order."""
+
+DETAIL_LABELS = (("comm_s", "collectives + resharding"), ("reshard_s", "resharding"),
+                 ("param_comm_s", "param comm"), ("exposed_param_comm_s", "exposed param comm"),
+                 ("exposed_p2p_s", "exposed p2p"), ("p2p_s", "p2p per transfer"))
+"""Readable names of the breakdown keys that detail the step-time terms."""
+
+
+def term_label(key: str) -> str:
+    """The readable name of breakdown key ``key`` (``"bubble_s"`` -> "bubble"; an unknown
+    ``"a_b_s"`` -> "a b")."""
+    return dict(TERM_LABELS + DETAIL_LABELS).get(key, key.removesuffix("_s").replace("_", " "))
+
+
 def fmt_bytes(n: float) -> str:
     """Bytes in the largest binary unit that keeps the number readable."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -80,7 +100,7 @@ def _units_text(units: list[str], blocks: list[str]) -> str:
     return ", ".join(out)
 
 
-def _recompute_text(plan: Plan) -> str:
+def recompute_text(plan: Plan) -> str:
     """Blocks grouped by recomputation mode: ``selective blocks.0-11; none blocks.12-23``."""
     if not plan.blocks:
         return "none (no repeated blocks)"
@@ -89,6 +109,18 @@ def _recompute_text(plan: Plan) -> str:
         by_mode.setdefault(plan.recompute.get(b, "none"), []).append(b)
     return "; ".join(f"{mode} {_units_text(blocks, plan.blocks)}"
                      for mode, blocks in by_mode.items())
+
+
+def _breakdown_lines(b: dict[str, float]) -> list[str]:
+    """The step time as the sum of its terms, then the other keys that detail them."""
+    terms = [k for k in STEP_TERMS if k in b and (b[k] or k in ("compute_s", "exposed_comm_s"))]
+    rest = [k for k in b if k not in STEP_TERMS and b[k]]
+    lines = []
+    if terms:
+        lines.append("  = " + " + ".join(f"{term_label(k)} {fmt_time(b[k])}" for k in terms))
+    if rest:
+        lines.append("  (" + ", ".join(f"{term_label(k)} {fmt_time(b[k])}" for k in rest) + ")")
+    return lines
 
 
 def plan_summary(plan: Plan) -> str:
@@ -106,7 +138,7 @@ def plan_summary(plan: Plan) -> str:
         f"data par. ZeRO-{plan.zero} ({ZERO_TEXT.get(plan.zero, '')})"
         + (", CPU offload of parameters, gradients and optimizer state" if plan.offload
            else ""),
-        f"recompute {_recompute_text(plan)}",
+        f"recompute {recompute_text(plan)}",
         f"tensor p. {'tp=' + str(plan.degree('tp')) if plan.degree('tp') > 1 else 'none'}"
         f"{', sequence parallel' if plan.sequence_parallel else ''}",
         f"precision {plan.precision}, optimizer {plan.optimizer}",
@@ -114,10 +146,7 @@ def plan_summary(plan: Plan) -> str:
         f"predicted step time  {fmt_time(plan.step_time_s)}   throughput "
         f"{plan.throughput:.2f} samples/s   MFU {plan.mfu * 100:.1f}%",
     ]
-    b = plan.breakdown
-    if b:
-        lines.append("  " + "   ".join(f"{k.removesuffix('_s').replace('_', ' ')} "
-                                       f"{fmt_time(v)}" for k, v in b.items()))
+    lines += _breakdown_lines(plan.breakdown)
     m = plan.memory
     lines.append(f"memory per device    {fmt_bytes(m.get('total', 0.0))}   ("
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m.items() if k != "total" and v)

@@ -151,7 +151,11 @@ class Problem:
 
 @dataclass
 class Evaluation:
-    """The objective and its parts for one assignment (seconds, bytes)."""
+    """The objective and its parts for one assignment (seconds, bytes).
+
+    ``compute_s`` includes ``recompute_s`` (n · Σ m_v · extra_s, the recomputed
+    forwards); ``comm_s`` includes ``reshard_s``; ``host_step_s`` is Σ m_v host_step_v.
+    step_time_s = compute_s + comm_s + exposed_param_comm_s + host_step_s."""
 
     step_time_s: float
     compute_s: float
@@ -161,19 +165,22 @@ class Evaluation:
     param_comm_s: float
     memory_bytes: float
     feasible: bool
+    recompute_s: float = 0.0
+    host_step_s: float = 0.0
 
 
 def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> Evaluation:
     """Score an assignment of one strategy index per node (and one recomputation mode
     index per group of ``p.recompute``; default: mode 0, "none"), exactly as the ILP does."""
     n = p.num_microbatches
-    comp = bwd = comm = micro_pc = step_pc = mem = host = start = redo = 0.0
+    comp = bwd = comm = micro_pc = step_pc = mem = host = start = redo = extra = 0.0
     modes = list(modes) if modes is not None else [0] * len(p.recompute)
     feasible = True
     for grp, r in zip(p.recompute, modes):
         feasible &= r in grp.allowed
         for k, v in enumerate(grp.nodes):
             i, m = choice[v], p.nodes[v].multiplicity
+            extra += m * grp.extra_s[k][i][r]
             comp += m * grp.extra_s[k][i][r]
             bwd += m * grp.extra_s[k][i][r]
             mem += grp.memory(k, i, r, m)
@@ -208,7 +215,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
     exposed = e_step + n * e_micro
     total = n * (comp + comm + reshard) + exposed + host
     return Evaluation(total, n * comp, n * (comm + reshard), n * reshard, exposed,
-                      step_pc + n * micro_pc, mem, feasible)
+                      step_pc + n * micro_pc, mem, feasible, n * extra, host)
 
 
 def least_memory(p: Problem) -> float:

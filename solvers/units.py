@@ -19,6 +19,9 @@ conversion has its dual conversion of the gradient in backward.) Bytes per devic
 ``static_bytes`` = parameters, gradients, optimizer state and ZeRO-3 gathered
 parameters; ``activation_bytes`` = what autograd saves for one micro-batch.
 ``step_comm_s`` is the unit's once-per-step gradient synchronization over ``dp``.
+Of ``forward_s + backward_s``, ``comm_s`` is the activation collectives and resharding
+(both passes), ``param_comm_s`` the ZeRO-3 traffic and ``recompute_s`` the recomputed
+forwards; the rest is :attr:`Unit.compute_s`.
 
 With recomputation (the problem's :class:`~autopar.solvers.problem.RecomputeGroup` s and
 one mode per group), each block instance's ``activation_bytes`` change by the mode's
@@ -48,6 +51,16 @@ class Unit:
     static_bytes: float = 0.0
     step_comm_s: float = 0.0
     nodes: list[str] = field(default_factory=list)
+    comm_s: float = 0.0
+    param_comm_s: float = 0.0
+    recompute_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward seconds of computation per micro-batch, without the
+        recomputed forwards and the communication."""
+        return self.forward_s + self.backward_s - self.recompute_s - self.comm_s - \
+            self.param_comm_s
 
 
 def unit_of_nodes(g: Graph) -> tuple[list[Unit], dict[str, int]]:
@@ -123,6 +136,8 @@ def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[d
         u.backward_s += s.bwd_compute_s + s.comm_s / 2 + s.micro_param_comm_s
         u.backward_weight_s += s.bwd_compute_s / 2  # weight grad: one of backward's 2 GEMMs
         u.step_comm_s += s.step_param_comm_s
+        u.comm_s += s.comm_s
+        u.param_comm_s += s.micro_param_comm_s
         mem = memory[k][choice[k]]
         u.activation_bytes += mem.get("activations", 0.0)
         u.static_bytes += sum(v for c, v in mem.items() if c != "activations")
@@ -130,6 +145,7 @@ def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[d
             grp, pos, r = in_group[k]
             u.activation_bytes += grp.act_delta[pos][choice[k]][r]
             u.backward_s += grp.extra_s[pos][choice[k]][r]
+            u.recompute_s += grp.extra_s[pos][choice[k]][r]
     _add_edges(g, problem, names, choice, units, where)
     return units
 
@@ -155,3 +171,4 @@ def _add_edges(g: Graph, problem: Problem, names: list[str], choice: list[int],
             c = problem.edges[k].cost.get((choice[u], choice[v]), 0.0)
             units[where[n.name]].forward_s += c / 2
             units[where[n.name]].backward_s += c / 2
+            units[where[n.name]].comm_s += c
