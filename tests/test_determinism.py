@@ -1,0 +1,149 @@
+"""Given the same inputs, the plan is identical from run to run: twice in one process and
+once in a fresh interpreter with another hash seed, on models where many candidates tie
+(a tiny GPT on 8 devices, whose step time is the same for most layouts) or nearly tie
+(a GPT pipelined over a slow inter-node link, its ZeRO stages and schedules within a
+few percent). Only the solver's timing statistics (keys ending in ``_s`` inside
+``plan.solver``) may differ."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model (a zoo name, or ``gpt-wide``: a meta GPT of 4 blocks of width 512 over 64
+    tokens), a cluster, a global batch and the search space."""
+
+    model: str
+    nodes: int
+    per_node: int
+    global_batch: int
+    inter_node_gbps: float | None = None
+    space: dict = field(default_factory=dict, hash=False)
+
+
+CASES = {
+    "tiny-gpt-1x8": Case("tiny-gpt", 1, 8, 16),
+    "gpt-2x2-slow-pipeline": Case("gpt-wide", 2, 2, 8, 0.5, {"tp": 1}),
+}
+
+
+def _inputs(case: Case):
+    """(model, example inputs, cluster) of ``case``."""
+    import torch
+
+    import autopar
+    from autopar.examples import zoo
+    from autopar.examples.gpt import GPT, GPTConfig
+
+    if case.model == "gpt-wide":
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=1024, max_seq_len=64, dim=512, n_layers=4,
+                                  n_heads=8))
+            x = (torch.randint(0, 1024, (8, 64)),)
+    else:
+        model, x = zoo.get(case.model, batch_size=8)
+    cluster = autopar.Cluster("h100-sxm", case.nodes, case.per_node,
+                              inter_node_bandwidth=case.inter_node_gbps)
+    return model, x, cluster
+
+
+def plan_json(name: str) -> str:
+    """Plan :data:`CASES` ``name`` with :func:`autopar.plan`; the plan's JSON."""
+    import autopar
+
+    case = CASES[name]
+    model, x, cluster = _inputs(case)
+    return autopar.plan(model, x, cluster=cluster, global_batch=case.global_batch,
+                        **case.space).to_json()
+
+
+def _drop_timings(value):
+    """``value`` without keys ending in ``_s`` (seconds measured while solving)."""
+    if isinstance(value, dict):
+        return {k: _drop_timings(v) for k, v in value.items() if not k.endswith("_s")}
+    if isinstance(value, list):
+        return [_drop_timings(v) for v in value]
+    return value
+
+
+def comparable(text: str) -> dict:
+    """A plan's JSON as data, with the solver's timing statistics removed."""
+    data = json.loads(text)
+    data["solver"] = _drop_timings(data["solver"])
+    return data
+
+
+def _in_fresh_process(names: list[str]) -> list[str]:
+    """Plan the cases ``names`` in a new interpreter (another hash seed); their JSON."""
+    code = ("import json, sys; from tests.test_determinism import plan_json; "
+            "print(json.dumps([plan_json(n) for n in sys.argv[1:]]))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True,
+                         text=True, cwd=root, env=env, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def fresh() -> dict[str, str]:
+    """Every case planned once in a fresh interpreter."""
+    return dict(zip(CASES, _in_fresh_process(list(CASES))))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_is_identical_run_to_run(name: str, fresh) -> None:
+    first, second = plan_json(name), plan_json(name)
+    assert comparable(first) == comparable(second)
+    assert comparable(first) == comparable(fresh[name])
+    assert set(json.loads(first)["solver"]) != set(comparable(first)["solver"]), \
+        "no timing statistic was removed: the comparison would not see them"
+
+
+def _candidate_times(case: Case, keep) -> list[float]:
+    """The step time of each candidate that ``keep`` accepts, each searched alone."""
+    from autopar.api import _heads
+    from autopar.capture import capture
+    from autopar.errors import NoFeasiblePlanError
+    from autopar.solvers.problem import evaluate
+    from autopar.solvers.search import candidates, search
+    from autopar.strategies.analysis import analyze
+
+    model, x, cluster = _inputs(case)
+    g = capture(model, x)
+    an = analyze(g)
+    hw = cluster.hardware()
+    kw = dict(hw=hw, gpus_per_node=cluster.gpus_per_node, precision="bf16",
+              optimizer="adamw", memory_budget=float(hw.usable_memory_bytes))
+    times = []
+    for c in candidates(cluster.world_size, case.global_batch, num_units=len(g.layers) + 2,
+                        heads=_heads(g), **case.space):
+        if not keep(c):
+            continue
+        try:
+            r = search(an, [c], **kw)
+        except NoFeasiblePlanError:
+            continue
+        times.append(r.pipeline.step_time_s if r.pipeline is not None else evaluate(
+            r.built.problem, r.solution.choice, r.solution.modes).step_time_s)
+    return times
+
+
+def test_the_cases_tie_or_nearly_tie(fresh) -> None:
+    """The premise: the tiny GPT's data-parallel candidates take exactly the same time
+    for every ZeRO stage; the pipelined case plans a pipeline with at least two rivals
+    within 5% of the best pipeline."""
+    exact = _candidate_times(CASES["tiny-gpt-1x8"], lambda c: c.tp == 1 and c.pp == 1)
+    assert sum(t <= min(exact) * (1 + 1e-12) for t in exact) >= 3, sorted(exact)
+    near = _candidate_times(CASES["gpt-2x2-slow-pipeline"], lambda c: c.pp > 1)
+    assert sum(t <= min(near) * 1.05 for t in near) >= 3, sorted(near)
+    assert json.loads(fresh["gpt-2x2-slow-pipeline"])["pipeline"] is not None
