@@ -89,13 +89,15 @@ class IntraOpILP:
         Σ_i y[e,i,j] = x[v,j] for all j. Strategies with no allowed partner are
         thereby forbidden (their marginal is an empty sum = 0)."""
         for k, e in enumerate(self.p.edges):
-            ys = self.y[k]
-            for i in range(len(self.x[e.u])):
-                self.model += (pulp.lpSum(y for (a, _), y in ys.items() if a == i)
-                               == self.x[e.u][i]), f"mu_{k}_{i}"
-            for j in range(len(self.x[e.v])):
-                self.model += (pulp.lpSum(y for (_, b), y in ys.items() if b == j)
-                               == self.x[e.v][j]), f"mv_{k}_{j}"
+            rows: list[list] = [[] for _ in self.x[e.u]]
+            cols: list[list] = [[] for _ in self.x[e.v]]
+            for (i, j), y in self.y[k].items():
+                rows[i].append(y)
+                cols[j].append(y)
+            for i, ys in enumerate(rows):
+                self.model += pulp.lpSum(ys) == self.x[e.u][i], f"mu_{k}_{i}"
+            for j, ys in enumerate(cols):
+                self.model += pulp.lpSum(ys) == self.x[e.v][j], f"mv_{k}_{j}"
 
     def add_ties(self) -> None:
         """For every tie (a, b) and group k: Σ_{i∈A_k} x[a,i] = Σ_{j∈B_k} x[b,j]."""
@@ -267,11 +269,13 @@ def _recompute_only_adds_time(problem: Problem) -> bool:
 
 
 def _least_time(problem: Problem) -> float:
-    """n·Σ_v m_v min_i (compute + comm) + Σ_v m_v min_i host_step: no assignment is faster
-    (edges and exposed parameter traffic are ≥ 0)."""
-    return sum(n.multiplicity * min(problem.num_microbatches * (s.compute_s + s.comm_s)
-                                    + s.host_step_s for s in n.strategies)
-               for n in problem.nodes)
+    """n·(the forest bound of :func:`autopar.solvers.bounds.tree_bound`) + Σ_v m_v min_i
+    host_step: no assignment is faster (the dropped edges and the exposed parameter
+    traffic are ≥ 0)."""
+    from autopar.solvers.bounds import tree_bound
+
+    return problem.num_microbatches * tree_bound(problem) + sum(
+        n.multiplicity * min(s.host_step_s for s in n.strategies) for n in problem.nodes)
 
 
 ENUMERATE_MODES = 9
@@ -280,7 +284,8 @@ ILP per combination with the modes folded in (smaller models that CBC solves fas
 than one model with the mode variables); above it, one ILP with ``z`` and ``w``."""
 
 
-def solve_ilp(problem: Problem, time_limit_s: float | None = None) -> Solution:
+def solve_ilp(problem: Problem, time_limit_s: float | None = None,
+              bound: float = float("inf")) -> Solution | None:
     """Solve ``problem`` to optimality with the ILP; raises NoFeasiblePlanError.
 
     Recomputation only adds time (when no strategy has both per-step and per-micro-batch
@@ -291,31 +296,43 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None) -> Solution:
     combination of modes is solved as its own ILP (skipping a combination whose least
     memory exceeds the budget, or whose least time n·Σ_v m_v min_i(compute + comm +
     extra) cannot beat the best found), and the fastest wins; with many groups, one ILP
-    with the mode variables decides."""
+    with the mode variables decides.
+
+    ``bound``: the caller needs only an objective below it. Combinations whose least
+    time reaches it are skipped, and when that leaves none, None is returned (the
+    problem may well fit: it just cannot beat the bound).
+"""
     import itertools
 
     groups = problem.recompute
     combos = list(itertools.product(*(g.allowed for g in groups)))
     if not groups or len(combos) > ENUMERATE_MODES or not all(0 in g.allowed for g in groups):
         if len(combos) == 1:
-            sol = IntraOpILP(fold_modes(problem, list(combos[0]))).solve(time_limit_s)
+            folded = fold_modes(problem, list(combos[0]))
+            if _least_time(folded) >= bound:
+                return None
+            sol = IntraOpILP(folded).solve(time_limit_s)
             sol.modes = list(combos[0])
             return sol
         return IntraOpILP(problem).solve(time_limit_s)
-    none = [0] * len(groups)
-    if _recompute_only_adds_time(problem) and \
-            least_memory(fold_modes(problem, none)) <= problem.memory_budget:
-        plain = replace(problem, recompute=[], memory_budget=float("inf"))
-        free = IntraOpILP(plain).solve(time_limit_s)
-        if evaluate(problem, free.choice, none).feasible:
-            free.modes = none
-            return free
+    none = (0,) * len(groups)
+    if _recompute_only_adds_time(problem):
+        if _least_time(fold_modes(problem, list(none))) >= bound:
+            return None
+        if least_memory(fold_modes(problem, list(none))) <= problem.memory_budget:
+            plain = replace(fold_modes(problem, list(none)), memory_budget=float("inf"))
+            free = IntraOpILP(plain).solve(time_limit_s)
+            free.modes = list(none)
+            if evaluate(problem, free.choice, free.modes).feasible:
+                return free
     best: Solution | None = None
+    beaten = False
     for modes in combos:
         folded = fold_modes(problem, list(modes))
         if least_memory(folded) > problem.memory_budget:
             continue
-        if best is not None and _least_time(folded) >= best.objective_s:
+        if _least_time(folded) >= min(bound, best.objective_s if best else float("inf")):
+            beaten = beaten or best is None
             continue
         try:
             sol = IntraOpILP(folded).solve(time_limit_s)
@@ -326,5 +343,8 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None) -> Solution:
         if best is None or sol.objective_s < best.objective_s * (1 - 1e-12):
             best = sol
     if best is None:
+        if beaten:
+            return None
         raise NoFeasiblePlanError("the intra-op ILP is infeasible")
     return best
+

@@ -133,15 +133,16 @@ def loss_input_bytes(g: Graph, built: Built, choice: list[int]) -> float:
     return src.out.numel * st.microbatch_size * dp / g.batch_size * elt / split
 
 
-def _solve(problem: Problem) -> Solution | NoFeasiblePlanError:
-    """The ILP's solution, or the error saying it does not fit (checked first with the
-    cheap bound: every node's smallest memory)."""
+def _solve(problem: Problem, bound: float) -> Solution | NoFeasiblePlanError | None:
+    """The ILP's solution, the error saying it does not fit (checked first with the
+    cheap bound: every node's smallest memory), or None when no solution's objective
+    can be below ``bound``."""
     least = least_memory(problem)
     if least > problem.memory_budget:
         return NoFeasiblePlanError(f"one pipeline rank needs at least {least / 1e9:.2f} GB "
                                    f"of the {problem.memory_budget / 1e9:.2f} GB budget")
     try:
-        return solve_ilp(problem)
+        return solve_ilp(problem, bound=bound)
     except NoFeasiblePlanError as e:
         return e
 
@@ -160,14 +161,17 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
     solved = {} if solved is None else solved
     key = (id(built), pp, held)
     if key not in solved:
-        found = _solve(pipeline_problem(built, pp, held))
-        if isinstance(found, NoFeasiblePlanError):
+        # the pipeline's step time is at least the ILP's objective spread over pp ranks
+        found = _solve(pipeline_problem(built, pp, held), bound * pp)
+        if found is None or isinstance(found, NoFeasiblePlanError):
             solved[key] = found
         else:
             memory = [[s.memory for s in ss] for ss in built.strategies]
             solved[key] = (found, unit_costs(g, built.problem, built.names, memory,
                                              found.choice, found.modes))
     entry = solved[key]
+    if entry is None:
+        return None
     if isinstance(entry, NoFeasiblePlanError):
         raise entry
     sol, units = entry

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.sharding import Mesh
+from autopar.solvers.bounds import combo_bounds, fitting_bound
 from autopar.solvers.ilp import Solution, solve_ilp
 from autopar.plans import RECOMPUTE
 from autopar.solvers.pipeline_search import (PipelineOutcome, in_flight, pipeline_problem,
@@ -202,27 +203,29 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                 built_by[key] = build_problem(an, st, layouts)
             except NoFeasiblePlanError as e:
                 built_by[key] = e
-    bounds = {key: lower_bounds(b) for key, b in built_by.items() if isinstance(b, Built)}
-    order = sorted(range(len(cands)), key=lambda k: (_time_bound(cands[k], bounds), k))
+    bound = _bounds(cands, built_by, memory_budget)
+    order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     solved: dict[tuple, object] = {}
-    for c in (cands[k] for k in order):
+    for k in order:
+        c = cands[k]
         built = built_by[_mesh_key(c)]
         if isinstance(built, NoFeasiblePlanError):
             outcomes.append(Outcome(c, None, None, str(built)))
             continue
-        if best is not None and _time_bound(c, bounds) >= best[0]:
-            outcomes.append(Outcome(c, None, None, "pruned: its lower bound on the step time "
-                                                    "is no better than the best plan found"))
-            continue
-        if bounds[_mesh_key(c)][1] / c.pp > memory_budget:
+        if bound[k] == float("inf"):
             outcomes.append(Outcome(c, None, None, "does not fit in memory"))
             infeasible.append((c, built))
             continue
+        if best is not None and bound[k] >= best[0]:
+            outcomes.append(Outcome(c, None, None, "pruned: its lower bound on the step time "
+                                                    "is no better than the best plan found"))
+            continue
+        limit = best[0] if best is not None else float("inf")
         if c.pp > 1:
             try:
                 po = solve_pipeline(an.graph, built, pp=c.pp, schedule=c.schedule,
                                     virtual_stages=c.virtual_stages, solved=solved,
-                                    bound=best[0] if best is not None else float("inf"))
+                                    bound=limit)
             except NoFeasiblePlanError as e:
                 outcomes.append(Outcome(c, None, None, str(e)))
                 infeasible.append((c, built))
@@ -236,10 +239,14 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                 best = (po.step_time_s, built, po.solution, c, po)
         else:
             try:
-                sol = solve_ilp(built.problem)
+                sol = solve_ilp(built.problem, bound=limit)
             except NoFeasiblePlanError:
                 outcomes.append(Outcome(c, None, None, "does not fit in memory"))
                 infeasible.append((c, built))
+                continue
+            if sol is None:
+                outcomes.append(Outcome(c, None, None, "pruned: no recomputation that fits "
+                                                        "can beat the best plan found"))
                 continue
             ev = evaluate(built.problem, sol.choice, sol.modes)
             outcomes.append(Outcome(c, ev.step_time_s, ev.memory_bytes))
@@ -268,32 +275,25 @@ def _mesh_key(c: Candidate) -> tuple:
     return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload)
 
 
-def lower_bounds(built: Built) -> tuple[float, float]:
-    """(seconds per micro-batch, static bytes per device) that no choice of strategies
-    can beat: each node's cheapest strategy on its own, ignoring resharding.
-
-    Per micro-batch the objective (:mod:`autopar.solvers.problem`) is at least
-    Σ(compute + comm) + max(0, Σ micro_param_comm − Σ compute)
-    ≥ max(Σ compute, Σ micro_param_comm) + Σ comm, so the time bound is the larger of
-    Σ_v min_s (compute + comm) and Σ_v min_s (micro_param_comm + comm) (parameter
-    communication hides behind compute, so the two never add up in the bound).
-    Pipelined over pp ranks, the busiest rank needs at least 1/pp of both."""
-    t = t_param = mem = 0.0
-    for node, details in zip(built.problem.nodes, built.strategies):
-        t += node.multiplicity * min(s.compute_s + s.comm_s for s in node.strategies)
-        t_param += node.multiplicity * min(s.micro_param_comm_s + s.comm_s
-                                           for s in node.strategies)
-        mem += node.multiplicity * min(
-            sc.memory_bytes - ns.memory.get("activations", 0.0)
-            for sc, ns in zip(node.strategies, details))
-    return max(t, t_param), mem
-
-
-def _time_bound(c: Candidate, bounds: dict[tuple, tuple[float, float]]) -> float:
-    """A lower bound on a candidate's step time: every micro-batch's cheapest
-    compute, spread perfectly over the pipeline's ranks."""
-    b = bounds.get(_mesh_key(c))
-    return float("inf") if b is None else c.num_microbatches * b[0] / c.pp
+def _bounds(cands: list[Candidate], built_by: dict, budget: float) -> list[float]:
+    """Each candidate's lower bound on the step time (inf: nothing fits in memory):
+    its micro-batches times the least per-micro-batch bound of the recomputation
+    modes whose memory bound fits (:mod:`autopar.solvers.bounds`), spread perfectly
+    over the pipeline's ranks."""
+    per: dict[tuple, float] = {}
+    out = []
+    for c in cands:
+        built = built_by[_mesh_key(c)]
+        if not isinstance(built, Built):
+            out.append(float("inf"))
+            continue
+        held = in_flight(c.schedule, c.pp, c.num_microbatches) if c.pp > 1 else 1
+        key = (_mesh_key(c), c.pp, held)
+        if key not in per:
+            acts = [[ns.memory.get("activations", 0.0) for ns in ds] for ds in built.strategies]
+            per[key] = fitting_bound(combo_bounds(built.problem, acts, c.pp, held), budget)
+        out.append(c.num_microbatches * per[key] / c.pp)
+    return out
 
 
 def lower_bound_memory(built: Built, c: Candidate | None = None) -> float:

@@ -104,7 +104,8 @@ def _placements(labels, assign: tuple[str | None, ...]) -> Placements:
 
 
 class _Builder:
-    def __init__(self, an: GraphAnalysis, st: Settings) -> None:
+    def __init__(self, an: GraphAnalysis, st: Settings,
+                 saved_owner: dict[tuple[str, int], str] | None = None) -> None:
         self.an, self.st, self.g = an, st, an.graph
         self.mesh = st.mesh
         self.links = [group_link(self.mesh.sizes, a, st.gpus_per_node, st.hw)
@@ -119,11 +120,17 @@ class _Builder:
         self.pbytes = param_bytes(st.precision, st.optimizer, st.zero if dp > 1 else 0, dp,
                                   st.offload)
         self.dtype = st.precision
-        self.saved_owner = self._saved_owner()
+        self._metas: dict[str, TensorMeta | None] = {}
+        self.saved_owner = saved_owner if saved_owner is not None else self._saved_owner()
 
     # ---- shapes ---------------------------------------------------------------
     def meta(self, name: str) -> TensorMeta | None:
         """Output metadata of node ``name`` at the micro-batch size."""
+        if name not in self._metas:
+            self._metas[name] = self._meta(name)
+        return self._metas[name]
+
+    def _meta(self, name: str) -> TensorMeta | None:
         m = self.g.node(name).out
         bd = self.an.batch_dim.get(name)
         if m is None or bd is None or bd >= len(m.shape):
@@ -478,11 +485,13 @@ def build_problem(an: GraphAnalysis, st: Settings, cache: dict | None = None) ->
     the settings its layouts depend on (:func:`layout_key`); a later call that differs
     only in ZeRO stage, micro-batch count, offload, optimizer or budget reprices just
     the parameter terms (:func:`_reprice`) and shares the rest."""
-    b = _Builder(an, st)
+    b = _Builder(an, st, cache.get("saved_owner") if cache is not None else None)
+    if cache is not None:  # the graph's, the same for every layout
+        cache["saved_owner"] = b.saved_owner
     key = layout_key(st)
     if cache is not None and key in cache:
         return _reprice(b, cache[key])
-    built = _build(b)
+    built = _build(b, cache)
     if cache is not None:
         cache[key] = built
     return built
@@ -525,7 +534,7 @@ def _reprice(b: _Builder, base: Built) -> Built:
     return Built(prob, base.names, details, st)
 
 
-def _build(b: _Builder) -> Built:
+def _build(b: _Builder, cache: dict | None = None) -> Built:
     """Enumerate and price every canonical node's strategies, the edges, the ties and
     the recomputation groups."""
     an, st = b.an, b.st
@@ -554,7 +563,13 @@ def _build(b: _Builder) -> Built:
                                 2 if layer else 1))
         details.append(ns)
         names.append(n.name)
-    edges = _edges(b, index, details, names)
+    if cache is not None and "edge_counts" in cache:
+        counts = cache["edge_counts"]
+    else:
+        counts = edge_counts(g, index)
+        if cache is not None:  # the graph's, the same for every layout
+            cache["edge_counts"] = counts
+    edges = _edges(b, counts, details, names)
     ties = _ties(b, index, details)
     groups = recompute_groups(b, index, details, [nc.strategies for nc in nodes])
     prob = Problem(nodes, edges, ties, st.num_microbatches, st.memory_budget, 0.0, st.overlap,
@@ -562,8 +577,9 @@ def _build(b: _Builder) -> Built:
     return Built(prob, names, details, st)
 
 
-def _edges(b: _Builder, index: dict[str, int], details, names: list[str]) -> list[EdgeChoice]:
-    g, an = b.g, b.an
+def edge_counts(g, index: dict[str, int]) -> dict[tuple[int, int, int], int]:
+    """(producer, consumer, input position) of canonical nodes (positions in ``index``)
+    -> how many graph edges the pair stands for."""
     canon = g.canonical
     counts: dict[tuple[int, int, int], int] = {}
     for n in g.nodes:
@@ -575,29 +591,43 @@ def _edges(b: _Builder, index: dict[str, int], details, names: list[str]) -> lis
                 continue
             u = index[canon.get(i, i)]
             counts[(u, v, pos)] = counts.get((u, v, pos), 0) + 1
+    return counts
+
+
+def _edges(b: _Builder, counts: dict[tuple[int, int, int], int], details,
+           names: list[str]) -> list[EdgeChoice]:
+    g, an = b.g, b.an
     edges = []
     free = b._free_axes()
     for (u, v, pos), mult in counts.items():
         un, vn = g.node(names[u]), g.node(names[v])
         module_consumer = vn.name in an.module_ops
         nbytes = b.nbytes(b.meta(un.name))
-        cost: dict[tuple[int, int], float] = {}
+        # strategies grouped by what the edge sees of them: the producer's output, the
+        # consumer's input and gradient placements; each pair of groups is priced once
+        outs: dict[Placements, list[int]] = {}
         for i, su in enumerate(details[u]):
-            for j, sv in enumerate(details[v]):
-                need = sv.ins[pos]
+            outs.setdefault(su.out, []).append(i)
+        needs: dict[tuple[Placements, Placements], list[int]] = {}
+        for j, sv in enumerate(details[v]):
+            needs.setdefault((sv.ins[pos], sv.grads[pos]), []).append(j)
+        pairs: list[tuple[list[int], list[int], float]] = []
+        for out, ii in outs.items():
+            for (need, grad), jj in needs.items():
                 # a constant is computed on each rank from its local shapes: it is
                 # whatever the consumer needs on the data-parallel axis
                 fixed = [a for a in range(len(need)) if a not in free
                          and not (un.name in an.constants and a == b.dp_axis)]
-                if any(su.out[a] != need[a] for a in fixed):
+                if any(out[a] != need[a] for a in fixed):
                     continue
-                if all(su.out[a] == need[a] for a in free + fixed):
-                    cost[(i, j)] = 0.0
+                if all(out[a] == need[a] for a in free + fixed):
+                    pairs.append((ii, jj, 0.0))
                 elif module_consumer:
-                    c = b.convert_both(su.out, need, sv.grads[pos], nbytes, un.requires_grad)
+                    c = b.convert_both(out, need, grad, nbytes, un.requires_grad)
                     if c != INF:
-                        cost[(i, j)] = c
-        edges.append(EdgeChoice(u, v, cost, mult))
+                        pairs.append((ii, jj, c))
+        cost = {(i, j): c for ii, jj, c in pairs for i in ii for j in jj}
+        edges.append(EdgeChoice(u, v, dict(sorted(cost.items())), mult))
     return edges
 
 

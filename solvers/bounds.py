@@ -1,0 +1,230 @@
+"""Cheap lower bounds on a candidate's step time and memory, for pruning the outer
+search before any ILP is built.
+
+For a :class:`~autopar.solvers.problem.Problem` and one recomputation mode ``r_g`` per
+group (a *combination*), no assignment can beat, per micro-batch,
+
+    T_lb(r) = max(Σ_v m_v min_i (compute + comm + extra_r),
+                  Σ_v m_v min_i (micro_param_comm + comm))
+
+because the objective per micro-batch is Σ(compute + comm) + resharding +
+max(0, Σ micro_param_comm − overlap · Σ compute) ≥ max(Σ compute, Σ micro_param_comm)
++ Σ comm (overlap ≤ 1; resharding, the exposed per-step traffic and the host step are
+≥ 0); ``extra_r`` is the recomputed forward of mode r, which runs in backward and so
+counts as compute. Memory is bounded as in
+:func:`autopar.solvers.problem.least_memory`, each node on its own:
+
+    M_lb(r) = fixed + max(Σ_v min_i (C_v,i,r + m_v · backward_start_v,i),
+                          Σ_v min_i (C_v,i,r + recompute_v,i + transient_v,i,r))
+
+with C the node's share of the common memory. On a pipeline rank (``pp`` ranks,
+``held`` micro-batches in flight) every strategy's memory is that of
+:func:`autopar.solvers.pipeline_search.pipeline_problem`: (static + activations ·
+held) / pp, and the recomputation deltas scale by held / pp.
+
+Groups are independent, so the bounds of every combination come from one pass over
+the strategies: a per-group, per-mode partial sum.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from autopar.solvers.problem import Problem
+
+
+@dataclass(frozen=True)
+class ComboBound:
+    """Lower bounds for one combination of recomputation modes (indices per group)."""
+
+    modes: tuple[int, ...]
+    time_per_microbatch_s: float
+    param_time_per_microbatch_s: float
+    memory_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        """The per-micro-batch time bound: the larger of the two sums."""
+        return max(self.time_per_microbatch_s, self.param_time_per_microbatch_s)
+
+
+def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: int = 1,
+                 held: int = 1, tree: bool = True) -> list[ComboBound]:
+    """The bounds of every allowed combination of modes (module docstring), in
+    ``itertools.product`` order. ``activations[v][i]`` are the bytes strategy i of
+    node v keeps for backward (needed only with ``pp`` > 1)."""
+    grouped: dict[int, tuple[int, int]] = {}
+    for g, grp in enumerate(p.recompute):
+        for k, v in enumerate(grp.nodes):
+            grouped[v] = (g, k)
+    scale = held / pp
+
+    def mem(v: int, i: int) -> float:
+        node = p.nodes[v]
+        s = node.strategies[i]
+        if pp == 1:
+            own = s.memory_bytes
+        else:
+            act = activations[v][i] if activations is not None else 0.0
+            own = (s.memory_bytes - act + act * held) / pp
+        return node.multiplicity * own + node.gather_multiplicity * s.gather_bytes
+
+    base = _Sums()
+    per_group = [{r: _Sums() for r in grp.allowed} for grp in p.recompute]
+    param_time = 0.0
+    for v, node in enumerate(p.nodes):
+        m = node.multiplicity
+        param_time += m * min(s.micro_param_comm_s + s.comm_s for s in node.strategies)
+        ss = node.strategies
+        if v not in grouped:
+            base.add([m * (s.compute_s + s.comm_s) for s in ss], [mem(v, i) for i in range(len(ss))],
+                     [m * s.backward_start_bytes for s in ss], [s.recompute_bytes for s in ss])
+            continue
+        g, k = grouped[v]
+        grp = p.recompute[g]
+        f = scale if pp > 1 else 1.0
+        for r in grp.allowed:
+            per_group[g][r].add(
+                [m * (s.compute_s + s.comm_s + grp.extra_s[k][i][r]) for i, s in enumerate(ss)],
+                [mem(v, i) + grp.memory(k, i, r, m) * f for i in range(len(ss))],
+                [m * s.backward_start_bytes for s in ss],
+                [s.recompute_bytes + grp.transient[k][i][r] for i, s in enumerate(ss)])
+    out = []
+    for modes in itertools.product(*(grp.allowed for grp in p.recompute)):
+        parts = [base] + [per_group[g][r] for g, r in enumerate(modes)]
+        start = sum(x.start for x in parts)
+        redo = sum(x.redo for x in parts)
+        least = p.fixed_memory + max(sum(x.least_start for x in parts),
+                                     sum(x.least_redo for x in parts))
+        capacity = p.memory_budget - p.fixed_memory - max(start, redo)
+        t = knapsack_bound([seg for x in parts for seg in x.segments],
+                           sum(x.fast_time for x in parts), sum(x.fast_memory for x in parts),
+                           capacity)
+        if t < float("inf") and tree:
+            t = max(t, tree_bound(p, mode_extra(p, modes)))
+        out.append(ComboBound(modes, t, param_time, least))
+    return out
+
+
+class _Sums:
+    """Per-node terms of :func:`combo_bounds` summed over a set of nodes: the fastest
+    strategies' time and memory, the exchanges that trade time for memory, and the
+    least transient and total memory."""
+
+    def __init__(self) -> None:
+        self.fast_time = self.fast_memory = 0.0
+        self.start = self.redo = 0.0            # least transient terms, each on its own
+        self.least_start = self.least_redo = 0.0  # least memory with each transient
+        self.segments: list[tuple[float, float]] = []
+
+    def add(self, times: list[float], mems: list[float], starts: list[float],
+            redos: list[float]) -> None:
+        """One node with strategies of these times, memories and transients."""
+        self.start += min(starts)
+        self.redo += min(redos)
+        self.least_start += min(a + b for a, b in zip(mems, starts))
+        self.least_redo += min(a + b for a, b in zip(mems, redos))
+        t0, m0, segs = hull_exchanges(list(zip(mems, times)))
+        self.fast_time += t0
+        self.fast_memory += m0
+        self.segments += segs
+
+
+def hull_exchanges(points: list[tuple[float, float]]) -> tuple[float, float,
+                                                               list[tuple[float, float]]]:
+    """(time, memory) of the fastest point (the least memory among ties) of one node's
+    (memory, time) points, and the exchanges along their lower convex hull towards less
+    memory: (seconds added per byte saved, bytes saved), slopes ascending."""
+    pts = sorted(set(points))
+    hull: list[tuple[float, float]] = []
+    for q in pts:  # lower hull by memory ascending (Andrew's monotone chain)
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], q) <= 0:
+            hull.pop()
+        hull.append(q)
+    fast = min(range(len(hull)), key=lambda i: (hull[i][1], hull[i][0]))
+    segs = []
+    for a in range(fast, 0, -1):  # from the fastest point towards less memory
+        (m1, t1), (m0, t0) = hull[a], hull[a - 1]
+        if t0 > t1 and m1 > m0:
+            segs.append(((t0 - t1) / (m1 - m0), m1 - m0))
+    return hull[fast][1], hull[fast][0], segs
+
+
+def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def knapsack_bound(segments: list[tuple[float, float]], fast_time: float, fast_memory: float,
+                   capacity: float) -> float:
+    """The linear relaxation of choosing one strategy per node at least time within
+    ``capacity`` bytes (Sinha and Zoltners, Oper. Res. 1979): start from every node's
+    fastest strategy and buy the missing memory at the cheapest exchange rates along
+    the nodes' hulls, the last one fractionally. inf when even every exchange does not
+    free enough."""
+    need = fast_memory - capacity
+    if need <= 0:
+        return fast_time
+    t = fast_time
+    for slope, saved in sorted(segments):
+        take = min(saved, need)
+        t += slope * take
+        need -= take
+        if need <= 0:
+            return t
+    return float("inf")
+
+
+def fitting_bound(bounds: list[ComboBound], budget: float) -> float:
+    """The least per-micro-batch time bound over the combinations whose memory bound
+    fits ``budget`` (inf when none does)."""
+    return min((b.time_s for b in bounds if b.memory_bytes <= budget * (1 + 1e-9)),
+               default=float("inf"))
+
+
+def tree_bound(p: Problem, extra: list[list[float]] | None = None) -> float:
+    """Σ_v m_v (compute + comm + extra) plus the resharding of a spanning forest of the
+    edges, minimized exactly: per micro-batch, a lower bound on the objective's
+    compute, communication and resharding terms.
+
+    Each node keeps the first edge from a lower-numbered producer as its parent (nodes
+    are numbered in graph order, so the parents form a forest); the other edges, the
+    ties and the memory budget are dropped, which only lowers the optimum. On the
+    forest, best_v(i) = m_v c_v,i + Σ_children min_j (m_e cost_e(i, j) + best_w(j)) is
+    exact (dynamic programming from the leaves). ``extra[v][i]``: seconds added to
+    strategy i of node v (a recomputation mode's forward, per instance)."""
+    n = len(p.nodes)
+    parent_edge: dict[int, int] = {}
+    children: list[list[int]] = [[] for _ in range(n)]
+    for k, e in enumerate(p.edges):
+        if e.u < e.v and e.v not in parent_edge:
+            parent_edge[e.v] = k
+            children[e.u].append(k)
+    best: list[list[float]] = [[] for _ in range(n)]
+    for v in range(n - 1, -1, -1):
+        node = p.nodes[v]
+        add = extra[v] if extra is not None else None
+        row = [node.multiplicity * (s.compute_s + s.comm_s) + (add[i] if add else 0.0)
+               for i, s in enumerate(node.strategies)]
+        for k in children[v]:
+            e = p.edges[k]
+            sub = best[e.v]
+            cheapest = [float("inf")] * len(row)
+            for (i, j), c in e.cost.items():
+                t = e.multiplicity * c + sub[j]
+                if t < cheapest[i]:
+                    cheapest[i] = t
+            row = [a + b for a, b in zip(row, cheapest)]
+        best[v] = row
+    return sum(min(best[v]) for v in range(n) if v not in parent_edge)
+
+
+def mode_extra(p: Problem, modes: tuple[int, ...]) -> list[list[float]]:
+    """Per node and strategy, the recomputed forward seconds of all its instances under
+    one mode per group (``extra`` for :func:`tree_bound`)."""
+    out = [[0.0] * len(node.strategies) for node in p.nodes]
+    for grp, r in zip(p.recompute, modes):
+        for k, v in enumerate(grp.nodes):
+            m = p.nodes[v].multiplicity
+            out[v] = [m * grp.extra_s[k][i][r] for i in range(len(p.nodes[v].strategies))]
+    return out
