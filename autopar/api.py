@@ -13,7 +13,7 @@ from autopar.errors import ConfigError
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SEARCH_KEYS = ("dp", "tp", "pp", "microbatch_size", "zero", "sequence_parallel", "schedule",
-               "virtual_stages", "time_limit_s", "recompute", "offload")
+               "virtual_stages", "time_limit_s", "recompute", "offload", "top_k", "progress")
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _offload(value, zero) -> bool | None:
 def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | None,
                 loss_fn, precision: str, optimizer: str, memory_budget, space: dict,
                 name: str | None = None):
-    from autopar.assemble import add_pipeline, assemble
+    from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
     from autopar.solvers.search import candidates, search
     from autopar.strategies.analysis import analyze
@@ -174,22 +174,37 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                        virtual_stages=space.get("virtual_stages"),
                        num_units=len(graph.layers) + 2 if graph.layers else 1,
                        heads=_heads(graph))
+    top_k = space.get("top_k", 1)
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ConfigError(f"top_k={top_k!r}: expected a positive integer (1 = the best plan "
+                          f"only)")
     res = search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node, precision=precision,
                  optimizer=optimizer, memory_budget=budget,
                  sequence_parallel=space.get("sequence_parallel"),
                  recompute=_recompute_modes(space.get("recompute")),
                  offload=_offload(space.get("offload"), space.get("zero")),
-                 time_limit_s=space.get("time_limit_s"))
+                 time_limit_s=space.get("time_limit_s"), top_k=top_k,
+                 progress=space.get("progress"))
     peak = hw.matmul_flops.get(precision, hw.matmul_flops.get("fp32", 1.0))
-    plan = assemble(an, res.built, res.solution, cluster_desc=cluster.describe(),
-                    global_batch=gb, peak_flops=peak)
-    if res.pipeline is not None and res.candidate is not None:
-        c = res.candidate
-        add_pipeline(plan, res.pipeline, pp=c.pp, schedule=c.schedule,
-                     virtual_stages=c.virtual_stages,
-                     model_flops=3.0 * graph.forward_flops * gb / graph.batch_size,
+
+    def make(built, solution, candidate, pipeline) -> "Plan":
+        p = assemble(an, built, solution, cluster_desc=cluster.describe(), global_batch=gb,
                      peak_flops=peak)
+        if pipeline is not None and candidate is not None:
+            add_pipeline(p, pipeline, pp=candidate.pp, schedule=candidate.schedule,
+                         virtual_stages=candidate.virtual_stages,
+                         model_flops=3.0 * graph.forward_flops * gb / graph.batch_size,
+                         peak_flops=peak)
+        return p
+
+    plan = make(res.built, res.solution, res.candidate, res.pipeline)
+    plan.runners_up = [runner_up(plan, make(r.built, r.solution, r.candidate, r.pipeline))
+                       for r in res.runners_up]
     plan.solver["memory_budget_bytes"] = budget
+    if "gap" in plan.solver:
+        plan.notes.append(f"the search stopped at its time limit of {space['time_limit_s']} s; "
+                          f"no plan it did not try can be more than "
+                          f"{plan.solver['gap'] * 100:.1f}% faster")
     return plan, res
 
 
@@ -204,7 +219,11 @@ def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch:
     ``schedule`` (one of :data:`autopar.plans.SCHEDULES`), ``virtual_stages``,
     ``recompute`` (force "none", "selective" or "full" on every block; by default the
     solver picks per layer), ``offload`` (True / False; by default only when nothing
-    fits without it) and ``time_limit_s``. ``memory_budget`` defaults to the GPU's
+    fits without it), ``time_limit_s`` (stop early with the best plan found; the
+    optimality gap is in ``plan.solver["gap"]``), ``top_k`` (also list the next
+    ``top_k`` − 1 fastest configurations in ``plan.runners_up``, each with the terms it
+    loses on) and ``progress`` (called as ``progress(done, total, best_step_time_s)``
+    after each configuration). ``memory_budget`` defaults to the GPU's
     memory less the profile's stated reserve. Without a cluster, plans for the running job (see
     :func:`detect_cluster`).
     """

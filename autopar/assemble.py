@@ -238,3 +238,20 @@ def pipeline_breakdown(po: PipelineOutcome, *, pp: int, schedule: str, virtual_s
             "bubble_s": free_p2p - (compute + recompute + comm + param), "host_step_s": 0.0,
             "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p,
             "p2p_s": po.p2p_s}
+
+
+def runner_up(best: Plan, other: Plan) -> dict:
+    """``other`` (a plan the search kept besides ``best``) as an entry of
+    :attr:`Plan.runners_up`: its configuration, prediction and why it lost."""
+    from autopar.summary import term_differences
+
+    pipe = other.pipeline
+    return {"mesh": dict(other.mesh), "microbatch_size": other.microbatch_size,
+            "num_microbatches": other.num_microbatches, "zero": other.zero,
+            "offload": other.offload, "sequence_parallel": other.sequence_parallel,
+            "schedule": pipe.schedule if pipe else None,
+            "virtual_stages": pipe.virtual_stages if pipe else 1,
+            "recompute": sorted(set(other.recompute.values())) or ["none"],
+            "step_time_s": other.step_time_s, "memory_bytes": other.memory_per_device_bytes,
+            "mfu": other.mfu, "breakdown": dict(other.breakdown),
+            "why": term_differences(best, other, of_loser=True).removeprefix(": ")}

@@ -7,6 +7,7 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError, ConfigError
@@ -83,20 +84,21 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the best plan for a model on a cluster")
     p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory")
     _add_cluster_args(p)
-    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
-    p.add_argument("--seq-len", type=int, help="sequence length (zoo models)")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw", "sgd"])
-    p.add_argument("--memory-budget", type=parse_bytes, help="per device, e.g. 40GB")
-    p.add_argument("--dp", type=int, help="fix the data-parallel degree")
-    p.add_argument("--tp", type=int, help="fix the tensor-parallel degree")
-    p.add_argument("--pp", type=int, help="fix the pipeline-parallel degree")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b",
+    _add_workload_args(p.add_argument_group("workload"))
+    f = p.add_argument_group("search space (each option fixes one choice)")
+    f.add_argument("--dp", type=int, help="fix the data-parallel degree")
+    f.add_argument("--tp", type=int, help="fix the tensor-parallel degree")
+    f.add_argument("--pp", type=int, help="fix the pipeline-parallel degree")
+    f.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b",
                                           "interleaved_zero_bubble", "zbv"],
                    help="fix the pipeline schedule")
-    p.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="fix the ZeRO stage")
-    p.add_argument("--microbatch", type=int, help="fix the micro-batch size")
+    f.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
+    f.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="fix the ZeRO stage")
+    f.add_argument("--microbatch", type=int, help="fix the micro-batch size")
+    p.add_argument("--top", type=int, default=1, metavar="N",
+                   help="also list the next N-1 fastest configurations and why they lost")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="stop searching after this long with the best plan found and its gap")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     _add_compare_parser(sub)
     sub.add_parser("models", help="list the zoo models")
@@ -127,17 +129,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import autopar
 
     t0 = time.perf_counter()
-    cluster = autopar.Cluster(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                              intra_node_bandwidth=args.intra_node_bandwidth,
-                              inter_node_bandwidth=args.inter_node_bandwidth)
+    cluster = _cluster_from_args(args)
     model, inputs = _load_model(args.model, args.seq_len)
     space = {k: v for k, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp),
                                ("zero", args.zero), ("microbatch_size", args.microbatch),
                                ("schedule", args.schedule),
-                               ("virtual_stages", args.virtual_stages)) if v is not None}
+                               ("virtual_stages", args.virtual_stages),
+                               ("time_limit_s", args.time_limit)) if v is not None}
     plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
                         precision=args.precision, optimizer=args.optimizer,
-                        memory_budget=args.memory_budget, **space)
+                        memory_budget=args.memory_budget, top_k=args.top,
+                        progress=_progress_line(sys.stderr), **space)
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
     if ":" not in args.model:
         plan.model = args.model
     print(plan.summary())
@@ -147,6 +151,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f.write(plan.to_json())
         print(f"plan written to {args.json}")
     return 0
+
+
+def _progress_line(stream) -> Callable[[int, int, float | None], None] | None:
+    """A progress callback for the search that rewrites one line of ``stream`` (a
+    terminal only: logs get no progress noise)."""
+    if not stream.isatty():
+        return None
+    from autopar.summary import fmt_time
+
+    last = [0.0]
+
+    def show(done: int, total: int, best: float | None) -> None:
+        now = time.perf_counter()
+        if now - last[0] < 0.1 and done < total:  # ten updates a second are plenty
+            return
+        last[0] = now
+        text = f"searching: {done}/{total} configurations" + (
+            f", best {fmt_time(best)} per step" if best is not None else "")
+        stream.write("\r" + text.ljust(60))
+        stream.flush()
+
+    return show
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

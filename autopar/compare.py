@@ -20,12 +20,7 @@ from autopar.api import Spec, detect_cluster, estimate, plan
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.plans import Plan
-from autopar.summary import STEP_TERMS, fmt_bytes, fmt_time, term_label
-
-SHARE = 0.05
-"""A term is named in the verdict when it moves the step time by at least this share of
-the difference between the two step times."""
-
+from autopar.summary import STEP_TERMS, fmt_bytes, fmt_time, term_differences, term_label
 
 @dataclass(frozen=True)
 class Row:
@@ -127,7 +122,7 @@ class Comparison:
                     f"plan ({fmt_time(t_b)} against {fmt_time(t_a)} per step: the search "
                     f"did not reach it)")
             winner, loser = hand, a
-        return head + _reasons(winner, loser) + memory
+        return head + term_differences(winner, loser) + memory
 
     def _has_need(self) -> bool:
         """Whether the least memory the hand-written configuration needs is known."""
@@ -142,25 +137,6 @@ class Comparison:
         """The memory cell of a hand-written configuration that does not fit."""
         return f">= {fmt_bytes(self.needs_bytes)} (over budget)" if self._has_need() \
             else "over budget"
-
-
-def _reasons(winner: Plan, loser: Plan) -> str:
-    """': less bubble (-0.41 s) and less exposed communication (-0.12 s), despite more
-    recomputation (+0.05 s)' — the terms that move the step time by at least SHARE of
-    the difference, largest first (winner's term − loser's)."""
-    gap = loser.step_time_s - winner.step_time_s
-    diffs = [(term_label(k), winner.breakdown.get(k, 0.0) - loser.breakdown.get(k, 0.0))
-             for k in STEP_TERMS]
-    diffs = sorted((d for d in diffs if abs(d[1]) >= SHARE * gap), key=lambda d: -abs(d[1]))
-    gains = [f"less {name} (-{fmt_time(-d)})" for name, d in diffs if d < 0][:3]
-    costs = [f"more {name} (+{fmt_time(d)})" for name, d in diffs if d > 0][:2]
-    text = ": " + _join(gains) if gains else ""
-    return text + (", despite " + _join(costs) if costs else "")
-
-
-def _join(items: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _number_row(label: str, a: float, b: float | None, fmt: Callable[[float], str],

@@ -141,7 +141,10 @@ class Plan:
         blocks: module paths of the repeated layers, in order (the units that the
             lowering wraps with ``fully_shard`` and activation checkpointing).
         step_time_s: predicted seconds per optimizer step.
-        breakdown: predicted seconds by term (compute_s, comm_s, exposed_comm_s, ...).
+        breakdown: predicted seconds by term: ``compute_s``, ``recompute_s``,
+            ``exposed_comm_s``, ``bubble_s`` and ``host_step_s`` add up to
+            ``step_time_s`` (:data:`autopar.summary.STEP_TERMS`); the other keys
+            (``comm_s``, ``reshard_s``, ``param_comm_s``, ``p2p_s``, ...) detail them.
         memory: predicted peak bytes per device by category (params, grads,
             optimizer, activations, total).
         throughput: predicted samples per second.
@@ -155,6 +158,12 @@ class Plan:
             block's input); a block not listed is "none".
         offload: parameters, gradients and optimizer state kept in host memory
             between uses (FSDP2 ``CPUOffloadPolicy``; with ``zero`` 3).
+        runners_up: with ``plan(..., top_k=N)``, the next N − 1 fastest configurations
+            the search found, fastest first: each a dict with ``mesh``,
+            ``microbatch_size``, ``num_microbatches``, ``zero``, ``offload``,
+            ``sequence_parallel``, ``schedule``, ``virtual_stages``, ``recompute`` (the
+            modes its blocks use), ``step_time_s``, ``memory_bytes``, ``mfu``,
+            ``breakdown`` and ``why`` (the step-time terms it loses on).
     """
 
     model: str
@@ -182,6 +191,7 @@ class Plan:
     pipeline: PipelinePlan | None = None
     recompute: dict[str, str] = field(default_factory=dict)
     offload: bool = False
+    runners_up: list[dict[str, Any]] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
 
     @property

@@ -21,6 +21,35 @@ DETAIL_LABELS = (("comm_s", "collectives + resharding"), ("reshard_s", "reshardi
 """Readable names of the breakdown keys that detail the step-time terms."""
 
 
+SHARE = 0.05
+"""A term is named among the reasons one plan is slower than another when it moves
+the step time by at least this share of their difference (smaller ones are noise
+to a reader)."""
+
+
+def term_differences(winner: Plan, loser: Plan, of_loser: bool = False) -> str:
+    """': less bubble (-0.41 s) and less exposed communication (-0.12 s), despite more
+    recomputation (+0.05 s)' — the terms of :data:`STEP_TERMS` that move the step time
+    by at least SHARE of the difference, largest first (winner's term − loser's; with
+    ``of_loser``, said of the loser: 'more bubble (+0.41 s) ..., despite less ...')."""
+    gap = loser.step_time_s - winner.step_time_s
+    diffs = [(term_label(k), winner.breakdown.get(k, 0.0) - loser.breakdown.get(k, 0.0))
+             for k in STEP_TERMS]
+    diffs = sorted((d for d in diffs if abs(d[1]) >= SHARE * gap), key=lambda d: -abs(d[1]))
+    sign = -1.0 if of_loser else 1.0  # the side the words describe
+    words = [(f"less {name} (-{fmt_time(-d)})" if d < 0 else f"more {name} (+{fmt_time(d)})")
+             for name, d in ((n, sign * d) for n, d in diffs)]
+    why = [w for w, (_, d) in zip(words, diffs) if d < 0][:3]       # what the winner saves
+    despite = [w for w, (_, d) in zip(words, diffs) if d > 0][:2]   # what it pays more
+    text = ": " + join_words(why) if why else ""
+    return text + (", despite " + join_words(despite) if despite else "")
+
+
+def join_words(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def term_label(key: str) -> str:
     """The readable name of breakdown key ``key`` (``"bubble_s"`` -> "bubble"; an unknown
     ``"a_b_s"`` -> "a b")."""
@@ -165,6 +194,7 @@ def plan_summary(plan: Plan) -> str:
         lines += _table(rows, ["module", "type", "tp style", "input", "output",
                                "params (" + "/".join(plan.stage_mesh) + ")", "count"])
         lines.append("")
+    lines += _runners_up_lines(plan)
     s = plan.solver
     if s:
         lines.append("solver    " + ", ".join(
@@ -172,3 +202,25 @@ def plan_summary(plan: Plan) -> str:
     for note in plan.notes:
         lines.append(f"note      {note}")
     return "\n".join(lines)
+
+
+def _runners_up_lines(plan: Plan) -> list[str]:
+    """The runners-up table (``plan(..., top_k=N)``): configuration, step time against
+    the plan's, memory, and the terms each loses on."""
+    if not plan.runners_up:
+        return []
+    rows = []
+    for k, r in enumerate(plan.runners_up, 2):
+        mesh = " x ".join(f"{a}={v}" for a, v in r["mesh"].items())
+        sched = f", {r['schedule']}" + (f" v={r['virtual_stages']}"
+                                         if r["virtual_stages"] > 1 else "") \
+            if r["schedule"] else ""
+        config = (f"{mesh}, mb {r['microbatch_size']}x{r['num_microbatches']}, "
+                  f"ZeRO-{r['zero']}{' offload' if r['offload'] else ''}"
+                  f"{', sp' if r['sequence_parallel'] else ''}{sched}, "
+                  f"recompute {'/'.join(r['recompute'])}")
+        slower = r["step_time_s"] / plan.step_time_s - 1 if plan.step_time_s else 0.0
+        rows.append([str(k), config, f"{fmt_time(r['step_time_s'])} (+{slower * 100:.1f}%)",
+                     fmt_bytes(r["memory_bytes"]), r["why"] or "the same predicted time (the plan was found first)"])
+    return ["runners-up (why each is slower than the plan)"] + _table(
+        rows, ["#", "configuration", "step time", "memory", "slower on"]) + [""]

@@ -15,6 +15,7 @@ inputs always give the same plan.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
@@ -74,6 +75,7 @@ class SearchResult:
     time_s: float = 0.0
     candidate: Candidate | None = None
     pipeline: PipelineOutcome | None = None
+    runners_up: list["Scored"] = field(default_factory=list)
 
 
 def divisors(n: int) -> list[int]:
@@ -157,16 +159,23 @@ def offload_candidates(cands: list[Candidate]) -> list[Candidate]:
 def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
            precision: str, optimizer: str, memory_budget: float,
            sequence_parallel: bool | None = None, recompute: tuple[str, ...] | None = None,
-           offload: bool | None = None, time_limit_s: float | None = None) -> SearchResult:
+           offload: bool | None = None, time_limit_s: float | None = None, top_k: int = 1,
+           progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
     """Solve every candidate and return the fastest feasible plan's pieces; when none
     fits and ``offload`` is not False, try again with CPU offload (``offload=True``:
     only offload). ``recompute`` limits the recomputation modes (None: all).
+
+    ``top_k`` > 1 also keeps the next fastest plans (:attr:`SearchResult.runners_up`):
+    pruning then compares bounds with the k-th best time found, so the runners-up are
+    exact too. ``time_limit_s`` stops the search early with the best plan found and
+    its optimality gap (``solution.stats["gap"]``). ``progress(done, total, best)`` is
+    called after each candidate.
 
     Raises NoFeasiblePlanError when none fits, naming the least memory a plan needs.
     """
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
-              recompute=recompute, time_limit_s=time_limit_s)
+              recompute=recompute, time_limit_s=time_limit_s, top_k=top_k, progress=progress)
     first = offload_candidates(cands) if offload else cands
     try:
         return _search(an, first, **kw)
@@ -181,93 +190,129 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
             raise (e if worse else e2) from None
 
 
+@dataclass
+class Scored:
+    """A solved candidate: its step time and the pieces to assemble its plan."""
+
+    step_time_s: float
+    built: Built
+    solution: Solution
+    candidate: Candidate
+    pipeline: PipelineOutcome | None = None
+
+
 def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
             precision: str, optimizer: str, memory_budget: float,
             sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
-            time_limit_s: float | None) -> SearchResult:
+            time_limit_s: float | None, top_k: int,
+            progress: Callable[[int, int, float | None], None] | None) -> SearchResult:
     """:func:`search` over ``cands`` as given."""
     t0 = time.perf_counter()
-    best: tuple[float, Built, Solution, Candidate, PipelineOutcome | None] | None = None
+    kept: list[Scored] = []  # the top_k fastest so far, fastest first (ties: first found)
     outcomes: list[Outcome] = []
     infeasible: list[tuple[Candidate, Built]] = []
-    built_by: dict[tuple, Built | NoFeasiblePlanError] = {}
-    layouts: dict = {}  # build_problem's cache: layouts shared across ZeRO stages
-    for c in cands:
-        key = _mesh_key(c)
-        if key not in built_by:
-            st = Settings(Mesh(("dp", "tp"), (c.dp, c.tp)), c.microbatch_size,
-                          c.num_microbatches, c.zero, precision, optimizer, memory_budget, hw,
-                          gpus_per_node, sequence_parallel=sequence_parallel,
-                          offload=c.offload, recompute_modes=recompute or RECOMPUTE)
-            try:
-                built_by[key] = build_problem(an, st, layouts)
-            except NoFeasiblePlanError as e:
-                built_by[key] = e
+    built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
+                          optimizer=optimizer, memory_budget=memory_budget,
+                          sequence_parallel=sequence_parallel, recompute=recompute)
     bound = _bounds(cands, built_by, memory_budget)
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     solved: dict[tuple, object] = {}
-    for k in order:
-        c = cands[k]
-        built = built_by[_mesh_key(c)]
-        if isinstance(built, NoFeasiblePlanError):
-            outcomes.append(Outcome(c, None, None, str(built)))
-            continue
-        if bound[k] == float("inf"):
-            outcomes.append(Outcome(c, None, None, "does not fit in memory"))
-            infeasible.append((c, built))
-            continue
-        if best is not None and bound[k] >= best[0]:
-            outcomes.append(Outcome(c, None, None, "pruned: its lower bound on the step time "
-                                                    "is no better than the best plan found"))
-            continue
-        limit = best[0] if best is not None else float("inf")
-        if c.pp > 1:
-            try:
-                po = solve_pipeline(an.graph, built, pp=c.pp, schedule=c.schedule,
-                                    virtual_stages=c.virtual_stages, solved=solved,
-                                    bound=limit)
-            except NoFeasiblePlanError as e:
-                outcomes.append(Outcome(c, None, None, str(e)))
-                infeasible.append((c, built))
-                continue
-            if po is None:
-                outcomes.append(Outcome(c, None, None, "pruned: even without a bubble it is no "
-                                                        "better than the best plan found"))
-                continue
-            outcomes.append(Outcome(c, po.step_time_s, po.memory_bytes))
-            if best is None or po.step_time_s < best[0] * (1 - 1e-9):
-                best = (po.step_time_s, built, po.solution, c, po)
-        else:
-            try:
-                sol = solve_ilp(built.problem, bound=limit)
-            except NoFeasiblePlanError:
-                outcomes.append(Outcome(c, None, None, "does not fit in memory"))
-                infeasible.append((c, built))
-                continue
-            if sol is None:
-                outcomes.append(Outcome(c, None, None, "pruned: no recomputation that fits "
-                                                        "can beat the best plan found"))
-                continue
-            ev = evaluate(built.problem, sol.choice, sol.modes)
-            outcomes.append(Outcome(c, ev.step_time_s, ev.memory_bytes))
-            if best is None or ev.step_time_s < best[0] * (1 - 1e-9):
-                best = (ev.step_time_s, built, sol, c, None)
-        if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
+    gap_bound = None
+    for done, k in enumerate(order):
+        if time_limit_s is not None and kept and time.perf_counter() - t0 > time_limit_s:
+            gap_bound = bound[k]  # every candidate left is at least this slow
             break
-    if best is None:
+        c = cands[k]
+        limit = kept[-1].step_time_s if len(kept) >= top_k else float("inf")
+        scored = _score(an, c, built_by[_mesh_key(c)], bound[k], limit, solved, outcomes,
+                        infeasible)
+        if scored is not None:
+            at = next((i for i, s in enumerate(kept)
+                       if scored.step_time_s < s.step_time_s * (1 - 1e-9)), len(kept))
+            kept = (kept[:at] + [scored] + kept[at:])[:top_k]
+        if progress is not None:
+            progress(done + 1, len(order), kept[0].step_time_s if kept else None)
+    if not kept:
         err = NoFeasiblePlanError(_no_fit_message(infeasible, memory_budget, outcomes))
         err.least_bytes = min((lower_bound_memory(b, c) for c, b in infeasible),
                               default=float("inf"))
         raise err
-    if best[4] is not None:  # the winner's recomputation, chosen with its stage split
-        c = best[3]
-        po = refine_modes(an.graph, best[1], best[4], pp=c.pp, schedule=c.schedule,
+    best = kept[0]
+    if best.pipeline is not None:  # the winner's recomputation, chosen with its stage split
+        c = best.candidate
+        po = refine_modes(an.graph, best.built, best.pipeline, pp=c.pp, schedule=c.schedule,
                           virtual_stages=c.virtual_stages)
-        best = (po.step_time_s, best[1], po.solution, c, po)
-    res = SearchResult(best[1], best[2], outcomes, time.perf_counter() - t0, best[3], best[4])
+        best = Scored(po.step_time_s, best.built, po.solution, c, po)
+    res = SearchResult(best.built, best.solution, outcomes, time.perf_counter() - t0,
+                       best.candidate, best.pipeline, kept[1:])
     res.solution.stats["candidates"] = len(outcomes)
     res.solution.stats["search_s"] = res.time_s
+    if gap_bound is not None:
+        res.solution.stats["gap"] = max(0.0, 1.0 - gap_bound / best.step_time_s)
     return res
+
+
+def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
+               precision: str, optimizer: str, memory_budget: float,
+               sequence_parallel: bool | None,
+               recompute: tuple[str, ...] | None) -> dict[tuple, Built | NoFeasiblePlanError]:
+    """One intra-op problem per distinct :func:`_mesh_key` (or the error saying an op has
+    no strategy on that mesh)."""
+    built_by: dict[tuple, Built | NoFeasiblePlanError] = {}
+    layouts: dict = {}  # build_problem's cache: layouts shared across ZeRO stages
+    for c in cands:
+        key = _mesh_key(c)
+        if key in built_by:
+            continue
+        st = Settings(Mesh(("dp", "tp"), (c.dp, c.tp)), c.microbatch_size, c.num_microbatches,
+                      c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
+                      sequence_parallel=sequence_parallel, offload=c.offload,
+                      recompute_modes=recompute or RECOMPUTE)
+        try:
+            built_by[key] = build_problem(an, st, layouts)
+        except NoFeasiblePlanError as e:
+            built_by[key] = e
+    return built_by
+
+
+def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, bound: float,
+           limit: float, solved: dict, outcomes: list[Outcome],
+           infeasible: list[tuple[Candidate, Built]]) -> Scored | None:
+    """Solve candidate ``c`` unless it cannot fit or cannot beat ``limit`` (the time a
+    plan must beat to be kept); record its outcome either way."""
+    def drop(reason: str, fits: bool = True) -> None:
+        outcomes.append(Outcome(c, None, None, reason))
+        if not fits:
+            infeasible.append((c, built))
+
+    if isinstance(built, NoFeasiblePlanError):
+        outcomes.append(Outcome(c, None, None, str(built)))
+        return None
+    if bound == float("inf"):
+        return drop("does not fit in memory", fits=False)
+    if bound >= limit:
+        return drop("pruned: its lower bound on the step time is no better than the best "
+                    "plans found")
+    if c.pp > 1:
+        try:
+            po = solve_pipeline(an.graph, built, pp=c.pp, schedule=c.schedule,
+                                virtual_stages=c.virtual_stages, solved=solved, bound=limit)
+        except NoFeasiblePlanError as e:
+            return drop(str(e), fits=False)
+        if po is None:
+            return drop("pruned: even without a bubble it is no better than the best plans "
+                        "found")
+        outcomes.append(Outcome(c, po.step_time_s, po.memory_bytes))
+        return Scored(po.step_time_s, built, po.solution, c, po)
+    try:
+        sol = solve_ilp(built.problem, bound=limit)
+    except NoFeasiblePlanError:
+        return drop("does not fit in memory", fits=False)
+    if sol is None:
+        return drop("pruned: no recomputation that fits can beat the best plans found")
+    ev = evaluate(built.problem, sol.choice, sol.modes)
+    outcomes.append(Outcome(c, ev.step_time_s, ev.memory_bytes))
+    return Scored(ev.step_time_s, built, sol, c)
 
 
 def _mesh_key(c: Candidate) -> tuple:

@@ -1,0 +1,61 @@
+"""Runners-up (``top_k``), the time limit with its gap, and progress reports."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.cli import main
+from autopar.errors import ConfigError
+from autopar.examples import zoo
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return zoo.get("tiny-gpt", batch_size=8)
+
+
+CLUSTER = autopar.Cluster("a100-80g", 2, 4)
+
+
+def test_runners_up_are_the_next_fastest_plans(gpt):
+    model, x = gpt
+    plan = autopar.plan(model, x, cluster=CLUSTER, global_batch=16, top_k=4)
+    # the reference: every candidate solved (k large enough that nothing is pruned)
+    full = autopar.plan(model, x, cluster=CLUSTER, global_batch=16, top_k=10_000)
+    times = [plan.step_time_s] + [r["step_time_s"] for r in plan.runners_up]
+    ref = [full.step_time_s] + [r["step_time_s"] for r in full.runners_up]
+    assert len(plan.runners_up) == 3 and times == sorted(times)
+    assert times == pytest.approx(ref[:4], rel=1e-12)
+    for r in plan.runners_up:
+        assert r["step_time_s"] >= plan.step_time_s
+        slower = r["step_time_s"] > plan.step_time_s * (1 + 1e-9)
+        assert bool(r["why"]) == slower  # a reason exactly when it is slower
+    assert autopar.Plan.from_json(plan.to_json()).runners_up == plan.runners_up
+    assert "runners-up (why each is slower than the plan)" in plan.summary()
+
+
+def test_time_limit_returns_the_best_found_with_its_gap(gpt):
+    model, x = gpt
+    seen = []
+    plan = autopar.plan(model, x, cluster=CLUSTER, global_batch=16, time_limit_s=0.0,
+                        progress=lambda done, total, best: seen.append((done, total, best)))
+    assert plan.solver["candidates"] == 1 and seen == [(1, seen[0][1], plan.step_time_s)]
+    assert 0.0 <= plan.solver["gap"] < 1.0
+    assert any("time limit" in n for n in plan.notes)
+    best = autopar.plan(model, x, cluster=CLUSTER, global_batch=16)
+    assert best.step_time_s >= plan.step_time_s * (1 - plan.solver["gap"]) * (1 - 1e-12)
+
+
+def test_bad_top_k_is_one_clear_error(gpt):
+    model, x = gpt
+    with pytest.raises(ConfigError, match=r"top_k=0: expected a positive integer"):
+        autopar.plan(model, x, cluster=CLUSTER, global_batch=16, top_k=0)
+
+
+def test_cli_top_lists_runners_up(capsys):
+    assert main(["plan", "tiny-gpt", "--gpu", "a100-80g", "--nodes", "1",
+                 "--gpus-per-node", "4", "--global-batch", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "runners-up (why each is slower than the plan)" in out
+    assert out.count("ZeRO-") >= 2
