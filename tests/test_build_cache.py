@@ -20,17 +20,18 @@ def analysis():
 
 @pytest.mark.parametrize("zero,micro,offload,optimizer", [
     (0, 1, False, "adamw"), (2, 4, False, "adamw"), (3, 2, False, "sgd"), (3, 1, True, "adam")])
-def test_repriced_problem_equals_fresh_build(analysis, zero, micro, offload, optimizer):
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_repriced_problem_equals_fresh_build(analysis, zero, micro, offload, optimizer, dp):
     hw = Cluster("a100-80g", 1, 8).hardware()
 
-    def settings(z: int, m: int, off: bool, opt: str) -> Settings:
-        return Settings(Mesh(("dp", "tp"), (4, 2)), 2, m, z, "bf16", opt, 5e9, hw, 8,
+    def settings(d: int, z: int, m: int, off: bool, opt: str) -> Settings:
+        return Settings(Mesh(("dp", "tp"), (d, 2)), 2, m, z, "bf16", opt, 5e9, hw, 8,
                         offload=off)
 
     cache: dict = {}
-    build_problem(analysis, settings(1, 3, False, "adamw"), cache)  # fills the cache
-    repriced = build_problem(analysis, settings(zero, micro, offload, optimizer), cache)
-    fresh = build_problem(analysis, settings(zero, micro, offload, optimizer))
+    build_problem(analysis, settings(4, 1, 3, False, "adamw"), cache)  # fills the cache
+    repriced = build_problem(analysis, settings(dp, zero, micro, offload, optimizer), cache)
+    fresh = build_problem(analysis, settings(dp, zero, micro, offload, optimizer))
     assert repriced is not fresh and sum(isinstance(k, tuple) for k in cache) == 1
     assert repriced.problem == fresh.problem
     assert repriced.strategies == fresh.strategies

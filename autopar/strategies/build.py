@@ -356,10 +356,15 @@ class _Builder:
                           self._loss_gradient(n, ins))
         return ns, sc
 
-    def _memory(self, n: OpNode, rule: OpRule, ins, out) -> dict[str, float]:
+    def _memory(self, n: OpNode, rule: OpRule, ins, out,
+                activations: float | None = None) -> dict[str, float]:
+        """Bytes per device by category of op ``n`` under placements ``ins``/``out``
+        (``activations``: the saved bytes when already known, e.g. when repricing)."""
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         kinds = [self.g.node(i).kind for i in n.inputs]
-        if n.requires_grad:
+        if activations is not None:
+            mem["activations"] = activations
+        elif n.requires_grad:
             for idx in saved_for_backward(n.target, len(n.inputs)):
                 if idx == -1:
                     key, name, pl = (n.name, -1), n.name, out
@@ -500,9 +505,16 @@ def build_problem(an: GraphAnalysis, st: Settings, cache: dict | None = None) ->
 def layout_key(st: Settings) -> tuple:
     """What a problem's strategies, compute and activation costs, edges, ties and
     recomputation groups depend on: everything in ``st`` but the ZeRO stage, the
-    micro-batch count, offload, the optimizer and the memory budget."""
-    return (st.mesh, st.microbatch_size, st.precision, id(st.hw), st.gpus_per_node,
-            st.overlap, st.sequence_parallel, st.recompute_modes)
+    micro-batch count, offload, the optimizer, the memory budget and the size of the
+    data-parallel axis beyond 1 or more than 1. (The ``dp`` axis only splits the batch:
+    every device keeps ``microbatch_size`` samples whatever its size, so local shapes,
+    compute and the collectives of the other axes, whose groups are the innermost
+    ranks, do not change; what does — parameter communication over ``dp`` and the
+    sharded parameter memory — is repriced.)"""
+    sizes = tuple(min(n, 2) if name == "dp" else n
+                  for name, n in zip(st.mesh.names, st.mesh.sizes))
+    return (st.mesh.names, sizes, st.microbatch_size, st.precision, id(st.hw),
+            st.gpus_per_node, st.overlap, st.sequence_parallel, st.recompute_modes)
 
 
 def _reprice(b: _Builder, base: Built) -> Built:
@@ -511,16 +523,18 @@ def _reprice(b: _Builder, base: Built) -> Built:
     each strategy's parameter, gradient and optimizer memory, its parameter
     communication and its host-side optimizer step."""
     nodes, details = [], []
+    owner = b.an.param_owner
     for nc, ds, name in zip(base.problem.nodes, base.strategies, base.names):
         n = b.g.node(name)
-        if n.kind != "op":
-            nodes.append(nc)
+        if n.kind != "op" or not any(owner.get(i) == (name, pos)
+                                     for pos, i in enumerate(n.inputs)):
+            nodes.append(nc)  # owns no parameter: nothing to reprice
             details.append(ds)
             continue
         rule = b.an.rules[name]
         costs, strategies = [], []
         for sc, ns in zip(nc.strategies, ds):
-            mem = b._memory(n, rule, ns.ins, ns.out)
+            mem = b._memory(n, rule, ns.ins, ns.out, ns.memory.get("activations", 0.0))
             micro, step, _, gather = b._param_costs(n, ns.ins, ns.grads)
             strategies.append(replace(ns, memory=mem))
             costs.append(replace(sc, micro_param_comm_s=micro, step_param_comm_s=step,
