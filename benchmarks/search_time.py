@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -62,34 +63,62 @@ def _child(case: Case) -> dict:
             "candidates": plan.solver.get("candidates")}
 
 
-def main() -> int:
-    """Run every case in a fresh interpreter and print the table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_child(script: str, payload: dict) -> dict:
+    """Run ``script --child JSON(payload)`` in a fresh interpreter and return the JSON
+    object on the last line of its output, or ``{"error": <last line of stderr>}``."""
+    out = subprocess.run([sys.executable, script, "--child", json.dumps(payload)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        lines = out.stderr.strip().splitlines() or [f"exit status {out.returncode}"]
+        return {"error": lines[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_cases(doc: str, script: str, cases: Sequence[Any], *,
+              child: Callable[[dict], dict], matches: Callable[[Any, str], bool],
+              line: Callable[[dict], str], header: str | None = None) -> list[dict]:
+    """The command line of a benchmark that runs each case in a fresh process.
+
+    ``--child JSON`` runs ``child`` on one case (a dataclass as ``asdict`` writes it)
+    in this process and prints its result as JSON. Otherwise every case that
+    ``matches`` ``--only`` runs through :func:`run_child`, ``line`` prints its row
+    (after ``header``), ``--json PATH`` writes the rows, and the rows are returned
+    (none in a child).
+    """
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--only", help="run only this model")
+    ap.add_argument("--only", help="run only the cases of this name")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(_child(Case(**json.loads(args.child)))))
-        return 0
+        print(json.dumps(child(json.loads(args.child))))
+        return []
+    if header:
+        print(header, flush=True)
     rows = []
-    for case in CASES:
-        if args.only and case.model != args.only:
+    for case in cases:
+        if args.only and not matches(case, args.only):
             continue
-        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(asdict(case))],
-                             capture_output=True, text=True, check=False)
-        if out.returncode:
-            rows.append({**asdict(case), "error": out.stderr.strip().splitlines()[-1]})
-        else:
-            rows.append({**asdict(case), **json.loads(out.stdout.strip().splitlines()[-1])})
-        r = rows[-1]
-        print(f"{case.model:<11} {case.gpus:>5} x {case.gpu:<9} "
-              + (f"{r['seconds']:6.1f} s  mesh {r['mesh']} zero {r['zero']} "
-                 f"schedule {r['schedule']} MFU {r['mfu'] * 100:.1f}%"
-                 if "error" not in r else f"FAILED: {r['error']}"), flush=True)
+        rows.append({**asdict(case), **run_child(script, asdict(case))})
+        print(line(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return rows
+
+
+def _line(r: dict) -> str:
+    """One case's row of the table."""
+    return (f"{r['model']:<11} {r['nodes'] * 8:>5} x {r['gpu']:<9} "
+            + (f"{r['seconds']:6.1f} s  mesh {r['mesh']} zero {r['zero']} "
+               f"schedule {r['schedule']} MFU {r['mfu'] * 100:.1f}%"
+               if "error" not in r else f"FAILED: {r['error']}"))
+
+
+def main() -> int:
+    """Run every case in a fresh interpreter and print the table."""
+    run_cases(__doc__, __file__, CASES, child=lambda d: _child(Case(**d)),
+              matches=lambda case, only: case.model == only, line=_line)
     return 0
 
 
