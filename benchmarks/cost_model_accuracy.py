@@ -22,7 +22,11 @@
 3. **CPU plans** (measured here): a small GPT trained under six hand-forced specs on 2
    and on 4 gloo ranks (``autopar.estimate`` then ``autopar.parallelize(plan=...)``,
    fp32, AdamW), median of timed steps, against ``plan.step_time_s`` + the optimizer
-   step with the ``cpu`` profile; Spearman rank correlation per world size.
+   step with the ``cpu`` profile as ``Cluster("cpu", 1, world)`` selects it (the rates
+   measured with ``world`` one-thread processes sharing the machine); Spearman rank
+   correlation per world size. ``--cpu-repeats R`` measures every spec R times (world
+   sizes interleaved) and records each run's median, so that the spread between runs
+   can be set beside the differences between specs.
 
 Prints tables and MAPEs and writes everything as JSON.
 """
@@ -184,7 +188,7 @@ def _cpu_work(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         n_local = sum(p.numel() for p in plan_params(pm))
         pred_opt = optimizer_step_time(n_local, hw)
         res.append({"spec": spec, "predicted_s": plan.step_time_s + pred_opt,
-                    "predicted_optimizer_s": pred_opt,
+                    "predicted_optimizer_s": pred_opt, "breakdown": dict(plan.breakdown),
                     "measured_s": statistics.median(times), "measured_all_s": times})
     return res
 
@@ -216,11 +220,25 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / den if den else 0.0
 
 
-def cpu_rows() -> dict[int, list[dict[str, Any]]]:
-    """Measured and predicted CPU plan steps on 2 and 4 gloo ranks."""
+def cpu_rows(repeats: int = 1) -> dict[int, list[dict[str, Any]]]:
+    """Measured and predicted CPU plan steps on 2 and 4 gloo ranks, each spec measured
+    ``repeats`` times: ``measured_s`` is the median of every timed step, ``runs_s`` the
+    median of each run."""
     from autopar.launch import run_distributed
 
-    return {w: run_distributed(w, _cpu_work, SPECS[w], timeout_s=1200)[0] for w in (2, 4)}
+    runs: dict[int, list[list[dict[str, Any]]]] = {2: [], 4: []}
+    for _ in range(repeats):
+        for w in runs:
+            runs[w].append(run_distributed(w, _cpu_work, SPECS[w], timeout_s=1200)[0])
+    out = {}
+    for w, per_run in runs.items():
+        rows = per_run[0]
+        for i, r in enumerate(rows):
+            r["runs_s"] = [run[i]["measured_s"] for run in per_run]
+            r["measured_all_s"] = [t for run in per_run for t in run[i]["measured_all_s"]]
+            r["measured_s"] = statistics.median(r["measured_all_s"])
+        out[w] = rows
+    return out
 
 
 # ---- report ---------------------------------------------------------------------------
@@ -229,6 +247,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(RESULTS / "cost_model_accuracy.json"))
     ap.add_argument("--skip-cpu", action="store_true", help="only the H100 comparisons")
+    ap.add_argument("--cpu-repeats", type=int, default=1,
+                    help="measure every CPU spec this many times (default 1)")
     args = ap.parse_args()
     hw = load_profile("h100-sxm")
     ops = operator_rows(hw)
@@ -257,16 +277,23 @@ def main() -> int:
     doc: dict[str, Any] = {"operators": {"rows": ops, "mape_pct": mape, "profile": "h100-sxm"},
                            "steps_h100": steps}
     if not args.skip_cpu:
-        cpu = cpu_rows()
+        cpu = cpu_rows(args.cpu_repeats)
         doc["cpu_plans"] = {}
         for w, rows in cpu.items():
             rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
             m = statistics.fmean(ape(r["predicted_s"], r["measured_s"]) for r in rows)
             doc["cpu_plans"][str(w)] = {"rows": rows, "spearman": rho, "mape_pct": m,
-                                        "model": CPU_MODEL, "batch": CPU_BATCH}
+                                        "model": CPU_MODEL, "batch": CPU_BATCH,
+                                        "repeats": args.cpu_repeats,
+                                        "torch": torch.__version__, "machine": "2-core CPU"}
             for r in rows:
-                print(f"cpu {w} ranks {str(r['spec']):52s} predicted {r['predicted_s'] * 1e3:8.1f} ms"
-                      f"  measured {r['measured_s'] * 1e3:8.1f} ms")
+                b = r["breakdown"]
+                terms = " ".join(f"{k[:-2]} {b[k] * 1e3:.1f}" for k in
+                                 ("compute_s", "exposed_comm_s", "bubble_s", "comm_s",
+                                  "param_comm_s") if k in b)
+                runs = "/".join(f"{t * 1e3:.0f}" for t in r["runs_s"])
+                print(f"cpu {w} ranks {str(r['spec']):46s} predicted {r['predicted_s'] * 1e3:7.1f} ms"
+                      f"  measured {r['measured_s'] * 1e3:7.1f} ms (runs {runs})  [{terms}]")
             print(f"cpu {w} ranks: Spearman {rho:.2f}, MAPE {m:.0f}%")
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"written to {args.out}")

@@ -12,7 +12,9 @@ Collective Communication Operations in MPICH", 2005; ring algorithms as NCCL use
 
 A group whose devices all sit in one node uses the intra-node link, any other the
 inter-node link (each GPU has its own NIC on the machines profiled, so the per-device
-inter-node bandwidth is the bottleneck of a ring across nodes).
+inter-node bandwidth is the bottleneck of a ring across nodes). A link may carry
+separate measured α-β fits per collective kind (:meth:`LinkSpec.for_kind`; the ``cpu``
+profile's gloo all-gather and reduce-scatter), used in place of its own figures.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -
     """Seconds for one collective (see module docstring)."""
     if kind not in KINDS:
         raise ConfigError(f"unknown collective {kind!r}; expected one of {', '.join(KINDS)}")
+    link = link.for_kind(kind)
     n = group_size
     if kind == "send_recv":
         return link.latency + nbytes / link.bandwidth
@@ -48,6 +51,7 @@ def bucketed_time(kind: str, nbytes: float, group_size: int, link: LinkSpec,
     the latency term of one collective times its share of a bucket,
     ``min(1, nbytes / bucket_bytes)`` (a tensor larger than a bucket goes alone), so the
     shares of the tensors in one bucket add up to one collective."""
+    link = link.for_kind(kind)
     bandwidth_only = collective_time(kind, nbytes, group_size, LinkSpec(link.bandwidth, 0.0))
     latency = collective_time(kind, nbytes, group_size, link) - bandwidth_only
     return bandwidth_only + latency * min(1.0, nbytes / bucket_bytes)

@@ -35,10 +35,20 @@ ALIASES = {"h100": "h100-sxm", "h100-80g": "h100-sxm", "a100": "a100-80g",
 @dataclass(frozen=True)
 class LinkSpec:
     """One link level: ``bandwidth`` in bytes/s per device and direction, ``latency``
-    (α) in seconds per message step."""
+    (α) in seconds per message step. ``kinds`` optionally holds separate measured fits
+    ``(kind, bandwidth, latency)`` for collectives whose implementation differs (gloo's
+    all-gather and reduce-scatter on a CPU); other kinds use the link's own figures."""
 
     bandwidth: float
     latency: float
+    kinds: tuple[tuple[str, float, float], ...] = ()
+
+    def for_kind(self, kind: str) -> "LinkSpec":
+        """The α-β figures of collective ``kind`` on this link."""
+        for k, bw, lat in self.kinds:
+            if k == kind:
+                return LinkSpec(bw, lat)
+        return LinkSpec(self.bandwidth, self.latency) if self.kinds else self
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,39 @@ class HardwareProfile:
     sources: dict[str, str] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
     tables: ComputeTables | None = None
+    per_process: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def for_processes(self, n: int) -> "HardwareProfile":
+        """This profile as each of ``n`` processes per node sees it.
+
+        A CPU profile measures its rates with N one-thread processes sharing the
+        machine (``per_process``, keyed by N; see :mod:`autopar.cost_models.measure_cpu`):
+        GEMM rate, copy bandwidth, per-op time and the collectives' α-β fits. The entry
+        for ``n`` replaces the top-level figures (every dtype's matrix and vector rate
+        scaled by the measured fp32 GEMM rate over the top-level one); without an entry
+        for ``n``, the largest measured N below ``n`` is used and ``provenance`` says so.
+        Fields an entry lacks keep the top-level figure.
+        A profile without ``per_process`` (every GPU profile: one process per device)
+        is returned unchanged."""
+        keys = sorted(k for k in self.per_process if k <= n)
+        if not keys:
+            return self
+        k = keys[-1]
+        e = self.per_process[k]
+        src = {**self.sources, **{f"{name}": f"per_process[{k}]: {text}"
+                                  for name, text in e.get("sources", {}).items()}}
+        gemm = e.get("matmul_flops", self.matmul_flops.get("fp32", 1.0))
+        ratio = gemm / self.matmul_flops.get("fp32", gemm)
+        hw = replace(self, matmul_flops={d: v * ratio for d, v in self.matmul_flops.items()},
+                     vector_flops={d: v * ratio for d, v in self.vector_flops.items()},
+                     memory_bandwidth=e.get("memory_bandwidth", self.memory_bandwidth),
+                     kernel_overhead_s=e.get("kernel_overhead_s", self.kernel_overhead_s),
+                     provenance={**self.provenance, "processes_per_node": n,
+                                 "per_process_entry": k})
+        link = e.get("link")
+        if link is not None:
+            hw = replace(hw, intra_node=link, inter_node=link)
+        return replace(hw, sources=src)
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -196,7 +239,29 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
             hw = replace(hw, inter_node=link)
             src["inter_node.bandwidth"] = src["inter_node.latency"] = note + " (one machine)"
     src["tables"] = tables.source
-    return replace(hw, sources=src)
+    return replace(hw, sources=src, per_process=_unmeasured(base.per_process, hw, base))
+
+
+def _unmeasured(per_process: dict[int, dict[str, Any]], hw: HardwareProfile,
+                base: HardwareProfile) -> dict[int, dict[str, Any]]:
+    """``per_process`` entries of ``base`` less every figure that ``hw`` measured itself
+    (a figure that differs from the base's): what the user measured wins at every
+    process count."""
+    measured = {"matmul_flops": hw.matmul_flops.get("fp32") != base.matmul_flops.get("fp32"),
+                "memory_bandwidth": hw.memory_bandwidth != base.memory_bandwidth,
+                "kernel_overhead_s": hw.kernel_overhead_s != base.kernel_overhead_s,
+                "link": hw.intra_node != base.intra_node}
+    prefix = {"matmul_flops": "matmul_flops", "memory_bandwidth": "memory_bandwidth",
+              "kernel_overhead_s": "kernel_overhead_s", "link": "intra_node"}
+    gone = tuple(prefix[f] for f, m in measured.items() if m)
+    out = {}
+    for k, e in per_process.items():
+        kept = {f: v for f, v in e.items() if not measured.get(f, False)}
+        kept["sources"] = {n: t for n, t in e.get("sources", {}).items()
+                           if not n.startswith(gone) and not (measured["link"] and
+                                                              n.startswith("per_process"))}
+        out[k] = kept
+    return out
 
 
 def _num(data: dict, key: str, origin: str, sources: dict[str, str], prefix: str = "") -> float:
@@ -229,6 +294,40 @@ def _link(data: dict, key: str, origin: str, sources: dict[str, str]) -> LinkSpe
                     _num(t, "latency", origin, sources, f"{key}."))
 
 
+def _per_process(data: dict, origin: str) -> dict[int, dict[str, Any]]:
+    """The optional ``per_process`` block: per process count N, the GEMM rate (fp32),
+    copy bandwidth, per-op time and, for N > 1, an all-reduce fit (the link) with
+    all-gather and reduce-scatter fits as its ``kinds``; each entry's sources kept."""
+    block = data.get("per_process")
+    if block is None:
+        return {}
+    if not isinstance(block, dict) or not all(str(k).isdigit() and int(k) > 0 for k in block):
+        raise PlanFormatError(f"hardware profile {origin}: field 'per_process' must map "
+                              "process counts (\"1\", \"2\", ...) to measured rates")
+    out: dict[int, dict[str, Any]] = {}
+    for key, entry in block.items():
+        pre = f"per_process.{key}."
+        if not isinstance(entry, dict):
+            raise PlanFormatError(f"hardware profile {origin}: field '{pre[:-1]}' must be an object")
+        src: dict[str, str] = {}
+        e: dict[str, Any] = {f: _num(entry, f, origin, src, pre) for f in
+                             ("matmul_flops", "memory_bandwidth", "kernel_overhead_s")}
+        kinds = [(kind, _link(entry, kind, origin, src)) for kind in
+                 ("all_reduce", "all_gather", "reduce_scatter") if kind in entry]
+        if kinds:
+            main = dict(kinds).get("all_reduce", kinds[0][1])
+            e["link"] = LinkSpec(main.bandwidth, main.latency,
+                                 tuple((k, v.bandwidth, v.latency) for k, v in kinds))
+        names = {f"{pre}matmul_flops": "matmul_flops.fp32",
+                 f"{pre}memory_bandwidth": "memory_bandwidth",
+                 f"{pre}kernel_overhead_s": "kernel_overhead_s",
+                 "all_reduce.bandwidth": "intra_node.bandwidth",
+                 "all_reduce.latency": "intra_node.latency"}
+        e["sources"] = {names.get(n, f"{pre}{n}"): text for n, text in src.items()}
+        out[int(key)] = e
+    return out
+
+
 def parse_profile(text: str, origin: str = "<text>", folder: Any = None) -> HardwareProfile:
     """Parse profile JSON text; raises PlanFormatError naming the bad field. A
     ``tables`` file is read relative to ``folder``."""
@@ -250,6 +349,7 @@ def parse_profile(text: str, origin: str = "<text>", folder: Any = None) -> Hard
             intra_node=_link(data, "intra_node", origin, src),
             inter_node=_link(data, "inter_node", origin, src),
             host_link=_link(data, "host_link", origin, src),
-            sources=src, provenance=dict(data.get("provenance", {})), tables=tables)
+            sources=src, provenance=dict(data.get("provenance", {})), tables=tables,
+            per_process=_per_process(data, origin))
     except KeyError as e:
         raise PlanFormatError(f"hardware profile {origin} is missing the field {e}") from None

@@ -2,10 +2,30 @@
 
     python -m autopar.cost_models.measure_cpu --out cost_models/profiles/cpu.json
 
-Measures fp32 GEMM throughput (torch.mm), memory bandwidth (a large copy, counting
-bytes read and written), per-op overhead (a tiny add), and gloo all-reduce over
-loopback with 2 and 4 processes, fitted to α-β. The only module of cost_models that
-uses torch.distributed; nothing imports it.
+A plan on a CPU runs as N gloo processes of one thread each (``autopar.launch`` and
+torchrun's default ``OMP_NUM_THREADS=1``), so every rate is measured the way a plan
+runs: N one-thread processes started together, N = 1, 2 and 4, each timing its own
+work while the others time theirs. With more processes than cores they share the
+cores, and each process' rate falls accordingly; that is measured, not assumed.
+
+Per N the profile stores, under ``per_process["N"]`` (see
+:meth:`autopar.cost_models.hardware.HardwareProfile.for_processes`):
+
+- fp32 GEMM rate: median over repetitions of torch.mm on square n = 256, 512, 1024,
+  the best size kept;
+- copy bandwidth: a 64 MiB copy (beyond the last-level cache), bytes read + written;
+- per-op time: the median eager time of a tiny ``torch.add`` on tensors that require
+  grad (ATen dispatch plus the autograd node a training step records);
+- for N > 1, gloo all-reduce, all-gather and reduce-scatter over loopback, each fitted
+  to α-β (:func:`autopar.cost_models.comm.fit_alpha_beta`). Each collective is timed
+  between two GEMMs, as a training step issues it, and the time of the GEMMs alone
+  (same processes, same loop) is subtracted: with the cores oversubscribed a
+  collective waits for peers the scheduler has put aside, which an idle measurement
+  misses.
+
+The top-level fields keep N = 1 with all of the machine's threads (a single process
+planning or running alone). The only module of cost_models that uses
+torch.distributed; nothing imports it.
 """
 
 from __future__ import annotations
@@ -18,6 +38,7 @@ import platform
 import socket
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,68 +46,127 @@ import torch.multiprocessing as mp
 
 from autopar.cost_models.comm import fit_alpha_beta
 
-SIZES = [2**k for k in (10, 14, 17, 20, 22)]  # bytes of the all-reduce buffer
+SIZES = [2**k for k in (12, 16, 18, 20, 22)]
+"""Bytes of the collective buffers (the full tensor: reduced, gathered or scattered)."""
+
+PROCESS_COUNTS = (1, 2, 4)
+"""Processes per machine measured: one alone, one per core, two per core."""
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+"""Collectives fitted per process count (those the lowered plans issue)."""
+
+REPS = 7
+"""Timed repetitions per measurement (median kept)."""
+
+COLLECTIVE_LOOPS = 8
+"""GEMM + collective pairs per timed repetition: time slices of oversubscribed cores
+(milliseconds) average out over several."""
 
 
-def _best(fn, reps: int = 5) -> float:
+def _median_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int = REPS,
+                 loops: int = 1) -> float:
+    """Median over ``reps`` runs (after one warm-up) of the seconds per call of ``loops``
+    calls of ``fn``, timed from one ``sync`` to the next (a barrier: every process
+    starts together, and a run lasts until the slowest process is done, as a step
+    does)."""
     fn()
     times = []
     for _ in range(reps):
+        sync()
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        for _ in range(loops):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t) / loops)
+    return statistics.median(times)
 
 
-def gemm_flops() -> float:
-    """Best fp32 torch.mm rate over a few square sizes (FLOP/s)."""
+def gemm_flops(sync: Callable[[], None]) -> float:
+    """fp32 torch.mm rate (FLOP/s): per size the median over repetitions of enough
+    products to make about 2 GFLOP, the best size kept."""
     best = 0.0
-    for n in (512, 1024, 2048):
+    for n in (256, 512, 1024):
         a, b = torch.randn(n, n), torch.randn(n, n)
-        best = max(best, 2 * n**3 / _best(lambda: torch.mm(a, b)))
+        k = max(1, round(2e9 / (2 * n**3)))
+
+        def run() -> None:
+            for _ in range(k):
+                torch.mm(a, b)
+        best = max(best, k * 2 * n**3 / _median_time(run, sync))
     return best
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 256 MiB copy."""
-    src = torch.empty(64 * 2**20)
+def copy_bandwidth(sync: Callable[[], None]) -> float:
+    """Bytes read + written per second by a 64 MiB copy (median of repetitions)."""
+    src = torch.empty(16 * 2**20)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), sync)
 
 
 def op_overhead() -> float:
-    """Median seconds of a tiny elementwise op (dispatch + kernel)."""
-    x = torch.ones(8)
+    """Median seconds of one tiny elementwise op recorded by autograd (dispatch, kernel
+    and graph node), as eager training runs every small op."""
+    x = torch.ones(8, requires_grad=True)
     t = []
-    for _ in range(2000):
+    for _ in range(3000):
         s = time.perf_counter()
         torch.add(x, x)
         t.append(time.perf_counter() - s)
     return statistics.median(t)
 
 
-def _worker(rank: int, world: int, port: int, q) -> None:
+def _collective(kind: str, nbytes: int, world: int) -> Callable[[], None]:
+    """One call of collective ``kind`` whose full tensor holds ``nbytes``."""
+    full = torch.ones(max(world, nbytes // 4 // world * world))
+    part = torch.ones(full.numel() // world)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part)
+    return lambda: dist.reduce_scatter_tensor(part, full)
+
+
+def collective_fits(world: int, sync: Callable[[], None]) -> dict[str, dict[str, Any]]:
+    """Per kind: the seconds of each size in SIZES, timed between GEMMs with the GEMM
+    time subtracted (module docstring), and their α-β fit."""
+    a = torch.randn(512, 512)
+
+    def compute() -> None:
+        torch.mm(a, a)
+    base = _median_time(compute, sync, 5, COLLECTIVE_LOOPS)
+    out = {}
+    for kind in KINDS:
+        times = []
+        for size in SIZES:
+            coll = _collective(kind, size, world)
+
+            def step() -> None:
+                compute()
+                coll()
+            times.append(max(0.0, _median_time(step, sync, 5, COLLECTIVE_LOOPS) - base))
+        fit = fit_alpha_beta([float(s) for s in SIZES], times, kind, world)
+        out[kind] = {"seconds": times, "bandwidth": fit.bandwidth, "latency": fit.latency}
+    return out
+
+
+def _worker(rank: int, world: int, port: int, q: Any) -> None:
+    """One of ``world`` one-thread processes: measure everything, report to the parent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    res = []
-    for size in SIZES:
-        buf = torch.ones(size // 4)
-        dist.all_reduce(buf)
-        times = []
-        for _ in range(7):
-            dist.barrier()
-            t = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - t)
-        res.append(statistics.median(times))
-    if rank == 0:
-        q.put(res)
+    sync = dist.barrier
+    res: dict[str, Any] = {"gemm_flops": gemm_flops(sync), "copy_bandwidth": copy_bandwidth(sync)}
+    sync()
+    res["op_overhead_s"] = op_overhead()
+    if world > 1:
+        res["collectives"] = collective_fits(world, sync)
+    q.put((rank, res))
     dist.destroy_process_group()
 
 
-def allreduce_times(world: int) -> list[float]:
-    """Median all-reduce seconds for each size in SIZES on ``world`` gloo processes."""
+def measure_processes(world: int) -> dict[str, Any]:
+    """Rates of ``world`` concurrent one-thread processes: the median over ranks of
+    each compute rate; rank 0's collective fits (every rank waits for the same ones)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -95,10 +175,14 @@ def allreduce_times(world: int) -> list[float]:
     procs = [ctx.Process(target=_worker, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()
-    res = q.get(timeout=300)
+    got = dict(q.get(timeout=900) for _ in procs)
     for p in procs:
         p.join()
-    return res
+    out: dict[str, Any] = {k: statistics.median(got[r][k] for r in got)
+                           for k in ("gemm_flops", "copy_bandwidth", "op_overhead_s")}
+    if world > 1:
+        out["collectives"] = got[0]["collectives"]
+    return out
 
 
 def _cpu_name() -> str:
@@ -112,27 +196,51 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _n(value: Any, source: str) -> dict[str, Any]:
+    return {"value": value, "source": source}
+
+
+def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]:
+    """The ``per_process["world"]`` block of the profile from one measurement."""
+    where = f"{how}, {world} concurrent one-thread process{'es' if world > 1 else ''}"
+    entry: dict[str, Any] = {
+        "matmul_flops": _n(m["gemm_flops"], f"{where}: median fp32 torch.mm rate, best of "
+                                            "n=256, 512, 1024"),
+        "memory_bandwidth": _n(m["copy_bandwidth"], f"{where}: 64 MiB copy, bytes read + written"),
+        "kernel_overhead_s": _n(m["op_overhead_s"], f"{where}: median eager time of a tiny "
+                                                    "torch.add recorded by autograd"),
+    }
+    if world > 1:
+        for kind, fit in m["collectives"].items():
+            entry[kind] = {
+                "bandwidth": _n(fit["bandwidth"], f"{where}: gloo {kind} over loopback between "
+                                                  "GEMMs, GEMM time subtracted, α-β fit"),
+                "latency": _n(fit["latency"], "same fit"), "seconds": fit["seconds"]}
+    return entry
+
+
 def main() -> None:
     """Measure and write the profile."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="cost_models/profiles/cpu.json")
     args = ap.parse_args()
     how = "measured by `python -m autopar.cost_models.measure_cpu`"
-    flops, bw, over = gemm_flops(), copy_bandwidth(), op_overhead()
-    fits = {w: fit_alpha_beta([float(s) for s in SIZES], allreduce_times(w), "all_reduce", w)
-            for w in (2, 4)}
-    link = fits[4]
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    alone = lambda: None  # noqa: E731 - no peers to wait for
+    flops, bw, over = gemm_flops(alone), copy_bandwidth(alone), op_overhead()
+    per = {w: measure_processes(w) for w in PROCESS_COUNTS}
+    link = per[4]["collectives"]["all_reduce"]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    n = lambda v, src: {"value": v, "source": src}  # noqa: E731
+    n = _n
     prof = {
         "name": "cpu", "device_name": _cpu_name(),
         "provenance": {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                       "allreduce_fit_2": {"bandwidth": fits[2].bandwidth, "latency": fits[2].latency},
-                       "allreduce_fit_4": {"bandwidth": link.bandwidth, "latency": link.latency}},
+                       "threads": threads, "cpus": os.cpu_count()},
         "memory_bytes": n(mem, "physical memory (sysconf) of the measured machine"),
         "memory_reserve_bytes": n(mem // 2, "half kept for the OS, Python and other processes"),
-        "matmul_flops": {"fp32": n(flops, f"{how}: best fp32 torch.mm rate, n=512..2048"),
+        "matmul_flops": {"fp32": n(flops, f"{how}: median fp32 torch.mm rate with {threads} "
+                                          "threads, best of n=256, 512, 1024"),
                          "bf16": n(flops, "no bf16 matrix units assumed: equal to fp32"),
                          "fp16": n(flops, "as bf16")},
         "vector_flops": {"fp32": n(flops / 8, "first principles: elementwise ops are "
@@ -140,22 +248,26 @@ def main() -> None:
                          "bf16": n(flops / 8, "as fp32"), "fp16": n(flops / 8, "as fp32")},
         "matmul_efficiency": {"fp32": n(1.0, "the peak above is itself a measured rate"),
                               "bf16": n(1.0, "as fp32"), "fp16": n(1.0, "as fp32")},
-        "memory_bandwidth": n(bw, f"{how}: 256 MiB copy, bytes read + written"),
+        "memory_bandwidth": n(bw, f"{how}: 64 MiB copy with {threads} threads, bytes read + "
+                                  "written"),
         "memory_efficiency": n(1.0, "the bandwidth above is itself a measured rate"),
-        "kernel_overhead_s": n(over, f"{how}: median time of a tiny torch.add"),
+        "kernel_overhead_s": n(over, f"{how}: median eager time of a tiny torch.add "
+                                     "recorded by autograd"),
         "gpus_per_node": n(4, "4 processes on one machine"),
-        "intra_node": {"bandwidth": n(link.bandwidth, f"{how}: gloo all-reduce over loopback, "
-                                                      "4 processes, α-β least-squares fit"),
-                       "latency": n(link.latency, "same fit")},
-        "inter_node": {"bandwidth": n(link.bandwidth, "one machine: equal to intra_node"),
-                       "latency": n(link.latency, "one machine: equal to intra_node")},
+        "intra_node": {"bandwidth": n(link["bandwidth"], f"{how}: gloo all-reduce over "
+                                      "loopback, 4 processes between GEMMs, α-β fit"),
+                       "latency": n(link["latency"], "same fit")},
+        "inter_node": {"bandwidth": n(link["bandwidth"], "one machine: equal to intra_node"),
+                       "latency": n(link["latency"], "one machine: equal to intra_node")},
         "host_link": {"bandwidth": n(bw / 2, "host memory is device memory: the copy rate"),
                       "latency": n(0.0, "no transfer needed")},
+        "per_process": {str(w): per_process_entry(w, m, how) for w, m in per.items()},
     }
     with open(args.out, "w") as f:
         json.dump(prof, f, indent=1)
+        f.write("\n")
     print(json.dumps({"gemm_flops": flops, "copy_bw": bw, "overhead_s": over,
-                      "allreduce": {w: vars(l) for w, l in fits.items()}}, indent=1))
+                      "per_process": per}, indent=1))
 
 
 if __name__ == "__main__":

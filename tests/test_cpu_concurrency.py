@@ -1,0 +1,61 @@
+"""The ``cpu`` profile's rates per process count and per-kind collective fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.hardware import LinkSpec, load_profile, parse_profile
+from autopar.errors import PlanFormatError
+
+
+def test_cluster_picks_the_rates_of_its_process_count():
+    hw = load_profile("cpu")
+    assert {1, 2, 4} <= set(hw.per_process)
+    for n in (1, 2, 4):
+        sel = autopar.Cluster("cpu", 1, n).hardware()
+        e = hw.per_process[n]
+        assert sel.matmul_flops["fp32"] == pytest.approx(e["matmul_flops"])
+        assert sel.memory_bandwidth == e["memory_bandwidth"]
+        assert sel.kernel_overhead_s == e["kernel_overhead_s"]
+        assert sel.provenance["per_process_entry"] == n
+        assert f"per_process[{n}]" in sel.sources["matmul_flops.fp32"]
+    # more processes than measured: the largest measured count below
+    assert autopar.Cluster("cpu", 1, 8).hardware().provenance["per_process_entry"] == 4
+    # a GPU profile has no per-process rates and is unchanged
+    h100 = load_profile("h100-sxm")
+    assert h100.for_processes(8) is h100
+
+
+def test_oversubscribed_processes_are_slower_each():
+    hw = load_profile("cpu")
+    # 4 one-thread processes on the measured 2-core machine share the cores
+    assert hw.per_process[4]["matmul_flops"] < 0.75 * hw.per_process[2]["matmul_flops"]
+
+
+def test_per_kind_fits_price_their_collective():
+    link = LinkSpec(1e9, 1e-3, (("all_reduce", 1e9, 1e-3), ("all_gather", 5e8, 2e-3)))
+    assert collective_time("all_gather", 1e6, 2, link) == pytest.approx(1e6 / 2 / 5e8 + 2e-3)
+    assert collective_time("all_reduce", 1e6, 2, link) == pytest.approx(1e6 / 1e9 + 2e-3)
+    # a kind without its own fit uses the link's figures
+    assert collective_time("all_to_all", 1e6, 2, link) == pytest.approx(1e6 / 2 / 1e9 + 1e-3)
+    sel = autopar.Cluster("cpu", 1, 4).hardware().intra_node
+    assert {k for k, _, _ in sel.kinds} == {"all_reduce", "all_gather", "reduce_scatter"}
+
+
+def test_malformed_per_process_is_named():
+    doc = json.loads(json.dumps(_shipped_cpu()))
+    doc["per_process"] = {"two": {}}
+    with pytest.raises(PlanFormatError, match="per_process"):
+        parse_profile(json.dumps(doc), "bad.json")
+    doc["per_process"] = {"2": {"matmul_flops": {"value": -1, "source": "x"}}}
+    with pytest.raises(PlanFormatError, match="per_process.2.matmul_flops"):
+        parse_profile(json.dumps(doc), "bad.json")
+
+
+def _shipped_cpu() -> dict:
+    from importlib import resources
+    return json.loads((resources.files("autopar.cost_models") / "profiles" / "cpu.json").read_text())
