@@ -1,28 +1,16 @@
 """Inter-op pass: split a model's units into pipeline stages.
 
 The units (embeddings, each block, final norm and head) are cut into ``S = pp · v``
-contiguous, non-empty stages. The objective is the schedule's step time, written so
-that it decomposes over stages (Alpa, Zheng et al., OSDI'22 §5.2: enumerate the bound
-``t_max`` on the slowest stage, then optimise the rest under it):
+contiguous, non-empty stages. The objective is what the planner reports for the split:
+the schedule's simulated step time (:func:`~autopar.solvers.schedules.simulate`) plus
+the data-parallel gradient synchronization that a rank cannot hide behind its own
+backward (it starts after the rank's last backward; Megatron-LM's overlapped reduction):
 
-    T(split) = m·v·t_max + (p − 1)/(p·v) · Σ_s g_s + 2·H·p2p_s
+    F(split) = simulate(split).step_time_s + max_r max(0, comm_r − overlap · bwd_r)
 
-* ``t_max = max_s (f_s + b_s)`` — the slowest stage's forward + backward;
-* ``g_s`` — what one stage adds to the fill-and-drain bubble:
-  ``f_s + b_s`` for gpipe, 1f1b and interleaved_1f1b (Narayanan et al., SC'21 §2.2:
-  bubble (p−1)/v chunk-steps); ``f_s + max(0, b_s − 2·w_s)``, i.e. F + max(0, I − W),
-  for the zero-bubble schedules (Qi et al., ICLR 2024 §3: ZB-H1 bubble
-  (p−1)(T_F + T_B − T_W));
-* ``H`` — stage-to-stage hops that cross ranks on one micro-batch's path (``S − 1``
-  for looped schedules, ``2p − 2`` for zbv).
-
-For uniform stages and ``p2p_s = 0`` this equals :func:`~autopar.solvers.schedules.
-simulate` exactly: gpipe and 1f1b for every m, interleaved_1f1b for m ≥ p,
-interleaved_zero_bubble for m ≥ p with m a multiple of p, zbv for m ≥ 2p − 1 with
-F = I = W (the regime torch's ZB-V is built for). The p2p term is exact for gpipe
-and interleaved_1f1b; the other schedules can also wait on transfers in steady state.
-
-Memory per rank (must be ≤ ``memory_budget``) is the safe bound
+with ``comm_r`` the ``step_comm_s`` of the units on rank r and ``bwd_r`` their
+``backward_s`` per micro-batch. Memory per rank (must be ≤ ``memory_budget``) is the
+safe bound
 
     M_r = Σ_{stages s on r} (static_s + k_s · activation_s)
 
@@ -30,16 +18,37 @@ with ``k_s`` the most micro-batches stage s holds at once in the schedule's op o
 (1f1b: ``min(m, p − r)``). For v = 1 it equals ``simulate``'s peak; for v > 1 it can
 exceed it, as the stages of a rank need not peak together.
 
-The solver: a split's objective depends on ``t_max`` and Σ g. Σ g is the same for
-every split when each unit's g is additive (always for the non-zero-bubble schedules;
-for zero-bubble ones when every unit has b ≥ 2w), and then the best split is any
-feasible one with the smallest ``t_max``: a binary search over the O(n²) candidate
-stage costs with an O(S·n) reachability check. Otherwise each candidate ``t_max`` in
-increasing order runs a min-Σg search, stopping once ``m·v·t_max`` plus the least
-possible bubble cannot beat the best found. When a rank holds several stages
-(v > 1) under a finite budget, the ranks' shared budgets make the check a bounded
-depth-first search (:mod:`autopar.solvers.interop_search`); past its node limit the
-answer stays within budget but may not be optimal, and ``stats["exact"]`` says so.
+The search has two steps.
+
+1. A seed: the split with the least closed form, written so that it decomposes over
+   stages (Alpa, Zheng et al., OSDI'22 §5.2: enumerate the bound ``t_max`` on the
+   slowest stage, then optimise the rest under it):
+
+       T(split) = m·v·t_max + (p − 1)/(p·v) · Σ_s g_s + 2·H·p2p_s
+
+   * ``t_max = max_s (f_s + b_s)`` — the slowest stage's forward + backward;
+   * ``g_s`` — what one stage adds to the fill-and-drain bubble: ``f_s + b_s`` for
+     gpipe, 1f1b and interleaved_1f1b (Narayanan et al., SC'21 §2.2: bubble (p−1)/v
+     chunk-steps); ``f_s + max(0, b_s − 2·w_s)``, i.e. F + max(0, I − W), for the
+     zero-bubble schedules (Qi et al., ICLR 2024 §3: ZB-H1 bubble (p−1)(T_F + T_B − T_W));
+   * ``H`` — stage-to-stage hops that cross ranks on one micro-batch's path (``S − 1``
+     for looped schedules, ``2p − 2`` for zbv).
+
+   For uniform stages and ``p2p_s = 0`` T equals the simulation exactly: gpipe and 1f1b
+   for every m, interleaved_1f1b for m ≥ p, interleaved_zero_bubble for m ≥ p with m a
+   multiple of p, zbv for m ≥ 2p − 1 with F = I = W. Σ g is the same for every split
+   when each unit's g is additive (always for the non-zero-bubble schedules; for
+   zero-bubble ones when every unit has b ≥ 2w), and then the best T is any feasible
+   split with the least ``t_max``: a binary search over the O(n²) candidate stage costs
+   with an O(S·n) reachability check. Otherwise each candidate ``t_max`` in increasing
+   order runs a min-Σg search. When a rank holds several stages (v > 1) under a finite
+   budget, the ranks' shared budgets make the check a bounded depth-first search; past
+   its node limit the seed stays within budget but may not minimise T.
+2. The split with the least F, by simulation, starting from the seed
+   (:func:`autopar.solvers.interop_search.improve_split`): a lower bound on F prunes
+   every split that cannot beat the best found; when few splits survive, all of them
+   are simulated and the answer is exact (``stats["exact"]``), otherwise the best
+   found by moving single stage boundaries.
 """
 
 from __future__ import annotations
@@ -49,9 +58,9 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
-from autopar.solvers.interop_search import feasible_split, min_g_split
-from autopar.solvers.schedules import (ZERO_BUBBLE, ChunkCost, ScheduleEstimate, rank_orders,
-                                       simulate, stage_ranks, validate)
+from autopar.solvers.interop_search import feasible_split, improve_split, min_g_split
+from autopar.solvers.schedules import (ZERO_BUBBLE, ChunkCost, Op, ScheduleEstimate, Timeline,
+                                       rank_orders, stage_ranks, validate)
 
 _REL = 1e-12
 
@@ -60,7 +69,8 @@ _REL = 1e-12
 class UnitCost:
     """One unit of the model (e.g. ``"tok_emb"``, ``"blocks.3"``, ``"head"``), per
     micro-batch: seconds of forward, of the whole backward and of its weight-grad part,
-    activation bytes kept for backward, and static bytes (params, grads, optimizer)."""
+    activation bytes kept for backward, and static bytes (params, grads, optimizer);
+    per step: seconds of its data-parallel gradient synchronization (``step_comm_s``)."""
 
     name: str
     forward_s: float
@@ -68,6 +78,7 @@ class UnitCost:
     backward_weight_s: float = 0.0
     activation_bytes: float = 0.0
     static_bytes: float = 0.0
+    step_comm_s: float = 0.0
 
 
 @dataclass
@@ -77,14 +88,20 @@ class StageSplit:
     Attributes:
         bounds: ``[start, end)`` unit indices per stage, in pipeline order.
         estimate: :func:`simulate`'s prediction for the split.
-        objective_s: the split's ``T`` of the module docstring.
-        stats: method, seconds spent, candidates tried, ...
+        objective_s: the split's ``F`` of the module docstring: the simulated step time
+            plus ``exposed_s``.
+        stats: method, seconds spent, splits simulated, whether the answer is exact, ...
+        exposed_s: the dp gradient synchronization no rank hides,
+            ``max_r max(0, comm_r − overlap · bwd_r)``.
+        formula_s: the split's closed-form ``T`` (module docstring).
     """
 
     bounds: list[tuple[int, int]]
     estimate: ScheduleEstimate
     objective_s: float
     stats: dict = field(default_factory=dict)
+    exposed_s: float = 0.0
+    formula_s: float = 0.0
 
 
 @dataclass
@@ -97,14 +114,15 @@ class _Prefix:
     w: list[float]
     static: list[float]
     act: list[float]
+    comm: list[float]
 
     @classmethod
     def of(cls, units: list[UnitCost]) -> "_Prefix":
         """Build the prefix sums."""
-        acc = [[0.0] for _ in range(6)]
+        acc = [[0.0] for _ in range(7)]
         for u in units:
             vals = (u.forward_s + u.backward_s, u.forward_s, u.backward_s, u.backward_weight_s,
-                    u.static_bytes, u.activation_bytes)
+                    u.static_bytes, u.activation_bytes, u.step_comm_s)
             for a, x in zip(acc, vals):
                 a.append(a[-1] + x)
         return cls(*acc)
@@ -113,10 +131,15 @@ class _Prefix:
 def stage_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> list[int]:
     """k_s: the most micro-batch activations stage s holds at once in the schedule's
     op order (held from F to B, or to W on zero-bubble schedules)."""
+    return _in_flight(schedule, rank_orders(schedule, pp, num_microbatches, virtual_stages),
+                      pp * virtual_stages)
+
+
+def _in_flight(schedule: str, orders: list[list[Op]], n: int) -> list[int]:
+    """:func:`stage_in_flight` of the ranks' ``orders`` over ``n`` stages."""
     release = "W" if schedule in ZERO_BUBBLE else "B"
-    n = pp * virtual_stages
     most, now = [0] * n, [0] * n
-    for order in rank_orders(schedule, pp, num_microbatches, virtual_stages):
+    for order in orders:
         for kind, s, _ in order:
             if kind == "F":
                 now[s] += 1
@@ -126,9 +149,9 @@ def stage_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stage
     return most
 
 
-def cross_rank_hops(schedule: str, pp: int, virtual_stages: int) -> int:
-    """H: adjacent stage pairs on different ranks along the pipeline."""
-    ranks = stage_ranks(schedule, pp, virtual_stages)
+def cross_rank_hops(ranks: list[int]) -> int:
+    """H: adjacent stage pairs on different ranks along the pipeline (``ranks``: each
+    stage's rank)."""
     return sum(1 for a, b in zip(ranks, ranks[1:]) if a != b)
 
 
@@ -159,7 +182,19 @@ class _Problem:
     k: list[int]
     ranks: list[int]
     hops: int
+    orders: list[list[Op]]
+    overlap: float = 1.0
     truncated: bool = False
+    makespans: dict = field(default_factory=dict)
+    compiled: list[Timeline] = field(default_factory=list)
+
+    @property
+    def timeline(self) -> Timeline:
+        """The schedule compiled for simulation (on first use: a split that does not fit
+        is found without it)."""
+        if not self.compiled:
+            self.compiled.append(Timeline.of(self.schedule, self.pp, self.m, self.v, self.orders))
+        return self.compiled[0]
 
     @property
     def stages(self) -> int:
@@ -177,15 +212,39 @@ class _Problem:
             mem[self.ranks[s]] += self.stage_memory(s, i, j)
         return mem
 
-    def objective(self, bounds: list[tuple[int, int]]) -> float:
-        """T(split)."""
+    def exposed(self, bounds: list[tuple[int, int]]) -> float:
+        """max_r max(0, comm_r − overlap · bwd_r) (module docstring)."""
+        comm, bwd = [0.0] * self.pp, [0.0] * self.pp
+        pre = self.pre
+        for s, (i, j) in enumerate(bounds):
+            comm[self.ranks[s]] += pre.comm[j] - pre.comm[i]
+            bwd[self.ranks[s]] += pre.b[j] - pre.b[i]
+        return max(max(0.0, c - self.overlap * w) for c, w in zip(comm, bwd))
+
+    def durations(self, bounds: list[tuple[int, int]]) -> list[float]:
+        """Every stage's F, B, I and W seconds, as :meth:`Timeline.durations` lays them out."""
+        pre, out = self.pre, []
+        for i, j in bounds:
+            b, w = pre.b[j] - pre.b[i], pre.w[j] - pre.w[i]
+            out += [pre.f[j] - pre.f[i], b, b - w, w]
+        return out
+
+    def simulated(self, bounds: list[tuple[int, int]]) -> float:
+        """F(split): the simulated step time (kept in ``makespans`` by split) plus the
+        exposed dp synchronization."""
+        step = self.timeline.makespan(self.durations(bounds), self.p2p_s)
+        self.makespans[tuple(bounds)] = step
+        return step + self.exposed(bounds)
+
+    def formula(self, bounds: list[tuple[int, int]]) -> float:
+        """T(split), the closed form of the module docstring (step 1)."""
         t_max = max(self.pre.c[j] - self.pre.c[i] for i, j in bounds)
         g_sum = sum(_bubble_g(self.schedule, self.pre, i, j) for i, j in bounds)
         return _objective(t_max, g_sum, self.pp, self.m, self.v, self.hops, self.p2p_s)
 
 
 def _problem(units: list[UnitCost], pp: int, m: int, schedule: str, v: int, p2p_s: float,
-             budget: float) -> _Problem:
+             budget: float, overlap: float = 1.0) -> _Problem:
     """Validate the arguments and precompute the problem."""
     reason = validate(schedule, pp, m, v)
     if reason:
@@ -193,13 +252,15 @@ def _problem(units: list[UnitCost], pp: int, m: int, schedule: str, v: int, p2p_
     if len(units) < pp * v:
         raise ConfigError(f"{len(units)} units cannot fill pp={pp} x virtual_stages={v} = "
                           f"{pp * v} stages; lower pp or virtual_stages")
+    orders = rank_orders(schedule, pp, m, v)
+    ranks = stage_ranks(schedule, pp, v)
     return _Problem(schedule, _Prefix.of(units), len(units), pp, m, v, p2p_s, budget,
-                    stage_in_flight(schedule, pp, m, v), stage_ranks(schedule, pp, v),
-                    cross_rank_hops(schedule, pp, v))
+                    _in_flight(schedule, orders, pp * v), ranks, cross_rank_hops(ranks), orders,
+                    overlap)
 
 
-def _finish(prob: _Problem, units: list[UnitCost], bounds: list[tuple[int, int]], stats: dict) -> StageSplit:
-    """Attach the simulated estimate to a chosen split."""
+def _finish(prob: _Problem, bounds: list[tuple[int, int]], stats: dict) -> StageSplit:
+    """Attach the simulated estimate, the exposed synchronization and F to a chosen split."""
     chunks = []
     for i, j in bounds:
         chunks.append(ChunkCost(
@@ -207,8 +268,10 @@ def _finish(prob: _Problem, units: list[UnitCost], bounds: list[tuple[int, int]]
             backward_weight_s=prob.pre.w[j] - prob.pre.w[i],
             activation_bytes=prob.pre.act[j] - prob.pre.act[i],
             static_bytes=prob.pre.static[j] - prob.pre.static[i]))
-    est = simulate(prob.schedule, chunks, prob.pp, prob.m, virtual_stages=prob.v, p2p_s=prob.p2p_s)
-    return StageSplit(bounds, est, prob.objective(bounds), stats)
+    est = prob.timeline.estimate(chunks, prob.p2p_s, prob.makespans.get(tuple(bounds)))
+    exposed = prob.exposed(bounds)
+    return StageSplit(bounds, est, est.step_time_s + exposed, stats, exposed,
+                      prob.formula(bounds))
 
 
 def _no_fit(prob: _Problem) -> NoFeasiblePlanError:
@@ -246,9 +309,13 @@ def _g_is_additive(schedule: str, units: list[UnitCost]) -> bool:
 
 def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, schedule: str = "1f1b",
                  virtual_stages: int = 1, p2p_s: float = 0.0,
-                 memory_budget: float = float("inf"), explain: bool = True) -> StageSplit:
+                 memory_budget: float = float("inf"), overlap: float = 1.0,
+                 bound: float = float("inf"), explain: bool = True) -> StageSplit:
     """The split of ``units`` into ``pp · virtual_stages`` contiguous stages with the
-    least ``T`` (module docstring) whose ranks all fit ``memory_budget`` bytes.
+    least ``F`` (module docstring) whose ranks all fit ``memory_budget`` bytes: the
+    least-``T`` seed improved by simulation. ``overlap``: the share of a rank's backward
+    its dp gradient synchronization may hide behind. ``bound``: the caller needs only a
+    split with F below it; when none is found the split returned is the best seen.
 
     Raises:
         ConfigError: the schedule cannot run this combination, or too few units.
@@ -257,11 +324,22 @@ def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, sched
             search, which only needs to know, turns it off).
     """
     start = time.perf_counter()
-    prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget)
-    pre, n = prob.pre, prob.n
+    prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget,
+                    overlap)
+    seed, stats = _formula_split(prob, units, explain)
+    bounds, found = improve_split(prob, seed, bound)
+    stats.update(found, seconds=time.perf_counter() - start)
+    return _finish(prob, bounds, stats)
+
+
+def _formula_split(prob: _Problem, units: list[UnitCost],
+                   explain: bool) -> tuple[list[tuple[int, int]], dict]:
+    """The split with the least closed-form T (step 1 of the module docstring) and how
+    it was found; raises NoFeasiblePlanError when no split fits the budget."""
+    pre, n, budget = prob.pre, prob.n, prob.budget
     cands = sorted({pre.c[j] - pre.c[i] for i in range(n) for j in range(i + 1, n + 1)})
     lo, hi, checks = 0, len(cands) - 1, 0
-    top = feasible_split(prob, cands[hi], memory_budget)
+    top = feasible_split(prob, cands[hi], budget)
     checks += 1
     if top is None:
         raise _no_fit(prob) if explain else NoFeasiblePlanError(
@@ -269,38 +347,39 @@ def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, sched
     best_bounds = top
     while lo < hi:
         mid = (lo + hi) // 2
-        found = feasible_split(prob, cands[mid], memory_budget)
+        found = feasible_split(prob, cands[mid], budget)
         checks += 1
         if found is None:
             lo = mid + 1
         else:
             hi, best_bounds = mid, found
     method = "min t_max (binary search)"
-    if not _g_is_additive(schedule, units):
+    if not _g_is_additive(prob.schedule, units):
         method = "min t_max, then min Σg per t_max"
         g_floor = pre.f[-1] + max(0.0, (pre.b[-1] - 2 * pre.w[-1]))
-        best_obj = prob.objective(best_bounds)
+        best_obj = prob.formula(best_bounds)
         for t in cands[lo:]:
-            if _objective(t, g_floor, pp, num_microbatches, virtual_stages, 0, 0.0) \
-                    + 2 * prob.hops * p2p_s >= best_obj - 1e-12 * best_obj:
+            if _objective(t, g_floor, prob.pp, prob.m, prob.v, 0, 0.0) \
+                    + 2 * prob.hops * prob.p2p_s >= best_obj - 1e-12 * best_obj:
                 break
             checks += 1
-            found = min_g_split(prob, t, memory_budget, lambda i, j: _bubble_g(schedule, pre, i, j))
-            if found is not None and prob.objective(found[1]) < best_obj:
-                best_obj, best_bounds = prob.objective(found[1]), found[1]
-    stats = {"method": method, "candidates": len(cands), "checks": checks,
-             "exact": not prob.truncated, "seconds": time.perf_counter() - start}
-    return _finish(prob, units, best_bounds, stats)
+            found = min_g_split(prob, t, budget, lambda i, j: _bubble_g(prob.schedule, pre, i, j))
+            if found is not None and prob.formula(found[1]) < best_obj:
+                best_obj, best_bounds = prob.formula(found[1]), found[1]
+    return best_bounds, {"seed": method, "candidates": len(cands), "checks": checks,
+                         "seed_truncated": prob.truncated}
 
 
 def split_stages_exhaustive(units: list[UnitCost], pp: int, num_microbatches: int, *,
                             schedule: str = "1f1b", virtual_stages: int = 1, p2p_s: float = 0.0,
-                            memory_budget: float = float("inf"),
+                            memory_budget: float = float("inf"), overlap: float = 1.0,
                             max_splits: int = 1_000_000) -> StageSplit:
     """Reference solver for tests: every composition of the units into the stages,
-    scored with the same objective and memory bound as :func:`split_stages`."""
+    simulated and scored with the same objective F and memory bound as
+    :func:`split_stages` (the first found on ties)."""
     start = time.perf_counter()
-    prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget)
+    prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget,
+                    overlap)
     n, S = prob.n, prob.stages
     best: tuple[float, list[tuple[int, int]]] | None = None
     least_mem = float("inf")
@@ -315,11 +394,12 @@ def split_stages_exhaustive(units: list[UnitCost], pp: int, num_microbatches: in
         least_mem = min(least_mem, need)
         if need > memory_budget:
             continue
-        obj = prob.objective(bounds)
+        obj = prob.simulated(bounds)
         if best is None or obj < best[0]:
             best = (obj, bounds)
     if best is None:
         raise NoFeasiblePlanError(f"no split fits {memory_budget:.0f} bytes per device; the best "
                                   f"split needs {least_mem:.0f} bytes on its fullest rank")
-    stats = {"method": "exhaustive", "splits": count, "seconds": time.perf_counter() - start}
-    return _finish(prob, units, best[1], stats)
+    stats = {"method": "exhaustive", "splits": count, "exact": True,
+             "seconds": time.perf_counter() - start}
+    return _finish(prob, best[1], stats)

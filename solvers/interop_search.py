@@ -1,4 +1,5 @@
-"""Searches under a stage-time bound for :mod:`autopar.solvers.interop`.
+"""Searches for :mod:`autopar.solvers.interop`: the closed-form seed under a stage-time
+bound, and the split with the least simulated objective F.
 
 Given ``t`` and a memory budget B, a stage s over units [i, j) is *allowed* when
 ``c(i, j) ≤ t`` and its own memory ``static + k_s·act ≤ B``. Both grow with the range,
@@ -11,18 +12,64 @@ prefix sums, and ``J_s`` is non-decreasing in i.
   share B, and a depth-first search over the table's choices checks the rank sums.
 * :func:`min_g_split` — among those, the least Σ g (a DP over (stage, start) in
   O(S·n·width); the same depth-first search, bounded by the DP, when ranks share B).
+* :func:`improve_split` — from a seed, the split with the least
+  F = simulate + exposed dp sync, pruned by :func:`lower_bound`.
+
+The lower bound follows two kinds of chains of operations that must run one after
+another in every schedule (f_s, b_s, w_s: stage s's forward, backward and its
+weight-grad part per micro-batch; a hop between stages on different ranks costs p2p):
+
+* rank r runs all its m·Σ_{s on r}(f_s + b_s) seconds one operation at a time. Its first
+  operation F(σ, 0) waits for micro-batch 0's forward through stages 0..σ−1; when its
+  last operation is B(σ', m−1) (gpipe, 1f1b, interleaved_1f1b), the backward of
+  micro-batch m−1 through stages σ'−1..0 follows it:
+
+      Λ_r = Σ_{u<σ} f_u + H(σ)·p2p + m·Σ_{s on r}(f_s + b_s) + Σ_{u<σ'} b_u + H(σ')·p2p
+
+  (H(s): hops among stages 0..s; the second part is 0 on zero-bubble schedules);
+* the last micro-batch's forward at stage s starts after the work its rank runs
+  before it, and is followed by its forward through the later stages and its
+  backward (input-grad, then W of stage 0 on zero-bubble schedules) through all:
+
+      P_s = Λ-start of s's rank + Σ_{ops before F(s, m−1) on it} duration
+            + Σ_{u≥s} f_u + Σ_u b'_u + [zero bubble]·w_0 + (2H − H(s))·p2p
+
+  with b' = b − w (I) on zero-bubble schedules, else b.
+
+So F(split) ≥ L(split) = max(max_r Λ_r, max_s P_s) + max_r max(0, comm_r − overlap·bwd_r).
+A split can beat the best F found only if every stage s over [i, j) has
+``Λ-part of s + m·c(i, j) < F`` — an interval of ends again (``m·c`` grows faster in j
+than the prefix terms in i), so the *admitted* splits can be counted in O(S·n).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from autopar.solvers.schedules import ZERO_BUBBLE
 
 if TYPE_CHECKING:
     from autopar.solvers.interop import _Problem
 
 Bounds = list[tuple[int, int]]
 _NODE_LIMIT = 4_000  # keeps one split under ~0.1 s for 128 units; past it the split is feasible, maybe not optimal
+_REL = 1e-12  # relative slack on "beats": a split must be faster by more than this
+
+ENUMERATE_SPLITS = 2_000
+"""Admitted splits (module docstring) are all enumerated, bounded and, where the bound
+allows, simulated when there are at most this many: each costs one O(S·v) evaluation of
+:func:`lower_bound`, so 2,000 of them take ~50 ms at 64 stages. Past it the search
+moves single stage boundaries, which may stop short of the optimum."""
+
+SIMULATED_OPS = 300_000
+"""Pipeline operations :func:`improve_split` may simulate beyond the seed's: one split
+costs the schedule's 2·m·S (3·m·S on zero-bubble schedules) operations at ~0.15 µs each,
+so this is ~50 ms of simulation per candidate — e.g. 50 splits of a 32-rank 1F1B step
+of 96 micro-batches, or one of a 64-rank ZB-V step of 512. Evaluating the lower bound
+of a neighbouring split counts as S operations."""
 
 
 def _ends(prob: "_Problem", t: float, budget: float) -> list[list[int]]:
@@ -112,6 +159,21 @@ def min_g_split(prob: "_Problem", t: float, budget: float, g) -> tuple[float, Bo
     return best[0][0], bounds
 
 
+def _fitting_ends(prob: "_Problem", ends: list[list[int]], fin: list[list[bool]],
+                  mem: list[float], s: int, i: int, room: float) -> Iterator[tuple[int, float]]:
+    """(j, bytes) for each end j of stage s from i within ``ends`` from which the rest can
+    be finished, in increasing order, while the stage's rank stays within ``room`` bytes
+    (``mem``: each rank's bytes so far, read afresh at every step)."""
+    r = prob.ranks[s]
+    for j in range(i + 1, ends[s][i] + 1):
+        if not fin[s + 1][j]:
+            continue
+        add = prob.stage_memory(s, i, j)
+        if mem[r] + add > room:
+            return
+        yield j, add
+
+
 def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Bounds] | None:
     """Depth-first search over allowed stage ends, tracking each rank's memory; with
     ``sum_g = (g, best)`` it is a branch and bound on Σ g (``best`` — the DP without the
@@ -147,12 +209,7 @@ def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Boun
         if key in failed or hopeless(s, i):
             return False
         r = prob.ranks[s]
-        for j in range(i + 1, ends[s][i] + 1):
-            if not fin[s + 1][j]:
-                continue
-            add = prob.stage_memory(s, i, j)
-            if mem[r] + add > budget + tol:
-                break
+        for j, add in _fitting_ends(prob, ends, fin, mem, s, i, budget + tol):
             step = 0.0
             if sum_g is not None:
                 step = sum_g[0](i, j)
@@ -171,3 +228,234 @@ def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Boun
 
     visit(0, 0, 0.0)
     return (result[0], result[1]) if result[1] is not None else None
+
+
+@dataclass(frozen=True)
+class PathBound:
+    """What :func:`lower_bound` reads of the schedule (module docstring), per split:
+
+    Attributes:
+        first: per rank, σ with F(σ, 0) its first operation (−1: none).
+        last_b: per rank, σ' with B(σ', m−1) its last operation (−1: none, e.g. a W).
+        hops: per stage s, H(s) — cross-rank hops among stages 0..s.
+        before: per stage s, (u, #F, #B, #I, #W) of each stage u on s's rank run
+            before F(s, m−1).
+        zero_bubble: the backward is split into I and W.
+    """
+
+    first: list[int]
+    last_b: list[int]
+    hops: list[int]
+    before: list[list[tuple[int, int, int, int, int]]]
+    zero_bubble: bool
+
+    @classmethod
+    def of(cls, prob: "_Problem") -> "PathBound":
+        """Read the schedule's compiled orders. Each stage runs its F, B, I and W in
+        micro-batch order, so the count of one kind before a position is found by
+        bisection on the micro-batch."""
+        tl, m, S = prob.timeline, prob.m, prob.stages
+        first, last_b = [], []
+        for order in tl.orders:
+            first.append(order[0][1] if order and order[0][0] == "F" and order[0][2] == 0 else -1)
+            end = order[-1] if order else None
+            last_b.append(end[1] if end and end[0] == "B" and end[2] == m - 1 else -1)
+        on_rank: list[list[int]] = [[] for _ in range(prob.pp)]
+        for s, r in enumerate(prob.ranks):
+            on_rank[r].append(s)
+        before = []
+        for s in range(S):
+            here = tl.position(("F", s, m - 1))
+            counts = []
+            for u in on_rank[prob.ranks[s]]:
+                row = []
+                for kind in "FBIW":
+                    lo, hi = 0, m  # the first micro-batch whose op is not before `here`
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        at = tl.position((kind, u, mid))
+                        if 0 <= at < here:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    row.append(lo)
+                counts.append((u, *row))
+            before.append(counts)
+        hops = [0]
+        for a, b in zip(prob.ranks, prob.ranks[1:]):
+            hops.append(hops[-1] + (a != b))
+        return cls(first, last_b, hops, before, prob.schedule in ZERO_BUBBLE)
+
+
+def lower_bound(prob: "_Problem", pb: PathBound, bounds: Bounds) -> float:
+    """L(split) ≤ F(split) (module docstring), in O(S·v)."""
+    pre, m, p2p, n, pp = prob.pre, prob.m, prob.p2p_s, prob.n, prob.pp
+    f = [pre.f[j] - pre.f[i] for i, j in bounds]
+    b = [pre.b[j] - pre.b[i] for i, j in bounds]
+    w = [pre.w[j] - pre.w[i] for i, j in bounds]
+    load, comm, bwd = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    for s, r in enumerate(prob.ranks):
+        i, j = bounds[s]
+        load[r] += f[s] + b[s]
+        comm[r] += pre.comm[j] - pre.comm[i]
+        bwd[r] += b[s]
+    start = [0.0] * pp
+    best = 0.0
+    for r in range(pp):
+        a, z = pb.first[r], pb.last_b[r]
+        start[r] = pre.f[bounds[a][0]] + pb.hops[a] * p2p if a >= 0 else 0.0
+        tail = pre.b[bounds[z][0]] + pb.hops[z] * p2p if z >= 0 else 0.0
+        best = max(best, start[r] + m * load[r] + tail)
+    back = pre.b[n] - pre.w[n] + w[0] if pb.zero_bubble else pre.b[n]
+    total_hops = pb.hops[-1]
+    for s, counts in enumerate(pb.before):
+        t = start[prob.ranks[s]] + pre.f[n] - pre.f[bounds[s][0]] + back + \
+            (2 * total_hops - pb.hops[s]) * p2p
+        for u, nf, nb, ni, nw in counts:
+            t += nf * f[u] + nb * b[u] + ni * (b[u] - w[u]) + nw * w[u]
+        best = max(best, t)
+    return best + max(max(0.0, c - prob.overlap * x) for c, x in zip(comm, bwd))
+
+
+def _admitted(prob: "_Problem", pb: PathBound, theta: float) -> list[list[int]]:
+    """J_s(i): the last end of a stage s starting at i whose own memory fits and whose
+    rank term can stay below ``theta`` (module docstring); i+1 > J: none."""
+    pre, n, S, m, p2p = prob.pre, prob.n, prob.stages, prob.m, prob.p2p_s
+    mem_ends = _ends(prob, float("inf"), prob.budget)
+    limit = theta * (1 + _REL) + 1e-300
+    out = []
+    for s in range(S):
+        r = prob.ranks[s]
+        a, z = pb.first[r], pb.last_b[r]
+        fixed = (pb.hops[a] if a >= 0 else 0) * p2p + (pb.hops[z] if z >= 0 else 0) * p2p
+        row = []
+        for i in range(n):
+            lead = (pre.f[i] if a == s else 0.0) + (pre.b[i] if z == s else 0.0)
+            room = (limit - fixed - lead) / m
+            j = bisect.bisect_right(pre.c, pre.c[i] + room) - 1 if room >= 0 else i
+            row.append(min(j, mem_ends[s][i]))
+        out.append(row)
+    return out
+
+
+def _count(prob: "_Problem", ends: list[list[int]], cap: int) -> int:
+    """The number of splits with every stage's end within ``ends`` (at most cap + 1)."""
+    n, S = prob.n, prob.stages
+    cnt = [0] * (n + 1)
+    cnt[n] = 1
+    for s in range(S - 1, -1, -1):
+        acc = [0] * (n + 2)  # acc[j] = Σ cnt[j'] for j' < j
+        for j in range(n + 1):
+            acc[j + 1] = acc[j] + cnt[j]
+        row = ends[s]
+        cnt = [min(cap + 1, acc[row[i] + 1] - acc[i + 1]) if row[i] > i else 0
+               for i in range(n)] + [0]
+    return cnt[0]
+
+
+def _splits(prob: "_Problem", ends: list[list[int]]) -> list[Bounds]:
+    """Every split with every stage's end within ``ends`` and every rank's memory within
+    the budget."""
+    S, budget = prob.stages, prob.budget
+    tol = 1e-12 * max(1.0, budget)
+    fin = _finishable(prob, ends)
+    mem = [0.0] * prob.pp
+    path: Bounds = []
+    out: list[Bounds] = []
+
+    def walk(s: int, i: int) -> None:
+        if s == S:
+            out.append(list(path))
+            return
+        r = prob.ranks[s]
+        for j, add in _fitting_ends(prob, ends, fin, mem, s, i, budget + tol):
+            mem[r] += add
+            path.append((i, j))
+            walk(s + 1, j)
+            path.pop()
+            mem[r] -= add
+
+    if fin[0][0]:
+        walk(0, 0)
+    return out
+
+
+def _move(prob: "_Problem", pb: PathBound, cur: Bounds, best: float, bound: float,
+          budget: list[int], stats: dict) -> tuple[Bounds, float] | None:
+    """The first split one boundary step away from ``cur`` (in increasing order of
+    :func:`lower_bound`) that simulates faster than ``best``; None when none does or
+    ``budget`` (operations left, updated) runs out. Counts ``stats["simulations"]``."""
+    S, tol = prob.stages, prob.budget * 1e-12
+    theta = min(best, bound) * (1 - _REL)
+    near = []
+    for k in range(S - 1):
+        (i, j), (_, e) = cur[k], cur[k + 1]
+        for nj in (j - 1, j + 1):
+            if not i < nj < e:
+                continue
+            nb = cur[:k] + [(i, nj), (nj, e)] + cur[k + 2:]
+            budget[0] -= S
+            if max(prob.rank_memory(nb)) > prob.budget + tol:
+                continue
+            low = lower_bound(prob, pb, nb)
+            if low < theta:
+                near.append((low, nb))
+    near.sort()
+    cost = len(prob.timeline.ops)
+    for low, nb in near:
+        if low >= min(best, bound) * (1 - _REL) or budget[0] < cost:
+            return None
+        budget[0] -= cost
+        stats["simulations"] += 1
+        f = prob.simulated(nb)
+        if f < best * (1 - _REL):
+            return nb, f
+    return None
+
+
+def improve_split(prob: "_Problem", seed: Bounds,
+                  bound: float = float("inf")) -> tuple[Bounds, dict]:
+    """The split with the least F = simulate + exposed dp sync, from ``seed`` (which fits
+    the budget), and stats: ``exact`` is True when the answer is proven to be the least F
+    over every split that fits — or, when that is ``bound`` or more, that no split beats
+    ``bound``.
+
+    Each round bounds from below every split that could beat θ = min(best F, bound) by
+    the per-stage admission of the module docstring. When the admitted splits number at
+    most :data:`ENUMERATE_SPLITS`, each gets :func:`lower_bound`, and those below θ are
+    simulated in increasing order of it until the next bound reaches the best F: exact,
+    unless :data:`SIMULATED_OPS` runs out first. Otherwise the round moves one stage
+    boundary by one unit (the first neighbour that simulates faster) and starts again
+    with the lower θ; with no faster neighbour, the answer is a local optimum (not
+    exact)."""
+    pb = PathBound.of(prob)
+    cost = len(prob.timeline.ops)
+    best, f_best = list(seed), prob.simulated(seed)
+    budget = [SIMULATED_OPS]
+    stats = {"method": "least simulated F", "seed_s": f_best, "moves": 0, "simulations": 1}
+    while True:
+        theta = min(f_best, bound)
+        ends = _admitted(prob, pb, theta)
+        admitted = _count(prob, ends, ENUMERATE_SPLITS)
+        if admitted <= ENUMERATE_SPLITS:
+            ranked = sorted((lower_bound(prob, pb, b), b) for b in _splits(prob, ends))
+            exact = True
+            for low, b in ranked:
+                if low >= min(f_best, bound) * (1 - _REL):
+                    break
+                if budget[0] < cost:
+                    exact = False
+                    break
+                budget[0] -= cost
+                stats["simulations"] += 1
+                f = prob.simulated(b)
+                if f < f_best * (1 - _REL):
+                    best, f_best = b, f
+            stats.update(admitted=admitted, exact=exact)
+            return best, stats
+        step = _move(prob, pb, best, f_best, bound, budget, stats)
+        if step is None:
+            stats.update(admitted=admitted, exact=False)
+            return best, stats
+        best, f_best = step
+        stats["moves"] += 1

@@ -16,9 +16,10 @@ all have the shape dp × tp):
    scale the same way (``activation_scale`` = in_flight / pp) and the one block being
    recomputed is added once;
 2. the units' costs under that solution (:func:`autopar.solvers.units.unit_costs`)
-   go to the stage DP (:func:`autopar.solvers.interop.split_stages`), which places
-   the units on pp · v stages, checks each rank's memory exactly for the schedule,
-   and returns the schedule's simulated step time.
+   go to the stage split (:func:`autopar.solvers.interop.split_stages`), which places
+   the units on pp · v stages, checks each rank's memory exactly for the schedule, and
+   keeps the split with the least reported step time T below (simulated schedule plus
+   exposed synchronization).
 
 Backward transients per rank: every rank adds the block being recomputed (one at a
 time); the rank of the last stage also holds, for the whole of that stage's backward,
@@ -33,7 +34,7 @@ The stage DP checks its ranks against the budget less the largest ``extra_r``.
 
 The step time adds the data-parallel gradient synchronization each rank cannot hide:
 it runs after the rank's last backward and overlaps only with it (Megatron-LM's
-overlapped gradient reduction):
+overlapped gradient reduction), so the split weighs it with the schedule:
 
     T = T_schedule + max_r max(0, step_comm_r − overlap · backward_r)
 """
@@ -219,7 +220,8 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
              schedule: str, virtual_stages: int, overlap: float,
              bound: float) -> PipelineOutcome | None:
     """Split the units of one intra-op solution into stages and price the pipeline
-    (None when even a bubble-free pipeline would take ``bound`` or more)."""
+    (None when even a bubble-free pipeline would take ``bound`` or more; a split that
+    cannot beat ``bound`` is returned as the best the split search saw)."""
     st = built.settings
     m = st.num_microbatches
     if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
@@ -228,21 +230,14 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     link = group_link(full.sizes, 0, st.gpus_per_node, st.hw)
     p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2, link)
     costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
-                      u.activation_bytes, u.static_bytes) for u in units]
+                      u.activation_bytes, u.static_bytes, u.step_comm_s) for u in units]
     start, redo = backward_transients(built.problem, sol.choice, sol.modes)
     last = stage_ranks(schedule, pp, virtual_stages)[-1]
     extra = [redo + (start + loss_input_bytes(g, built, sol.choice) if r == last else 0.0)
              for r in range(pp)]
     split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
-                         p2p_s=p2p, memory_budget=st.memory_budget - max(extra), explain=False)
+                         p2p_s=p2p, memory_budget=st.memory_budget - max(extra),
+                         overlap=overlap, bound=bound, explain=False)
     ranks = [r + e for r, e in zip(split.estimate.peak_memory_bytes, extra)]
-    per_rank_comm = [0.0] * pp
-    per_rank_bwd = [0.0] * pp
-    for (a, b), r in zip(split.bounds, stage_ranks(schedule, pp, virtual_stages)):
-        per_rank_comm[r] += sum(u.step_comm_s for u in units[a:b])
-        per_rank_bwd[r] += sum(u.backward_s for u in units[a:b])
-    exposed = max(max(0.0, c - overlap * w) for c, w in zip(per_rank_comm, per_rank_bwd))
-    if not split.bounds:
-        raise NoFeasiblePlanError("the stage split is empty")
-    return PipelineOutcome(sol, units, split, split.estimate.step_time_s + exposed,
-                           max(ranks), p2p, exposed, max(extra), extra)
+    return PipelineOutcome(sol, units, split, split.objective_s, max(ranks), p2p,
+                           split.exposed_s, max(extra), extra)

@@ -223,19 +223,6 @@ def rank_orders(schedule: str, pp: int, num_microbatches: int, virtual_stages: i
     return [_looped_ops(r, p, v, m, schedule == "interleaved_zero_bubble") for r in range(p)]
 
 
-def _duration(op: Op, chunk: ChunkCost) -> float:
-    """Seconds of one operation: F = forward, B = backward, I = backward − weight part,
-    W = weight part."""
-    kind = op[0]
-    if kind == "F":
-        return chunk.forward_s
-    if kind == "B":
-        return chunk.backward_s
-    if kind == "W":
-        return chunk.backward_weight_s
-    return chunk.backward_s - chunk.backward_weight_s
-
-
 def _dependency(op: Op, n_stages: int) -> Op | None:
     """The operation whose output ``op`` consumes (None for F of stage 0)."""
     kind, s, j = op
@@ -248,34 +235,153 @@ def _dependency(op: Op, n_stages: int) -> Op | None:
     return (kind, s + 1, j)
 
 
-def _event_times(orders: list[list[Op]], chunks: list[ChunkCost], ranks: list[int],
-                 p2p_s: float) -> dict[Op, float]:
-    """End time of every operation: each rank runs its next op as soon as the rank is
-    free and the op's input has arrived (dependency end + p2p_s across ranks)."""
-    end: dict[Op, float] = {}
-    pos = [0] * len(orders)
-    free = [0.0] * len(orders)
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r, order in enumerate(orders):
-            while pos[r] < len(order):
-                op = order[pos[r]]
-                dep = _dependency(op, len(chunks))
-                ready = 0.0
-                if dep is not None:
-                    if dep not in end:
+_KINDS = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A schedule's operations compiled for repeated simulation.
+
+    Every rank's order (:func:`rank_orders`) is merged into one sequence in which each
+    operation comes after the one before it on its rank and after the one whose output
+    it consumes (the order the ranks would reach them in), so one pass computes every
+    end time:
+
+        end(op) = max(end(previous op of the rank), end(dependency) + p2p_s · [other rank])
+                  + duration(op)
+
+    with ``end`` of a missing predecessor 0. The sequence depends on the schedule, pp,
+    m and v only, not on the chunks' costs, so a search over stage splits compiles it
+    once and prices each split with :meth:`makespan` (one loop over the ``N`` operations,
+    no bookkeeping). Positions ``after``/``dep`` equal to N mean "none"; ``index`` maps
+    an operation's dense id ``(kind · S + stage) · m + micro-batch`` (kinds F, B, I, W)
+    to its position in ``ops`` (−1: the schedule has no such operation).
+    """
+
+    schedule: str
+    pp: int
+    num_microbatches: int
+    virtual_stages: int
+    orders: list[list[Op]]
+    ranks: list[int]
+    ops: list[Op]
+    slot: list[int]
+    after: list[int]
+    dep: list[int]
+    cross: list[bool]
+    index: list[int]
+
+    @classmethod
+    def of(cls, schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1,
+           orders: list[list[Op]] | None = None) -> "Timeline":
+        """Compile ``schedule`` for ``pp`` ranks, ``num_microbatches`` micro-batches and
+        ``virtual_stages`` chunks per rank (``orders``: its :func:`rank_orders`, when the
+        caller has them); raises ConfigError where torch cannot run it, AssertionError if
+        the orders deadlock."""
+        if orders is None:
+            orders = rank_orders(schedule, pp, num_microbatches, virtual_stages)
+        ranks = stage_ranks(schedule, pp, virtual_stages)
+        n_stages, m = pp * virtual_stages, num_microbatches
+        total = sum(len(o) for o in orders)
+
+        # an operation's dense id (class docstring); its dependency's
+        # id follows arithmetically (see _dependency): F(s−1), I(s) for W, F(S−1) for
+        # the last stage's B/I, else the same kind at s+1
+        kinds = {k: i for i, k in enumerate(_KINDS)}
+        keys, deps = [], []
+        for order in orders:
+            ks = [(kinds[k] * n_stages + s) * m + j for k, s, j in order]
+            ds = [-1 if k == "F" and s == 0 else key - m if k == "F" else
+                  key - n_stages * m if k == "W" else
+                  key - kinds[k] * n_stages * m if s == n_stages - 1 else key + m
+                  for (k, s, _), key in zip(order, ks)]
+            keys.append(ks)
+            deps.append(ds)
+        where = [-1] * (4 * n_stages * m)
+        ops: list[Op] = []
+        after: list[int] = []
+        dep: list[int] = []
+        cross: list[bool] = []
+        pos = [0] * len(orders)
+        while len(ops) < total:
+            progressed = False
+            for r, order in enumerate(orders):
+                ks, ds, k = keys[r], deps[r], pos[r]
+                while k < len(order):
+                    d = ds[k]
+                    if d >= 0 and where[d] < 0:
                         break
-                    ready = end[dep] + (p2p_s if ranks[dep[1]] != ranks[op[1]] else 0.0)
-                free[r] = max(free[r], ready) + _duration(op, chunks[op[1]])
-                end[op] = free[r]
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise AssertionError("pipeline schedule deadlocks: " +
-                                 ", ".join(str(o[pos[r]]) for r, o in enumerate(orders) if pos[r] < len(o)))
-    return end
+                    where[ks[k]] = len(ops)
+                    ops.append(order[k])
+                    after.append(where[ks[k - 1]] if k else total)
+                    dep.append(where[d] if d >= 0 else total)
+                    cross.append(d >= 0 and ranks[(d // m) % n_stages] != r)
+                    k += 1
+                    progressed = True
+                pos[r] = k
+            if not progressed:
+                raise AssertionError("pipeline schedule deadlocks: " + ", ".join(
+                    str(o[pos[r]]) for r, o in enumerate(orders) if pos[r] < len(o)))
+        slot = [4 * s + _KINDS.index(kind) for kind, s, _ in ops]
+        return cls(schedule, pp, num_microbatches, virtual_stages, orders, ranks, ops, slot,
+                   after, dep, cross, where)
+
+    def position(self, op: Op) -> int:
+        """Where ``op`` sits in ``ops`` (−1: not in this schedule). Two operations of
+        one rank sit in the rank's order."""
+        kind, s, j = op
+        return self.index[(_KINDS.index(kind) * self.pp * self.virtual_stages + s)
+                          * self.num_microbatches + j]
+
+    @staticmethod
+    def durations(chunks: list[ChunkCost]) -> list[float]:
+        """Seconds of F, B, I and W of every chunk, flat (4 per chunk, the layout
+        :meth:`end_times` reads): I = backward − weight part, W = weight part."""
+        out: list[float] = []
+        for c in chunks:
+            out += [c.forward_s, c.backward_s, c.backward_s - c.backward_weight_s,
+                    c.backward_weight_s]
+        return out
+
+    def end_times(self, durations: list[float], p2p_s: float) -> list[float]:
+        """End time of every operation of ``ops`` (formula in the class docstring),
+        given :meth:`durations` of the chunks."""
+        end = [0.0] * (len(self.ops) + 1)
+        lag = [p2p_s if c else 0.0 for c in self.cross]
+        k = 0
+        for a, d, extra, s in zip(self.after, self.dep, lag, self.slot):
+            x = end[a]
+            y = end[d] + extra
+            end[k] = (x if x > y else y) + durations[s]
+            k += 1
+        end.pop()
+        return end
+
+    def makespan(self, durations: list[float], p2p_s: float) -> float:
+        """The step time: the last end time (see :meth:`end_times`)."""
+        return max(self.end_times(durations, p2p_s), default=0.0)
+
+    def estimate(self, chunks: list[ChunkCost], p2p_s: float,
+                 makespan: float | None = None) -> ScheduleEstimate:
+        """:func:`simulate`'s answer for ``chunks`` (``makespan``: the step time when
+        :meth:`makespan` already gave it for these chunks and ``p2p_s``)."""
+        pp, m = self.pp, self.num_microbatches
+        step = self.makespan(self.durations(chunks), p2p_s) if makespan is None else makespan
+        busy = [0.0] * pp  # every stage runs m forwards and m whole backwards (I + W = B)
+        static = [0.0] * pp
+        for s, c in enumerate(chunks):
+            busy[self.ranks[s]] += m * (c.forward_s + c.backward_s)
+            static[self.ranks[s]] += c.static_bytes
+        mem = [_memory(order, chunks, self.schedule in ZERO_BUBBLE) for order in self.orders]
+        ideal = max(busy)
+        return ScheduleEstimate(
+            step_time_s=step,
+            bubble_fraction=sum(1.0 - b / step for b in busy) / pp if step > 0 else 0.0,
+            bubble_ratio=(step - ideal) / ideal if ideal > 0 else 0.0,
+            peak_memory_bytes=[static[r] + mem[r][1] for r in range(pp)],
+            in_flight=[mem[r][0] for r in range(pp)],
+            busy_s=busy,
+        )
 
 
 def _memory(order: list[Op], chunks: list[ChunkCost], zero_bubble: bool) -> tuple[int, float]:
@@ -296,32 +402,19 @@ def _memory(order: list[Op], chunks: list[ChunkCost], zero_bubble: bool) -> tupl
 
 
 def simulate(schedule: str, chunks: list[ChunkCost], pp: int, num_microbatches: int, *,
-             virtual_stages: int = 1, p2p_s: float = 0.0) -> ScheduleEstimate:
+             virtual_stages: int = 1, p2p_s: float = 0.0,
+             timeline: Timeline | None = None) -> ScheduleEstimate:
     """Event-driven simulation of ``schedule`` over ``pp · virtual_stages`` chunks
     (``chunks`` in pipeline order), with ``p2p_s`` seconds per activation or gradient
     hop between stages on different ranks. See :class:`ScheduleEstimate` for what is
-    measured; the dependencies are those in the module docstring."""
+    measured; the dependencies are those in the module docstring. ``timeline``: the
+    schedule already compiled (:class:`Timeline`) for these pp, m and v."""
     if len(chunks) != pp * virtual_stages:
         raise ConfigError(f"{len(chunks)} chunks given; pp={pp} x virtual_stages="
                           f"{virtual_stages} needs {pp * virtual_stages}")
-    orders = rank_orders(schedule, pp, num_microbatches, virtual_stages)
-    ranks = stage_ranks(schedule, pp, virtual_stages)
-    end = _event_times(orders, chunks, ranks, p2p_s)
-    step = max(end.values())
-    busy = [sum(_duration(op, chunks[op[1]]) for op in order) for order in orders]
-    mem = [_memory(order, chunks, schedule in ZERO_BUBBLE) for order in orders]
-    static = [0.0] * pp
-    for s, c in enumerate(chunks):
-        static[ranks[s]] += c.static_bytes
-    ideal = max(busy)
-    return ScheduleEstimate(
-        step_time_s=step,
-        bubble_fraction=sum(1.0 - b / step for b in busy) / pp if step > 0 else 0.0,
-        bubble_ratio=(step - ideal) / ideal if ideal > 0 else 0.0,
-        peak_memory_bytes=[static[r] + mem[r][1] for r in range(pp)],
-        in_flight=[mem[r][0] for r in range(pp)],
-        busy_s=busy,
-    )
+    if timeline is None:
+        timeline = Timeline.of(schedule, pp, num_microbatches, virtual_stages)
+    return timeline.estimate(chunks, p2p_s)
 
 
 def bubble_formula(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1, *,

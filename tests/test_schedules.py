@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from autopar.errors import ConfigError
-from autopar.solvers.schedules import (ChunkCost, bubble_formula, rank_orders, simulate,
-                                       stage_ranks, validate)
+from autopar.solvers.schedules import (ChunkCost, Timeline, bubble_formula, rank_orders,
+                                       simulate, stage_ranks, validate)
 
 UNIFORM = ChunkCost(forward_s=1.0, backward_s=2.0, backward_weight_s=1.0, activation_bytes=10.0,
                     static_bytes=100.0)
@@ -117,3 +117,56 @@ def test_every_op_runs_once(schedule, v):
     kinds = {"F", "B"} if "zero" not in schedule and schedule != "zbv" else {"F", "I", "W"}
     ops = [op for order in rank_orders(schedule, pp, m, v) for op in order]
     assert len(ops) == len(set(ops)) == len(kinds) * pp * v * m
+
+
+def _round_robin(schedule: str, chunks: list[ChunkCost], pp: int, m: int, v: int,
+                 p2p: float) -> float:
+    """Reference makespan: ranks take turns running their next operation once its input
+    has arrived (the module docstring's rules, written out directly)."""
+    ranks = stage_ranks(schedule, pp, v)
+    orders = rank_orders(schedule, pp, m, v)
+    n = pp * v
+    dur = {"F": lambda c: c.forward_s, "B": lambda c: c.backward_s,
+           "I": lambda c: c.backward_s - c.backward_weight_s, "W": lambda c: c.backward_weight_s}
+    end: dict = {}
+    pos, free = [0] * pp, [0.0] * pp
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                kind, s, j = order[pos[r]]
+                dep = (("F", s - 1, j) if s else None) if kind == "F" else \
+                    ("I", s, j) if kind == "W" else ("F", s, j) if s == n - 1 else (kind, s + 1, j)
+                if dep is not None and dep not in end:
+                    break
+                ready = end[dep] + (p2p if ranks[dep[1]] != r else 0.0) if dep else 0.0
+                free[r] = max(free[r], ready) + dur[kind](chunks[s])
+                end[(kind, s, j)] = free[r]
+                pos[r] += 1
+    return max(end.values())
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
+                                        ("interleaved_1f1b", 3),
+                                        ("interleaved_zero_bubble", 2), ("zbv", 2)])
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 2), (3, 7), (4, 8), (4, 5)])
+def test_timeline_matches_round_robin(schedule, v, pp, m):
+    """The compiled order gives every operation the end time of the round-robin, for
+    uneven chunks and transfers; each operation appears once, after its rank's previous
+    one and its input."""
+    if validate(schedule, pp, m, v):
+        pytest.skip("torch does not run this combination")
+    import random
+    rng = random.Random(pp * 100 + m)
+    chunks = [ChunkCost(rng.uniform(0.1, 2), b := rng.uniform(0.2, 3), rng.uniform(0, b))
+              for _ in range(pp * v)]
+    tl = Timeline.of(schedule, pp, m, v)
+    assert sorted(tl.ops) == sorted(op for order in rank_orders(schedule, pp, m, v)
+                                    for op in order)
+    assert all(a < k or a == len(tl.ops) for k, a in enumerate(tl.after))
+    assert all(d < k or d == len(tl.ops) for k, d in enumerate(tl.dep))
+    assert all(tl.position(op) == k for k, op in enumerate(tl.ops))
+    for p2p in (0.0, 0.3):
+        want = _round_robin(schedule, chunks, pp, m, v, p2p)
+        assert tl.makespan(Timeline.durations(chunks), p2p) == pytest.approx(want, rel=1e-12)
+        assert simulate(schedule, chunks, pp, m, virtual_stages=v,
+                        p2p_s=p2p).step_time_s == pytest.approx(want, rel=1e-12)
