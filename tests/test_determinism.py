@@ -141,9 +141,9 @@ def _candidate_times(case: Case, keep) -> list[float]:
 def test_the_cases_tie_or_nearly_tie(fresh) -> None:
     """The premise: the tiny GPT's data-parallel candidates take exactly the same time
     for every ZeRO stage; the pipelined case plans a pipeline with at least two rivals
-    within 5% of the best pipeline."""
+    within 10% of the best pipeline."""
     exact = _candidate_times(CASES["tiny-gpt-1x8"], lambda c: c.tp == 1 and c.pp == 1)
     assert sum(t <= min(exact) * (1 + 1e-12) for t in exact) >= 3, sorted(exact)
     near = _candidate_times(CASES["gpt-2x2-slow-pipeline"], lambda c: c.pp > 1)
-    assert sum(t <= min(near) * 1.05 for t in near) >= 3, sorted(near)
+    assert sum(t <= min(near) * 1.10 for t in near) >= 3, sorted(near)
     assert json.loads(fresh["gpt-2x2-slow-pipeline"])["pipeline"] is not None
