@@ -45,10 +45,14 @@ The search has two steps.
    budget, the ranks' shared budgets make the check a bounded depth-first search; past
    its node limit the seed stays within budget but may not minimise T.
 2. The split with the least F, by simulation, starting from the seed
-   (:func:`autopar.solvers.interop_search.improve_split`): a lower bound on F prunes
-   every split that cannot beat the best found; when few splits survive, all of them
-   are simulated and the answer is exact (``stats["exact"]``), otherwise the best
-   found by moving single stage boundaries.
+   (:func:`autopar.solvers.interop_search.improve_split`). A lower bound L ≤ F
+   (chains of operations every schedule runs one after another) admits, stage by
+   stage, only the splits that could beat the best F found. When at most
+   ``ENUMERATE_SPLITS`` are admitted, those with L below the best F are simulated in
+   increasing order of L until the next L reaches it, and the answer is the exact
+   minimum of F (``stats["exact"]``; within ``SIMULATED_OPS`` of simulation). Otherwise
+   single stage boundaries move while a move simulates faster, each move lowering the
+   bar for admission, and the answer is a local optimum.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ class StageSplit:
         exposed_s: the dp gradient synchronization no rank hides,
             ``max_r max(0, comm_r − overlap · bwd_r)``.
         formula_s: the split's closed-form ``T`` (module docstring).
+        timeline: the schedule as compiled for the search (for the next split with the
+            same schedule, pp, m and v), or None when it was not needed.
     """
 
     bounds: list[tuple[int, int]]
@@ -102,6 +108,7 @@ class StageSplit:
     stats: dict = field(default_factory=dict)
     exposed_s: float = 0.0
     formula_s: float = 0.0
+    timeline: Timeline | None = None
 
 
 @dataclass
@@ -244,19 +251,23 @@ class _Problem:
 
 
 def _problem(units: list[UnitCost], pp: int, m: int, schedule: str, v: int, p2p_s: float,
-             budget: float, overlap: float = 1.0) -> _Problem:
-    """Validate the arguments and precompute the problem."""
+             budget: float, overlap: float = 1.0, timeline: Timeline | None = None) -> _Problem:
+    """Validate the arguments and precompute the problem (``timeline``: the schedule
+    compiled already)."""
     reason = validate(schedule, pp, m, v)
     if reason:
         raise ConfigError(reason)
     if len(units) < pp * v:
         raise ConfigError(f"{len(units)} units cannot fill pp={pp} x virtual_stages={v} = "
                           f"{pp * v} stages; lower pp or virtual_stages")
-    orders = rank_orders(schedule, pp, m, v)
+    orders = timeline.orders if timeline is not None else rank_orders(schedule, pp, m, v)
     ranks = stage_ranks(schedule, pp, v)
-    return _Problem(schedule, _Prefix.of(units), len(units), pp, m, v, p2p_s, budget,
+    prob = _Problem(schedule, _Prefix.of(units), len(units), pp, m, v, p2p_s, budget,
                     _in_flight(schedule, orders, pp * v), ranks, cross_rank_hops(ranks), orders,
                     overlap)
+    if timeline is not None:
+        prob.compiled.append(timeline)
+    return prob
 
 
 def _finish(prob: _Problem, bounds: list[tuple[int, int]], stats: dict) -> StageSplit:
@@ -271,7 +282,7 @@ def _finish(prob: _Problem, bounds: list[tuple[int, int]], stats: dict) -> Stage
     est = prob.timeline.estimate(chunks, prob.p2p_s, prob.makespans.get(tuple(bounds)))
     exposed = prob.exposed(bounds)
     return StageSplit(bounds, est, est.step_time_s + exposed, stats, exposed,
-                      prob.formula(bounds))
+                      prob.formula(bounds), prob.timeline)
 
 
 def _no_fit(prob: _Problem) -> NoFeasiblePlanError:
@@ -310,12 +321,15 @@ def _g_is_additive(schedule: str, units: list[UnitCost]) -> bool:
 def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, schedule: str = "1f1b",
                  virtual_stages: int = 1, p2p_s: float = 0.0,
                  memory_budget: float = float("inf"), overlap: float = 1.0,
-                 bound: float = float("inf"), explain: bool = True) -> StageSplit:
+                 bound: float = float("inf"), explain: bool = True,
+                 timeline: Timeline | None = None) -> StageSplit:
     """The split of ``units`` into ``pp · virtual_stages`` contiguous stages with the
     least ``F`` (module docstring) whose ranks all fit ``memory_budget`` bytes: the
     least-``T`` seed improved by simulation. ``overlap``: the share of a rank's backward
     its dp gradient synchronization may hide behind. ``bound``: the caller needs only a
     split with F below it; when none is found the split returned is the best seen.
+    ``timeline``: the schedule already compiled (:attr:`StageSplit.timeline` of an
+    earlier split with the same schedule, pp, m and v).
 
     Raises:
         ConfigError: the schedule cannot run this combination, or too few units.
@@ -325,7 +339,7 @@ def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, sched
     """
     start = time.perf_counter()
     prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget,
-                    overlap)
+                    overlap, timeline)
     seed, stats = _formula_split(prob, units, explain)
     bounds, found = improve_split(prob, seed, bound)
     stats.update(found, seconds=time.perf_counter() - start)

@@ -227,6 +227,7 @@ def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Boun
         return False
 
     visit(0, 0, 0.0)
+    visit = None  # the recursive closure refers to itself: free it (and prob) now, not at GC
     return (result[0], result[1]) if result[1] is not None else None
 
 
@@ -377,6 +378,7 @@ def _splits(prob: "_Problem", ends: list[list[int]]) -> list[Bounds]:
 
     if fin[0][0]:
         walk(0, 0)
+    walk = None  # the recursive closure refers to itself: free it now, not at GC
     return out
 
 
@@ -443,6 +445,8 @@ def improve_split(prob: "_Problem", seed: Bounds,
             for low, b in ranked:
                 if low >= min(f_best, bound) * (1 - _REL):
                     break
+                if b == best:
+                    continue
                 if budget[0] < cost:
                     exact = False
                     break

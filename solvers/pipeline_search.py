@@ -14,7 +14,11 @@ all have the shape dp × tp):
    where ``in_flight`` is what the first rank holds at the schedule's peak (min(m, p)
    for 1F1B-like schedules, m for GPipe); the recomputation groups' activation terms
    scale the same way (``activation_scale`` = in_flight / pp) and the one block being
-   recomputed is added once;
+   recomputed is added once. When no assignment fits that model, the ILP is solved
+   again with the *relaxed* count ``k_min = min_s k_s``, the fewest micro-batches any
+   stage holds: every split that fits the exact per-rank check below fits it, since
+   the fullest rank holds at least the mean ``Σ_r M_r / pp ≥ (static + k_min ·
+   activations) / pp``;
 2. the units' costs under that solution (:func:`autopar.solvers.units.unit_costs`)
    go to the stage split (:func:`autopar.solvers.interop.split_stages`), which places
    the units on pp · v stages, checks each rank's memory exactly for the schedule, and
@@ -37,6 +41,12 @@ it runs after the rank's last backward and overlaps only with it (Megatron-LM's
 overlapped gradient reduction), so the split weighs it with the schedule:
 
     T = T_schedule + max_r max(0, step_comm_r − overlap · backward_r)
+
+Three things the flat ILP objective cannot see are settled for the winning candidate
+by enumeration (:func:`refine_modes`): its recomputation modes, the memory model
+(in-flight count: the schedule's first rank, or the relaxed ``k_min``) and the
+placement of the block output that crosses stages, which sets the stage-to-stage
+transfer ``p2p = send_recv(bytes / shards)`` the schedule waits on at every hop.
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ from autopar.errors import NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh
 from autopar.solvers.ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
-from autopar.solvers.interop import StageSplit, UnitCost, split_stages
+from autopar.solvers.interop import StageSplit, UnitCost, split_stages, stage_in_flight
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
 from autopar.solvers.schedules import stage_ranks
 from autopar.solvers.units import Unit, backward_transients, unit_costs
@@ -77,6 +87,12 @@ def in_flight(schedule: str, pp: int, num_microbatches: int) -> int:
     return num_microbatches if schedule == "gpipe" else min(num_microbatches, pp)
 
 
+def least_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> int:
+    """k_min: the fewest micro-batches of activations any stage holds at its peak (the
+    relaxed memory model of the module docstring)."""
+    return min(stage_in_flight(schedule, pp, num_microbatches, virtual_stages))
+
+
 def pipeline_problem(built: Built, pp: int, held: int) -> Problem:
     """A copy of ``built.problem`` whose memory is that of one pipeline rank (see the
     module docstring)."""
@@ -92,26 +108,70 @@ def pipeline_problem(built: Built, pp: int, held: int) -> Problem:
     return replace(built.problem, nodes=nodes, recompute=groups)
 
 
+def _shards(placements, sizes) -> int:
+    """How many pieces a tensor with these placements is cut into on a mesh of ``sizes``."""
+    n = 1
+    for p, size in zip(placements, sizes):
+        n *= size if p.startswith("S(") else 1
+    return n
+
+
+def _per_device(g: Graph, built: Built, numel: int, elt: float) -> float:
+    """Bytes of a whole tensor of ``numel`` elements (at the captured batch) at the
+    micro-batch size on one dp rank."""
+    st = built.settings
+    dp = st.mesh.sizes[st.mesh.names.index("dp")] if "dp" in st.mesh.names else 1
+    return numel * st.microbatch_size * dp / g.batch_size * elt
+
+
+def boundary_node(g: Graph, built: Built) -> tuple[int, float] | None:
+    """The problem node whose output is handed from one block to the next (the first
+    block's last op, standing for every block), and that output's bytes for one
+    micro-batch before its placement splits it; None without repeated blocks."""
+    if not g.layers:
+        return None
+    layer_nodes = set(g.layers[0].nodes)
+    last = next(n for n in reversed(g.nodes) if n.name in layer_nodes and n.kind == "op")
+    if last.out is None:
+        return None
+    elt = 2.0 if built.settings.precision in ("bf16", "fp16") else 4.0
+    return (built.names.index(g.canonical.get(last.name, last.name)),
+            _per_device(g, built, last.out.numel, elt))
+
+
 def boundary_bytes(g: Graph, built: Built, choice: list[int]) -> float:
     """Bytes per device of the activation handed from one block to the next for one
     micro-batch: the first block's output at the micro-batch size, divided by the
     split its chosen placement gives it."""
-    if not g.layers:
+    found = boundary_node(g, built)
+    if found is None:
         return 0.0
-    layer_nodes = set(g.layers[0].nodes)
-    last = next(n for n in reversed(g.nodes) if n.name in layer_nodes and n.kind == "op")
-    out = last.out
-    if out is None:
-        return 0.0
-    st = built.settings
-    dp = st.mesh.sizes[st.mesh.names.index("dp")] if "dp" in st.mesh.names else 1
-    factor = st.microbatch_size * dp / g.batch_size
-    elt = 2.0 if st.precision in ("bf16", "fp16") else 4.0
-    k = built.names.index(g.canonical.get(last.name, last.name))
-    split = 1
-    for p, size in zip(built.strategies[k][choice[k]].out, st.mesh.sizes):
-        split *= size if p.startswith("S(") else 1
-    return out.numel * factor * elt / split
+    k, whole = found
+    return whole / _shards(built.strategies[k][choice[k]].out, built.settings.mesh.sizes)
+
+
+def boundary_classes(g: Graph, built: Built) -> tuple[int, list[list[int]]]:
+    """The boundary node (:func:`boundary_node`; −1: none) and its strategies grouped by
+    the bytes they hand to the next stage, fewest bytes first."""
+    found = boundary_node(g, built)
+    if found is None:
+        return -1, []
+    k = found[0]
+    by_shards: dict[int, list[int]] = {}
+    for i, ns in enumerate(built.strategies[k]):
+        by_shards.setdefault(_shards(ns.out, built.settings.mesh.sizes), []).append(i)
+    return k, [by_shards[n] for n in sorted(by_shards, reverse=True)]
+
+
+def restrict_node(problem: Problem, k: int, allowed: list[int]) -> Problem:
+    """``problem`` with node k limited to the strategies ``allowed``: every edge at k
+    keeps only the pairs that use one of them (a strategy with no allowed partner on an
+    edge is forbidden, see :class:`~autopar.solvers.problem.EdgeChoice`)."""
+    keep = set(allowed)
+    edges = [e if k not in (e.u, e.v) else replace(e, cost={
+        ij: c for ij, c in e.cost.items()
+        if (e.u != k or ij[0] in keep) and (e.v != k or ij[1] in keep)}) for e in problem.edges]
+    return replace(problem, edges=edges)
 
 
 def loss_input_bytes(g: Graph, built: Built, choice: list[int]) -> float:
@@ -126,12 +186,8 @@ def loss_input_bytes(g: Graph, built: Built, choice: list[int]) -> float:
         return 0.0
     src = g.node(node.inputs[0])
     st = built.settings
-    dp = st.mesh.sizes[st.mesh.names.index("dp")] if "dp" in st.mesh.names else 1
     elt = 4.0 if st.precision == "fp32" or src.out.dtype == "float32" else 2.0
-    split = 1
-    for p, size in zip(ins[0], st.mesh.sizes):
-        split *= size if p.startswith("S(") else 1
-    return src.out.numel * st.microbatch_size * dp / g.batch_size * elt / split
+    return _per_device(g, built, src.out.numel, elt) / _shards(ins[0], st.mesh.sizes)
 
 
 def _solve(problem: Problem, bound: float) -> Solution | NoFeasiblePlanError | None:
@@ -154,23 +210,17 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
                    bound: float = float("inf")) -> PipelineOutcome | None:
     """Solve one pipelined candidate (see the module docstring); raises
     NoFeasiblePlanError when no split fits. ``solved`` caches intra-op solutions
-    by (problem, pp, in-flight micro-batches), which schedules share. Returns None
-    when even a bubble-free pipeline of this solution would take ``bound`` or more."""
-    st = built.settings
-    m = st.num_microbatches
-    held = in_flight(schedule, pp, m)
+    by (problem, pp, in-flight micro-batches), which schedules share. When no assignment
+    fits the first rank's in-flight count, the relaxed count decides. Returns None when
+    even a bubble-free pipeline of this solution would take ``bound`` or more."""
+    m = built.settings.num_microbatches
     solved = {} if solved is None else solved
-    key = (id(built), pp, held)
-    if key not in solved:
-        # the pipeline's step time is at least the ILP's objective spread over pp ranks
-        found = _solve(pipeline_problem(built, pp, held), bound * pp)
-        if found is None or isinstance(found, NoFeasiblePlanError):
-            solved[key] = found
-        else:
-            memory = [[s.memory for s in ss] for ss in built.strategies]
-            solved[key] = (found, unit_costs(g, built.problem, built.names, memory,
-                                             found.choice, found.modes))
-    entry = solved[key]
+    held = in_flight(schedule, pp, m)
+    entry = _intra_op(g, built, pp, held, solved, bound)
+    if isinstance(entry, NoFeasiblePlanError):
+        relaxed = least_in_flight(schedule, pp, m, virtual_stages)
+        if relaxed < held:
+            entry = _intra_op(g, built, pp, relaxed, solved, bound)
     if entry is None:
         return None
     if isinstance(entry, NoFeasiblePlanError):
@@ -180,48 +230,95 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
                     virtual_stages=virtual_stages, overlap=overlap, bound=bound)
 
 
+def _intra_op(g: Graph, built: Built, pp: int, held: int, solved: dict,
+              bound: float) -> tuple[Solution, list[Unit]] | NoFeasiblePlanError | None:
+    """The ILP's solution and its units for ``held`` micro-batches in flight, cached in
+    ``solved`` (the error when nothing fits, None when it cannot beat ``bound``)."""
+    key = (id(built), pp, held)
+    if key not in solved:
+        # the pipeline's step time is at least the ILP's objective spread over pp ranks
+        found = _solve(pipeline_problem(built, pp, held), bound * pp)
+        if found is None or isinstance(found, NoFeasiblePlanError):
+            solved[key] = found
+        else:
+            solved[key] = (found, _units(g, built, found))
+    return solved[key]
+
+
+def _units(g: Graph, built: Built, sol: Solution) -> list[Unit]:
+    """The pipeline units' costs under an intra-op solution."""
+    memory = [[s.memory for s in ss] for ss in built.strategies]
+    return unit_costs(g, built.problem, built.names, memory, sol.choice, sol.modes)
+
+
 def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedule: str,
                  virtual_stages: int, overlap: float = 1.0) -> PipelineOutcome:
-    """The winning candidate's recomputation modes chosen jointly with its stage split.
+    """The winning candidate's recomputation modes, memory model and block-boundary
+    placement chosen jointly with its stage split.
 
-    The intra-op ILP picks the modes under its memory model of one pipeline rank;
-    only the stage split knows each rank's exact memory and the schedule's time. So
-    for the winner (only: it costs one ILP per combination of modes) every other
-    feasible combination is solved with its modes fixed and split into stages, and
-    the fastest whole pipeline is kept."""
-    st = built.settings
-    problem = pipeline_problem(built, pp, in_flight(schedule, pp, st.num_microbatches))
-    combos = list(itertools.product(*(grp.allowed for grp in problem.recompute)))
-    if len(combos) < 2 or len(combos) > ENUMERATE_MODES:
+    The intra-op ILP picks the modes under its memory model of one pipeline rank and
+    minimises the flat step time; only the stage split knows each rank's exact memory,
+    the schedule's time and the stage-to-stage transfer. So for the winner (only: it
+    costs one ILP per combination) every combination of
+
+    * a memory model: the relaxed in-flight count ``k_min``, then the first rank's;
+    * a class of the boundary node's strategies that hand over the same bytes
+      (:func:`boundary_classes`; the node limited to it with :func:`restrict_node`);
+    * recomputation modes, one per group (when there are at most
+      :data:`~autopar.solvers.ilp.ENUMERATE_MODES` combinations; else the ILP picks)
+
+    is solved, split into stages and simulated, and the fastest pipeline that fits is
+    kept. Within one class the transfer time is fixed, so the ILP's flat objective
+    weighs everything else as the pipeline does; the relaxed model drops no assignment
+    that some split fits, and the first rank's is solved only when no split fits the
+    relaxed answer. A combination whose ILP lower bound cannot beat the best pipeline
+    is skipped."""
+    m = built.settings.num_microbatches
+    helds = sorted({least_in_flight(schedule, pp, m, virtual_stages), in_flight(schedule, pp, m)})
+    k, classes = boundary_classes(g, built)
+    combos: list = list(itertools.product(*(grp.allowed for grp in built.problem.recompute)))
+    if len(combos) > ENUMERATE_MODES:
+        combos = [None]
+    if len(helds) * max(1, len(classes)) * len(combos) < 2:
         return po
-    memory = [[s.memory for s in ss] for ss in built.strategies]
+    bases = [pipeline_problem(built, pp, held) for held in helds]
+    seen = {(tuple(po.solution.choice), tuple(po.solution.modes or []))}
+    timelines = {(schedule, pp, m, virtual_stages): po.split.timeline}
     best = po
-    for modes in combos:
-        if list(modes) == list(po.solution.modes or []):
-            continue
-        try:
-            sol = solve_ilp(fold_modes(problem, list(modes)))
-        except NoFeasiblePlanError:
-            continue
-        sol.modes = list(modes)
-        units = unit_costs(g, built.problem, built.names, memory, sol.choice, sol.modes)
-        try:
-            out = _outcome(g, built, sol, units, pp=pp, schedule=schedule,
-                           virtual_stages=virtual_stages, overlap=overlap,
-                           bound=best.step_time_s)
-        except NoFeasiblePlanError:
-            continue
-        if out is not None and out.step_time_s < best.step_time_s * (1 - 1e-9):
-            best = out
+    for allowed, modes in itertools.product(classes if len(classes) > 1 else [None], combos):
+        for base in bases:  # the relaxed model first; the first rank's if no split fits
+            one = base if allowed is None else restrict_node(base, k, allowed)
+            try:
+                sol = solve_ilp(one if modes is None else fold_modes(one, list(modes)),
+                                bound=best.step_time_s * pp)
+            except NoFeasiblePlanError:
+                break  # the stricter model has no assignment either
+            if sol is None:
+                break  # nor can it beat the best
+            if modes is not None:
+                sol.modes = list(modes)
+            if (tuple(sol.choice), tuple(sol.modes)) in seen:
+                break
+            seen.add((tuple(sol.choice), tuple(sol.modes)))
+            try:
+                out = _outcome(g, built, sol, _units(g, built, sol), pp=pp, schedule=schedule,
+                               virtual_stages=virtual_stages, overlap=overlap,
+                               bound=best.step_time_s, timelines=timelines)
+            except NoFeasiblePlanError:
+                continue
+            if out is not None and out.step_time_s < best.step_time_s * (1 - 1e-9):
+                best = out
+            break
     return best
 
 
 def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: int,
-             schedule: str, virtual_stages: int, overlap: float,
-             bound: float) -> PipelineOutcome | None:
+             schedule: str, virtual_stages: int, overlap: float, bound: float,
+             timelines: dict | None = None) -> PipelineOutcome | None:
     """Split the units of one intra-op solution into stages and price the pipeline
     (None when even a bubble-free pipeline would take ``bound`` or more; a split that
-    cannot beat ``bound`` is returned as the best the split search saw)."""
+    cannot beat ``bound`` is returned as the best the split search saw). ``timelines``
+    keeps compiled schedules by (schedule, pp, m, v) for later calls."""
     st = built.settings
     m = st.num_microbatches
     if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
@@ -235,9 +332,13 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     last = stage_ranks(schedule, pp, virtual_stages)[-1]
     extra = [redo + (start + loss_input_bytes(g, built, sol.choice) if r == last else 0.0)
              for r in range(pp)]
+    timelines = {} if timelines is None else timelines
+    key = (schedule, pp, m, virtual_stages)
     split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
                          p2p_s=p2p, memory_budget=st.memory_budget - max(extra),
-                         overlap=overlap, bound=bound, explain=False)
+                         overlap=overlap, bound=bound, explain=False,
+                         timeline=timelines.get(key))
+    timelines[key] = split.timeline
     ranks = [r + e for r, e in zip(split.estimate.peak_memory_bytes, extra)]
     return PipelineOutcome(sol, units, split, split.objective_s, max(ranks), p2p,
                            split.exposed_s, max(extra), extra)

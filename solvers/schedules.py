@@ -35,6 +35,7 @@ Op orders (``p`` ranks, ``v`` chunks per rank, ``m`` micro-batches):
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 from autopar.errors import ConfigError
@@ -253,7 +254,8 @@ class Timeline:
     with ``end`` of a missing predecessor 0. The sequence depends on the schedule, pp,
     m and v only, not on the chunks' costs, so a search over stage splits compiles it
     once and prices each split with :meth:`makespan` (one loop over the ``N`` operations,
-    no bookkeeping). Positions ``after``/``dep`` equal to N mean "none"; ``index`` maps
+    no bookkeeping; integer arrays keep it compact). Positions ``after``/``dep`` equal to
+    N mean "none"; ``cross`` flags a dependency on another rank; ``index`` maps
     an operation's dense id ``(kind · S + stage) · m + micro-batch`` (kinds F, B, I, W)
     to its position in ``ops`` (−1: the schedule has no such operation).
     """
@@ -265,11 +267,11 @@ class Timeline:
     orders: list[list[Op]]
     ranks: list[int]
     ops: list[Op]
-    slot: list[int]
-    after: list[int]
-    dep: list[int]
-    cross: list[bool]
-    index: list[int]
+    slot: array
+    after: array
+    dep: array
+    cross: array
+    index: array
 
     @classmethod
     def of(cls, schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1,
@@ -322,9 +324,9 @@ class Timeline:
             if not progressed:
                 raise AssertionError("pipeline schedule deadlocks: " + ", ".join(
                     str(o[pos[r]]) for r, o in enumerate(orders) if pos[r] < len(o)))
-        slot = [4 * s + _KINDS.index(kind) for kind, s, _ in ops]
+        slot = array("l", [4 * s + kinds[kind] for kind, s, _ in ops])
         return cls(schedule, pp, num_microbatches, virtual_stages, orders, ranks, ops, slot,
-                   after, dep, cross, where)
+                   array("l", after), array("l", dep), array("b", cross), array("l", where))
 
     def position(self, op: Op) -> int:
         """Where ``op`` sits in ``ops`` (−1: not in this schedule). Two operations of
