@@ -12,24 +12,6 @@ from autopar.cost_models.hardware import LinkSpec, load_profile, parse_profile
 from autopar.errors import PlanFormatError
 
 
-def test_cluster_picks_the_rates_of_its_process_count():
-    hw = load_profile("cpu")
-    assert {1, 2, 4} <= set(hw.per_process)
-    for n in (1, 2, 4):
-        sel = autopar.Cluster("cpu", 1, n).hardware()
-        e = hw.per_process[n]
-        assert sel.matmul_flops["fp32"] == pytest.approx(e["matmul_flops"])
-        assert sel.memory_bandwidth == e["memory_bandwidth"]
-        assert sel.kernel_overhead_s == e["kernel_overhead_s"]
-        assert sel.provenance["per_process_entry"] == n
-        assert f"per_process[{n}]" in sel.sources["matmul_flops.fp32"]
-    # more processes than measured: the largest measured count below
-    assert autopar.Cluster("cpu", 1, 8).hardware().provenance["per_process_entry"] == 4
-    # a GPU profile has no per-process rates and is unchanged
-    h100 = load_profile("h100-sxm")
-    assert h100.for_processes(8) is h100
-
-
 def test_oversubscribed_processes_are_slower_each():
     hw = load_profile("cpu")
     # 4 one-thread processes on the measured 2-core machine share the cores
