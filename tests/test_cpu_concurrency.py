@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-import autopar
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.hardware import LinkSpec, load_profile, parse_profile
 from autopar.errors import PlanFormatError
@@ -24,7 +23,7 @@ def test_per_kind_fits_price_their_collective():
     assert collective_time("all_reduce", 1e6, 2, link) == pytest.approx(1e6 / 1e9 + 2e-3)
     # a kind without its own fit uses the link's figures
     assert collective_time("all_to_all", 1e6, 2, link) == pytest.approx(1e6 / 2 / 1e9 + 1e-3)
-    sel = autopar.Cluster("cpu", 1, 4).hardware().intra_node
+    sel = load_profile("cpu").for_processes(4).intra_node
     assert {k for k, _, _ in sel.kinds} == {"all_reduce", "all_gather", "reduce_scatter"}
 
 
