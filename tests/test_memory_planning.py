@@ -125,8 +125,10 @@ def test_gpt3_175b_prefers_sequence_parallel_with_selective_recompute() -> None:
                            cluster=cluster, global_batch=64)
     full = autopar.estimate(model, x, autopar.Spec(**common, recompute="full"),
                             cluster=cluster, global_batch=64)
-    assert chosen.sequence_parallel and set(chosen.recompute.values()) == {"selective"}
-    assert chosen.step_time_s == pytest.approx(sel.step_time_s, rel=1e-9)
+    # with the exact per-rank memory of its stage split, the chosen plan may fit with
+    # less recomputation than selective; it never takes full recomputation
+    assert chosen.sequence_parallel and "full" not in set(chosen.recompute.values())
+    assert chosen.step_time_s <= sel.step_time_s * (1 + 1e-9)
     assert sel.step_time_s < full.step_time_s
     for p in (chosen, sel, full):
         assert p.memory_per_device_bytes <= cluster.hardware().usable_memory_bytes
