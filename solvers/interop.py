@@ -62,7 +62,7 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
-from autopar.solvers.interop_search import feasible_split, improve_split, min_g_split
+from autopar.solvers.interop_search import can_beat, feasible_split, improve_split, min_g_split
 from autopar.solvers.schedules import (ZERO_BUBBLE, ChunkCost, Op, ScheduleEstimate, Timeline,
                                        rank_orders, stage_ranks, validate)
 
@@ -322,14 +322,17 @@ def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, sched
                  virtual_stages: int = 1, p2p_s: float = 0.0,
                  memory_budget: float = float("inf"), overlap: float = 1.0,
                  bound: float = float("inf"), explain: bool = True,
-                 timeline: Timeline | None = None) -> StageSplit:
+                 timeline: Timeline | None = None,
+                 initial: list[tuple[int, int]] | None = None) -> StageSplit | None:
     """The split of ``units`` into ``pp · virtual_stages`` contiguous stages with the
     least ``F`` (module docstring) whose ranks all fit ``memory_budget`` bytes: the
     least-``T`` seed improved by simulation. ``overlap``: the share of a rank's backward
     its dp gradient synchronization may hide behind. ``bound``: the caller needs only a
-    split with F below it; when none is found the split returned is the best seen.
+    split with F below it: None when the lower bound shows that none can be
+    (:func:`~autopar.solvers.interop_search.can_beat`), else the best split seen.
     ``timeline``: the schedule already compiled (:attr:`StageSplit.timeline` of an
-    earlier split with the same schedule, pp, m and v).
+    earlier split with the same schedule, pp, m and v). ``initial``: a split to improve
+    instead of the least-T seed, when it fits the budget (e.g. a similar plan's).
 
     Raises:
         ConfigError: the schedule cannot run this combination, or too few units.
@@ -340,7 +343,13 @@ def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, sched
     start = time.perf_counter()
     prob = _problem(units, pp, num_microbatches, schedule, virtual_stages, p2p_s, memory_budget,
                     overlap, timeline)
-    seed, stats = _formula_split(prob, units, explain)
+    if bound < float("inf") and not can_beat(prob, bound):
+        return None
+    if initial is not None and len(initial) == prob.stages and \
+            max(prob.rank_memory(initial)) <= memory_budget * (1 + _REL):
+        seed, stats = list(initial), {"seed": "given"}
+    else:
+        seed, stats = _formula_split(prob, units, explain)
     bounds, found = improve_split(prob, seed, bound)
     stats.update(found, seconds=time.perf_counter() - start)
     return _finish(prob, bounds, stats)

@@ -251,13 +251,14 @@ class PathBound:
     zero_bubble: bool
 
     @classmethod
-    def of(cls, prob: "_Problem") -> "PathBound":
-        """Read the schedule's compiled orders. Each stage runs its F, B, I and W in
-        micro-batch order, so the count of one kind before a position is found by
-        bisection on the micro-batch."""
-        tl, m, S = prob.timeline, prob.m, prob.stages
+    def of(cls, prob: "_Problem", paths: bool = True) -> "PathBound":
+        """Read the schedule's orders (``paths``: also ``before``, from the compiled
+        schedule; without it, enough for :func:`can_beat`). Each stage runs its F, B, I
+        and W in micro-batch order, so the count of one kind before a position is found
+        by bisection on the micro-batch."""
+        m, S = prob.m, prob.stages
         first, last_b = [], []
-        for order in tl.orders:
+        for order in prob.orders:
             first.append(order[0][1] if order and order[0][0] == "F" and order[0][2] == 0 else -1)
             end = order[-1] if order else None
             last_b.append(end[1] if end and end[0] == "B" and end[2] == m - 1 else -1)
@@ -265,7 +266,8 @@ class PathBound:
         for s, r in enumerate(prob.ranks):
             on_rank[r].append(s)
         before = []
-        for s in range(S):
+        tl = prob.timeline if paths else None
+        for s in range(S if paths else 0):
             here = tl.position(("F", s, m - 1))
             counts = []
             for u in on_rank[prob.ranks[s]]:
@@ -337,6 +339,15 @@ def _admitted(prob: "_Problem", pb: PathBound, theta: float) -> list[list[int]]:
             row.append(min(j, mem_ends[s][i]))
         out.append(row)
     return out
+
+
+def can_beat(prob: "_Problem", bound: float) -> bool:
+    """False when no split that fits can have F below ``bound``: every split has a stage
+    that the admission of the module docstring rejects at θ = bound (its own memory
+    over the budget, or its rank's term with it alone already at ``bound``). O(S·n·log n),
+    without simulating."""
+    ends = _admitted(prob, PathBound.of(prob, paths=False), bound)
+    return _finishable(prob, ends)[0][0]
 
 
 def _count(prob: "_Problem", ends: list[list[int]], cap: int) -> int:

@@ -303,7 +303,8 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedu
             try:
                 out = _outcome(g, built, sol, _units(g, built, sol), pp=pp, schedule=schedule,
                                virtual_stages=virtual_stages, overlap=overlap,
-                               bound=best.step_time_s, timelines=timelines)
+                               bound=best.step_time_s, timelines=timelines,
+                               initial=best.split.bounds)
             except NoFeasiblePlanError:
                 continue
             if out is not None and out.step_time_s < best.step_time_s * (1 - 1e-9):
@@ -314,11 +315,14 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedu
 
 def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: int,
              schedule: str, virtual_stages: int, overlap: float, bound: float,
-             timelines: dict | None = None) -> PipelineOutcome | None:
+             timelines: dict | None = None,
+             initial: list[tuple[int, int]] | None = None) -> PipelineOutcome | None:
     """Split the units of one intra-op solution into stages and price the pipeline
-    (None when even a bubble-free pipeline would take ``bound`` or more; a split that
-    cannot beat ``bound`` is returned as the best the split search saw). ``timelines``
-    keeps compiled schedules by (schedule, pp, m, v) for later calls."""
+    (None when even a bubble-free pipeline would take ``bound`` or more, or no split's
+    lower bound is below it; a split that still cannot beat ``bound`` is returned as the
+    best the split search saw). ``timelines``
+    keeps compiled schedules by (schedule, pp, m, v) for later calls; ``initial``: a
+    split to improve instead of the least-T seed, when it fits."""
     st = built.settings
     m = st.num_microbatches
     if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
@@ -337,7 +341,9 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
                          p2p_s=p2p, memory_budget=st.memory_budget - max(extra),
                          overlap=overlap, bound=bound, explain=False,
-                         timeline=timelines.get(key))
+                         timeline=timelines.get(key), initial=initial)
+    if split is None:
+        return None
     timelines[key] = split.timeline
     ranks = [r + e for r, e in zip(split.estimate.peak_memory_bytes, extra)]
     return PipelineOutcome(sol, units, split, split.objective_s, max(ranks), p2p,

@@ -115,6 +115,23 @@ def test_simulated_split_beats_the_formula_with_heavy_ends():
     assert [j - i for i, j in got.bounds] == [5, 5, 5, 4, 4, 3]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_bound_keeps_the_best_split_and_drops_hopeless_ones(seed):
+    """With ``bound`` just above the least F the split search still finds it; below the
+    bubble-free time m·Σc/pp no split can beat it, and the search says so (None)."""
+    rng = random.Random(200 + seed)
+    for schedule in ("1f1b", "gpipe"):
+        pp, n, m = rng.randint(2, 4), rng.randint(5, 9), 8
+        units = _random_units(rng, n, sync=2.0)
+        ref = split_stages_exhaustive(units, pp, m, schedule=schedule, p2p_s=0.05)
+        got = split_stages(units, pp, m, schedule=schedule, p2p_s=0.05,
+                           bound=ref.objective_s * (1 + 1e-9))
+        assert got is not None and got.objective_s == pytest.approx(ref.objective_s, rel=1e-12)
+        floor = m * sum(u.forward_s + u.backward_s for u in units) / pp
+        assert split_stages(units, pp, m, schedule=schedule, p2p_s=0.05,
+                            bound=floor * 0.999) is None
+
+
 def test_split_hides_the_dp_sync_behind_each_ranks_backward():
     """Units whose gradient synchronization exceeds their backward: stacking them on one
     rank exposes the excess there; F spreads them although T is indifferent."""
