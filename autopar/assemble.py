@@ -233,11 +233,14 @@ def pipeline_breakdown(po: PipelineOutcome, *, pp: int, schedule: str, virtual_s
                         p2p_s=0.0).step_time_s
     p2p = est.step_time_s - free_p2p
     exposed_param = param + po.exposed_step_comm_s
-    return {"compute_s": compute, "recompute_s": recompute,
-            "exposed_comm_s": comm + exposed_param + p2p,
-            "bubble_s": free_p2p - (compute + recompute + comm + param), "host_step_s": 0.0,
-            "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p,
-            "p2p_s": po.p2p_s}
+    terms = {"compute_s": compute, "recompute_s": recompute,
+             "exposed_comm_s": comm + exposed_param + p2p,
+             "bubble_s": free_p2p - (compute + recompute + comm + param), "host_step_s": 0.0,
+             "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p}
+    # Ranks sharing fewer cores (pipeline_search.shared_cores_time): every term is
+    # the same share of the shorter step, so the terms still sum to it.
+    scale = po.step_time_s / po.split.objective_s if po.split.objective_s else 1.0
+    return {**{k: v * scale for k, v in terms.items()}, "p2p_s": po.p2p_s}
 
 
 def runner_up(best: Plan, other: Plan) -> dict:

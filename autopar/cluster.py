@@ -56,7 +56,7 @@ class Cluster:
         from autopar.cost_models.hardware import load_profile
 
         hw = load_profile(self.profile, base=self.gpu) if self.profile else load_profile(self.gpu)
-        return hw.with_overrides(
+        return hw.for_processes(self.gpus_per_node).with_overrides(
             intra_node_bandwidth=self.intra_node_bandwidth,
             inter_node_bandwidth=self.inter_node_bandwidth,
             memory_gb=self.memory_gb,

@@ -73,6 +73,24 @@ class HardwareProfile:
     provenance: dict[str, Any] = field(default_factory=dict)
     tables: ComputeTables | None = None
     per_process: dict[int, dict[str, Any]] = field(default_factory=dict)
+    comm_overlap: float = 1.0
+    """The share of compute that gradient synchronization and ZeRO traffic may hide
+    behind: 1.0 where collectives run on their own engines (NCCL on a GPU's copy and
+    SM resources, beside the compute stream); a CPU profile measures it per process
+    count (gloo moves data on the same cores that compute)."""
+
+    @property
+    def oversubscription(self) -> float:
+        """Processes per core of a CPU profile selected for more processes than the
+        machine has cores (:meth:`for_processes`; ``provenance["cpus"]`` cores); 1.0
+        for every other profile. With s > 1 the rates of ``per_process[N]`` are those
+        of N busy processes taking turns; a process that waits (a pipeline bubble)
+        gives its turn to the others."""
+        n = self.provenance.get("processes_per_node")
+        cores = self.provenance.get("cpus")
+        if not self.per_process or not n or not cores:
+            return 1.0
+        return max(1.0, float(n) / float(cores))
 
     def for_processes(self, n: int) -> "HardwareProfile":
         """This profile as each of ``n`` processes per node sees it.
@@ -99,6 +117,7 @@ class HardwareProfile:
                      vector_flops={d: v * ratio for d, v in self.vector_flops.items()},
                      memory_bandwidth=e.get("memory_bandwidth", self.memory_bandwidth),
                      kernel_overhead_s=e.get("kernel_overhead_s", self.kernel_overhead_s),
+                     comm_overlap=e.get("comm_overlap", self.comm_overlap),
                      provenance={**self.provenance, "processes_per_node": n,
                                  "per_process_entry": k})
         link = e.get("link")
@@ -312,6 +331,8 @@ def _per_process(data: dict, origin: str) -> dict[int, dict[str, Any]]:
         src: dict[str, str] = {}
         e: dict[str, Any] = {f: _num(entry, f, origin, src, pre) for f in
                              ("matmul_flops", "memory_bandwidth", "kernel_overhead_s")}
+        if "comm_overlap" in entry:
+            e["comm_overlap"] = _num(entry, "comm_overlap", origin, src, pre)
         kinds = [(kind, _link(entry, kind, origin, src)) for kind in
                  ("all_reduce", "all_gather", "reduce_scatter") if kind in entry]
         if kinds:
@@ -321,6 +342,7 @@ def _per_process(data: dict, origin: str) -> dict[int, dict[str, Any]]:
         names = {f"{pre}matmul_flops": "matmul_flops.fp32",
                  f"{pre}memory_bandwidth": "memory_bandwidth",
                  f"{pre}kernel_overhead_s": "kernel_overhead_s",
+                 f"{pre}comm_overlap": "comm_overlap",
                  "all_reduce.bandwidth": "intra_node.bandwidth",
                  "all_reduce.latency": "intra_node.latency"}
         e["sources"] = {names.get(n, f"{pre}{n}"): text for n, text in src.items()}
@@ -350,6 +372,8 @@ def parse_profile(text: str, origin: str = "<text>", folder: Any = None) -> Hard
             inter_node=_link(data, "inter_node", origin, src),
             host_link=_link(data, "host_link", origin, src),
             sources=src, provenance=dict(data.get("provenance", {})), tables=tables,
-            per_process=_per_process(data, origin))
+            per_process=_per_process(data, origin),
+            comm_overlap=(_num(data, "comm_overlap", origin, src) if "comm_overlap" in data
+                          else 1.0))
     except KeyError as e:
         raise PlanFormatError(f"hardware profile {origin} is missing the field {e}") from None

@@ -16,6 +16,8 @@ Per N the profile stores, under ``per_process["N"]`` (see
 - copy bandwidth: a 64 MiB copy (beyond the last-level cache), bytes read + written;
 - per-op time: the median eager time of a tiny ``torch.add`` on tensors that require
   grad (ATen dispatch plus the autograd node a training step records);
+- for N > 1, the share of an all-reduce that GEMMs hide (``comm_overlap``;
+  :func:`comm_overlap`);
 - for N > 1, gloo all-reduce, all-gather and reduce-scatter over loopback, each fitted
   to α-β (:func:`autopar.cost_models.comm.fit_alpha_beta`). Each collective is timed
   between two GEMMs, as a training step issues it, and the time of the GEMMs alone
@@ -149,6 +151,36 @@ def collective_fits(world: int, sync: Callable[[], None]) -> dict[str, dict[str,
     return out
 
 
+OVERLAP_BYTES = 2**22
+"""Buffer of the all-reduce whose overlap with GEMMs is measured (4 MiB: a block's
+gradients in the small models plans run on a CPU)."""
+
+
+def comm_overlap(sync: Callable[[], None]) -> float:
+    """The share of an all-reduce that hides behind GEMMs issued after it: with c the
+    all-reduce alone, g GEMMs of about the same time alone and t the all-reduce issued
+    asynchronously, then the GEMMs, then waited for, (g + c − t) / min(g, c), clipped
+    to [0, 1]. 1: the collective costs nothing beside compute; 0: it adds its whole
+    time, as when gloo's threads and the compute share the same cores."""
+    full = torch.ones(OVERLAP_BYTES // 4)
+    a = torch.randn(512, 512)
+    c = _median_time(lambda: dist.all_reduce(full), sync, REPS, COLLECTIVE_LOOPS)
+    one = _median_time(lambda: torch.mm(a, a), sync, REPS, COLLECTIVE_LOOPS)
+    k = max(1, round(c / max(one, 1e-9)))
+
+    def gemms() -> None:
+        for _ in range(k):
+            torch.mm(a, a)
+
+    def both() -> None:
+        work = dist.all_reduce(full, async_op=True)
+        gemms()
+        work.wait()
+    g = _median_time(gemms, sync, REPS, COLLECTIVE_LOOPS)
+    t = _median_time(both, sync, REPS, COLLECTIVE_LOOPS)
+    return min(1.0, max(0.0, (g + c - t) / max(min(g, c), 1e-12)))
+
+
 def _worker(rank: int, world: int, port: int, q: Any) -> None:
     """One of ``world`` one-thread processes: measure everything, report to the parent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -160,6 +192,7 @@ def _worker(rank: int, world: int, port: int, q: Any) -> None:
     res["op_overhead_s"] = op_overhead()
     if world > 1:
         res["collectives"] = collective_fits(world, sync)
+        res["comm_overlap"] = comm_overlap(sync)
     q.put((rank, res))
     dist.destroy_process_group()
 
@@ -182,6 +215,7 @@ def measure_processes(world: int) -> dict[str, Any]:
                            for k in ("gemm_flops", "copy_bandwidth", "op_overhead_s")}
     if world > 1:
         out["collectives"] = got[0]["collectives"]
+        out["comm_overlap"] = statistics.median(got[r]["comm_overlap"] for r in got)
     return out
 
 
@@ -216,6 +250,9 @@ def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]
                 "bandwidth": _n(fit["bandwidth"], f"{where}: gloo {kind} over loopback between "
                                                   "GEMMs, GEMM time subtracted, α-β fit"),
                 "latency": _n(fit["latency"], "same fit"), "seconds": fit["seconds"]}
+        entry["comm_overlap"] = _n(m["comm_overlap"], f"{where}: share of a 4 MiB gloo "
+                                   "all-reduce hidden behind GEMMs issued after it (median "
+                                   "over ranks)")
     return entry
 
 

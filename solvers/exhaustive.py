@@ -46,13 +46,13 @@ from autopar.plans import RECOMPUTE
 from autopar.sharding import Mesh
 from autopar.solvers.ilp import Solution
 from autopar.solvers.interop import stage_in_flight
-from autopar.solvers.pipeline_search import boundary_bytes, loss_input_bytes
+from autopar.solvers.pipeline_search import boundary_bytes, loss_input_bytes, shared_cores_time
 from autopar.solvers.problem import Problem, evaluate
 from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
-from autopar.solvers.search import Candidate, offload_candidates
+from autopar.solvers.search import Candidate, candidate_settings, offload_candidates
 from autopar.solvers.units import Unit, backward_transients, unit_costs, unit_of_nodes
 from autopar.strategies.analysis import GraphAnalysis
-from autopar.strategies.build import Built, Settings, build_problem
+from autopar.strategies.build import Built, build_problem
 
 _TOL = 1e-12
 """Relative slack on a memory budget, as the stage split allows it."""
@@ -171,6 +171,7 @@ class _Layout:
     budget: float
     ranks: tuple[int, ...]
     k: tuple[int, ...]
+    shared: float = 1.0
 
     @classmethod
     def of(cls, built: Built, pp: int, schedule: str, virtual_stages: int) -> "_Layout":
@@ -179,7 +180,8 @@ class _Layout:
         m = st.num_microbatches
         return cls(pp, m, schedule, virtual_stages, st.overlap, st.memory_budget,
                    tuple(stage_ranks(schedule, pp, virtual_stages)),
-                   tuple(stage_in_flight(schedule, pp, m, virtual_stages)))
+                   tuple(stage_in_flight(schedule, pp, m, virtual_stages)),
+                   getattr(st.hw, "oversubscription", 1.0))
 
 
 def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,
@@ -207,7 +209,8 @@ def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,
                    p2p_s=a.p2p_s)
     exposed = max(max(0.0, c - lay.overlap * w) for c, w in zip(comm, bwd))
     memory = max(p + e for p, e in zip(est.peak_memory_bytes, a.extra))
-    return PipelineScore(est.step_time_s + exposed, memory, feasible, list(bounds))
+    step = shared_cores_time(est.step_time_s + exposed, est.busy_s, exposed, lay.shared)
+    return PipelineScore(step, memory, feasible, list(bounds))
 
 
 def stage_splits(n: int, stages: int) -> Iterator[list[tuple[int, int]]]:
@@ -288,15 +291,6 @@ class BruteForceResult:
     times: dict[Candidate, float | None] = field(default_factory=dict)
 
 
-def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
-                       optimizer: str, memory_budget: float,
-                       sequence_parallel: bool | None = None,
-                       recompute: tuple[str, ...] | None = None) -> Settings:
-    """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh)."""
-    return Settings(Mesh(("dp", "tp"), (c.dp, c.tp)), c.microbatch_size, c.num_microbatches,
-                    c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
-                    sequence_parallel=sequence_parallel, offload=c.offload,
-                    recompute_modes=recompute or RECOMPUTE)
 
 
 def _best_of(an: GraphAnalysis, cands: list[Candidate], **kw) -> BruteForceResult | None:

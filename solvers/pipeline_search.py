@@ -205,7 +205,7 @@ def _solve(problem: Problem, bound: float) -> Solution | NoFeasiblePlanError | N
 
 
 def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_stages: int,
-                   overlap: float = 1.0,
+                   overlap: float | None = None,
                    solved: dict[tuple, tuple[Solution, list[Unit]] | NoFeasiblePlanError] | None = None,
                    bound: float = float("inf")) -> PipelineOutcome | None:
     """Solve one pipelined candidate (see the module docstring); raises
@@ -252,7 +252,7 @@ def _units(g: Graph, built: Built, sol: Solution) -> list[Unit]:
 
 
 def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedule: str,
-                 virtual_stages: int, overlap: float = 1.0) -> PipelineOutcome:
+                 virtual_stages: int, overlap: float | None = None) -> PipelineOutcome:
     """The winning candidate's recomputation modes, memory model and block-boundary
     placement chosen jointly with its stage split.
 
@@ -314,7 +314,7 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedu
 
 
 def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: int,
-             schedule: str, virtual_stages: int, overlap: float, bound: float,
+             schedule: str, virtual_stages: int, overlap: float | None, bound: float,
              timelines: dict | None = None,
              initial: list[tuple[int, int]] | None = None) -> PipelineOutcome | None:
     """Split the units of one intra-op solution into stages and price the pipeline
@@ -324,9 +324,11 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     keeps compiled schedules by (schedule, pp, m, v) for later calls; ``initial``: a
     split to improve instead of the least-T seed, when it fits."""
     st = built.settings
+    overlap = st.overlap if overlap is None else overlap
     m = st.num_microbatches
     if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
         return None
+    shared = getattr(st.hw, "oversubscription", 1.0)
     full = Mesh(("pp",) + st.mesh.names, (pp,) + st.mesh.sizes)
     link = group_link(full.sizes, 0, st.gpus_per_node, st.hw)
     p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2, link)
@@ -340,11 +342,29 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     key = (schedule, pp, m, virtual_stages)
     split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
                          p2p_s=p2p, memory_budget=st.memory_budget - max(extra),
-                         overlap=overlap, bound=bound, explain=False,
+                         overlap=overlap, bound=bound * shared, explain=False,
                          timeline=timelines.get(key), initial=initial)
     if split is None:
         return None
     timelines[key] = split.timeline
     ranks = [r + e for r, e in zip(split.estimate.peak_memory_bytes, extra)]
-    return PipelineOutcome(sol, units, split, split.objective_s, max(ranks), p2p,
-                           split.exposed_s, max(extra), extra)
+    step = shared_cores_time(split.objective_s, split.estimate.busy_s, split.exposed_s, shared)
+    return PipelineOutcome(sol, units, split, step, max(ranks), p2p, split.exposed_s,
+                           max(extra), extra)
+
+
+def shared_cores_time(objective_s: float, busy_s: list[float], exposed_s: float,
+                      shared: float) -> float:
+    """The step time of a stage split when its ranks take turns on fewer cores:
+    ``objective_s`` = T (the schedule's makespan plus the exposed synchronization
+    ``exposed_s``), ``busy_s`` each rank's busy time.
+
+    ``shared`` = s, processes per core (:attr:`HardwareProfile.oversubscription`); the
+    unit costs were priced at the rates of all N processes busy at once, s times
+    slower than one process per core. A rank waiting in a bubble gives its core to
+    another, so the step is the larger of the critical path at one process per core,
+    T/s, and the cores' total work, Σ_r busy_r / cores = mean_r busy_r (plus the
+    exposed gradient synchronization, also done on the cores). s = 1: T itself."""
+    if shared <= 1.0:
+        return objective_s
+    return max(objective_s / shared, sum(busy_s) / len(busy_s) + exposed_s)

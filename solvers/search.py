@@ -252,6 +252,18 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     return res
 
 
+def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
+                       optimizer: str, memory_budget: float,
+                       sequence_parallel: bool | None = None,
+                       recompute: tuple[str, ...] | None = None) -> Settings:
+    """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh)."""
+    return Settings(Mesh(("dp", "tp"), (c.dp, c.tp)), c.microbatch_size, c.num_microbatches,
+                    c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
+                    sequence_parallel=sequence_parallel, offload=c.offload,
+                    recompute_modes=recompute or RECOMPUTE,
+                    overlap=getattr(hw, "comm_overlap", 1.0))
+
+
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                precision: str, optimizer: str, memory_budget: float,
                sequence_parallel: bool | None,
@@ -264,10 +276,9 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         key = _mesh_key(c)
         if key in built_by:
             continue
-        st = Settings(Mesh(("dp", "tp"), (c.dp, c.tp)), c.microbatch_size, c.num_microbatches,
-                      c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
-                      sequence_parallel=sequence_parallel, offload=c.offload,
-                      recompute_modes=recompute or RECOMPUTE)
+        st = candidate_settings(c, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
+                                optimizer=optimizer, memory_budget=memory_budget,
+                                sequence_parallel=sequence_parallel, recompute=recompute)
         try:
             built_by[key] = build_problem(an, st, layouts)
         except NoFeasiblePlanError as e:

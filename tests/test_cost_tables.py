@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost_models.compute import OpShapes, op_time
+from autopar.cost_models.compute import OpShapes, compute_time, op_time
 from autopar.cost_models.hardware import load_profile
 from autopar.cost_models.profiler import run_profile
 from autopar.cost_models.tables import (ComputeTables, attention_time, gemm_time,
@@ -116,16 +116,31 @@ def test_quick_profile_loads_and_plans_like_shipped(quick_profile):
     a = autopar.plan(model, (x,), cluster=measured, precision="fp32")
     b = autopar.plan(model, (x,), cluster=shipped, precision="fp32")
     # Same machine kind: the measured profile's choice, scored with the shipped
-    # profile, costs at most 50% more than the shipped profile's own choice, and the
-    # step times differ by no more than the spread of the two profiles' GEMM rates
-    # and launch overheads (x2).
+    # profile, costs at most 50% more than the shipped profile's own choice.
     again = autopar.estimate(model, (x,), autopar.Spec(dp=a.mesh["dp"], tp=a.mesh["tp"]),
                              cluster=shipped, precision="fp32")
     assert again.step_time_s <= 1.5 * b.step_time_s
-    rate = hw.matmul_flops["fp32"] / shipped.hardware().matmul_flops["fp32"]
-    launch = hw.kernel_overhead_s / shipped.hardware().kernel_overhead_s
-    lo, hi = min(1 / rate, launch, 1.0) / 2, max(1 / rate, launch, 1.0) * 2
+    # If every op's time changes by a factor in [lo, hi] (communication: 1), every
+    # plan's step time does too, and so does the fastest one. The factors are the
+    # measured rows' times over the shipped profile's times for the same ops (x1.5 for
+    # shapes between measured rows).
+    ratios = _measured_over_shipped(json.loads(quick_profile.read_text()), shipped.hardware())
+    lo, hi = min(ratios + [1.0]) / 1.5, max(ratios + [1.0]) * 1.5
     assert lo <= a.step_time_s / b.step_time_s <= hi
+
+
+def _measured_over_shipped(doc: dict, shipped) -> list[float]:
+    """Each measured row's time over the shipped profile's time for the same op."""
+    t = doc["tables"]
+    out = [r["seconds"] / max(compute_time(r["flops"], 4.0 * (r["m"] * r["k"] + r["k"] * r["n"]
+                                                               + r["m"] * r["n"]),
+                                           matmul=True, dtype="fp32", hw=shipped), 1e-12)
+           for r in t["gemm"]]
+    out += [r["seconds"] / compute_time(r["flops"], 0.0, matmul=True, dtype="fp32", hw=shipped)
+            for r in t["attention"]]
+    out += [r["seconds"] / compute_time(0.0, r["bytes"], matmul=False, dtype="fp32", hw=shipped)
+            for r in t["memory_bound"]]
+    return out + [t["launch"][0]["seconds"] / shipped.kernel_overhead_s]
 
 
 def test_malformed_profile_one_clear_error(tmp_path):
