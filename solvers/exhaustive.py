@@ -181,7 +181,7 @@ class _Layout:
         return cls(pp, m, schedule, virtual_stages, st.overlap, st.memory_budget,
                    tuple(stage_ranks(schedule, pp, virtual_stages)),
                    tuple(stage_in_flight(schedule, pp, m, virtual_stages)),
-                   getattr(st.hw, "oversubscription", 1.0))
+                   st.hw.oversubscription)
 
 
 def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,

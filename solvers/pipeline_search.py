@@ -205,7 +205,6 @@ def _solve(problem: Problem, bound: float) -> Solution | NoFeasiblePlanError | N
 
 
 def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_stages: int,
-                   overlap: float | None = None,
                    solved: dict[tuple, tuple[Solution, list[Unit]] | NoFeasiblePlanError] | None = None,
                    bound: float = float("inf")) -> PipelineOutcome | None:
     """Solve one pipelined candidate (see the module docstring); raises
@@ -227,7 +226,7 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
         raise entry
     sol, units = entry
     return _outcome(g, built, sol, units, pp=pp, schedule=schedule,
-                    virtual_stages=virtual_stages, overlap=overlap, bound=bound)
+                    virtual_stages=virtual_stages, bound=bound)
 
 
 def _intra_op(g: Graph, built: Built, pp: int, held: int, solved: dict,
@@ -252,7 +251,7 @@ def _units(g: Graph, built: Built, sol: Solution) -> list[Unit]:
 
 
 def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedule: str,
-                 virtual_stages: int, overlap: float | None = None) -> PipelineOutcome:
+                 virtual_stages: int) -> PipelineOutcome:
     """The winning candidate's recomputation modes, memory model and block-boundary
     placement chosen jointly with its stage split.
 
@@ -302,8 +301,7 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedu
             seen.add((tuple(sol.choice), tuple(sol.modes)))
             try:
                 out = _outcome(g, built, sol, _units(g, built, sol), pp=pp, schedule=schedule,
-                               virtual_stages=virtual_stages, overlap=overlap,
-                               bound=best.step_time_s, timelines=timelines,
+                               virtual_stages=virtual_stages, bound=best.step_time_s, timelines=timelines,
                                initial=best.split.bounds)
             except NoFeasiblePlanError:
                 continue
@@ -314,7 +312,7 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedu
 
 
 def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: int,
-             schedule: str, virtual_stages: int, overlap: float | None, bound: float,
+             schedule: str, virtual_stages: int, bound: float,
              timelines: dict | None = None,
              initial: list[tuple[int, int]] | None = None) -> PipelineOutcome | None:
     """Split the units of one intra-op solution into stages and price the pipeline
@@ -324,11 +322,10 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     keeps compiled schedules by (schedule, pp, m, v) for later calls; ``initial``: a
     split to improve instead of the least-T seed, when it fits."""
     st = built.settings
-    overlap = st.overlap if overlap is None else overlap
     m = st.num_microbatches
     if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
         return None
-    shared = getattr(st.hw, "oversubscription", 1.0)
+    shared = st.hw.oversubscription
     full = Mesh(("pp",) + st.mesh.names, (pp,) + st.mesh.sizes)
     link = group_link(full.sizes, 0, st.gpus_per_node, st.hw)
     p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2, link)
@@ -342,7 +339,7 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     key = (schedule, pp, m, virtual_stages)
     split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
                          p2p_s=p2p, memory_budget=st.memory_budget - max(extra),
-                         overlap=overlap, bound=bound * shared, explain=False,
+                         overlap=st.overlap, bound=bound * shared, explain=False,
                          timeline=timelines.get(key), initial=initial)
     if split is None:
         return None

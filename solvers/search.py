@@ -260,8 +260,7 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
     return Settings(Mesh(("dp", "tp"), (c.dp, c.tp)), c.microbatch_size, c.num_microbatches,
                     c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
                     sequence_parallel=sequence_parallel, offload=c.offload,
-                    recompute_modes=recompute or RECOMPUTE,
-                    overlap=getattr(hw, "comm_overlap", 1.0))
+                    recompute_modes=recompute or RECOMPUTE)
 
 
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,

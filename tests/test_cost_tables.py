@@ -132,9 +132,9 @@ def test_quick_profile_loads_and_plans_like_shipped(quick_profile):
 def _measured_over_shipped(doc: dict, shipped) -> list[float]:
     """Each measured row's time over the shipped profile's time for the same op."""
     t = doc["tables"]
-    out = [r["seconds"] / max(compute_time(r["flops"], 4.0 * (r["m"] * r["k"] + r["k"] * r["n"]
-                                                               + r["m"] * r["n"]),
-                                           matmul=True, dtype="fp32", hw=shipped), 1e-12)
+    out = [r["seconds"] / compute_time(r["flops"], 4.0 * (r["m"] * r["k"] + r["k"] * r["n"]
+                                                          + r["m"] * r["n"]),
+                                       matmul=True, dtype="fp32", hw=shipped)
            for r in t["gemm"]]
     out += [r["seconds"] / compute_time(r["flops"], 0.0, matmul=True, dtype="fp32", hw=shipped)
             for r in t["attention"]]

@@ -67,10 +67,15 @@ class Settings:
     memory_budget: float
     hw: object
     gpus_per_node: int
-    overlap: float = 1.0
     sequence_parallel: bool | None = None
     offload: bool = False
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
+
+    @property
+    def overlap(self) -> float:
+        """The share of compute that gradient synchronization and ZeRO traffic may
+        hide behind: the hardware profile's ``comm_overlap``."""
+        return self.hw.comm_overlap  # type: ignore[attr-defined]
 
 
 @dataclass
