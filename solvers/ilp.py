@@ -18,10 +18,34 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+import sys
+
 import pulp
 
 from autopar.errors import NoFeasiblePlanError
 from autopar.solvers.problem import Problem, evaluate, least_memory
+
+
+def _release_import_frames() -> None:
+    """Drop the tracebacks of the import errors PuLP keeps.
+
+    Some PuLP solver classes store the exception of a failed optional import as a class
+    attribute (``COPT_DLL.err``, ``CPLEX_PY.err`` in pulp 3.3). Its traceback holds every
+    frame that was on the stack when PuLP was first imported, which here is inside the
+    first ``autopar.plan`` call, so that call's caller's locals (a model, its optimizer,
+    gigabytes of GPU memory) would never be freed. The messages stay; only the frames go.
+    """
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("pulp.") or module is None:
+            continue
+        for obj in vars(module).values():
+            err = getattr(obj, "err", None) if isinstance(obj, type) else None
+            if isinstance(err, BaseException):
+                err.__traceback__ = None
+                err.__context__ = None
+
+
+_release_import_frames()
 
 
 @dataclass
