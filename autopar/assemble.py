@@ -6,9 +6,10 @@ The breakdown's terms :data:`~autopar.summary.STEP_TERMS` add up to the step tim
 with or without a pipeline (n micro-batches; on a pipeline, sums over the units of the
 busiest rank r, the rank with the most busy time)::
 
-    step_time_s = compute_s + recompute_s + exposed_comm_s + bubble_s + host_step_s
+    step_time_s = compute_s + recompute_s + exposed_comm_s + bubble_s + optimizer_s
 
-* ``compute_s``: forward + backward without recomputation (n · Σ compute);
+* ``compute_s``: forward + backward without recomputation (n · Σ compute), FSDP2's
+  copies of the parameters included (:mod:`autopar.cost_models.param_work`);
 * ``recompute_s``: the forwards recomputed in backward (n · Σ m_v · extra_s);
 * ``exposed_comm_s``: communication on the critical path — activation collectives and
   resharding (``comm_s``), parameter communication that compute does not hide
@@ -18,7 +19,8 @@ busiest rank r, the rank with the most busy time)::
   = T − T₀, with T₀ the schedule simulated with free transfers);
 * ``bubble_s``: the busiest rank's idle time in the schedule with free transfers
   (T₀ − busy_r); 0 without a pipeline;
-* ``host_step_s``: the optimizer step on the host under CPU offload; 0 otherwise.
+* ``optimizer_s``: the optimizer step, after the backward (on the device; on the host
+  under CPU offload); on a pipeline the slowest rank's.
 
 The other keys (``comm_s``, ``reshard_s``, ``param_comm_s``, ``p2p_s`` = seconds per
 transfer, ...) detail these terms; they are not added again."""
@@ -119,7 +121,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     times = {}
     for k, name in enumerate(built.names):
         sc = built.problem.nodes[k].strategies[sol.choice[k]]
-        times[name] = sc.compute_s + sc.comm_s
+        times[name] = sc.device_s + sc.comm_s
     per_node = {n.name: times.get(g.canonical.get(n.name, n.name), 0.0) for n in g.nodes}
     modules = module_plans(an, chosen, tp_axis, params, per_node)
     memory = memory_breakdown(built, sol)
@@ -133,7 +135,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         int(t) if t.isdigit() else t for t in p.split(".")])
     breakdown = {"compute_s": ev.compute_s - ev.recompute_s, "recompute_s": ev.recompute_s,
                  "exposed_comm_s": ev.comm_s + ev.exposed_param_comm_s, "bubble_s": 0.0,
-                 "host_step_s": ev.host_step_s, "comm_s": ev.comm_s, "reshard_s": ev.reshard_s,
+                 "optimizer_s": ev.optimizer_s, "comm_s": ev.comm_s, "reshard_s": ev.reshard_s,
                  "param_comm_s": ev.param_comm_s,
                  "exposed_param_comm_s": ev.exposed_param_comm_s}
     recompute = recompute_of_blocks(built, sol, blocks)
@@ -232,10 +234,16 @@ def pipeline_breakdown(po: PipelineOutcome, *, pp: int, schedule: str, virtual_s
     free_p2p = simulate(schedule, chunks, pp, m, virtual_stages=virtual_stages,
                         p2p_s=0.0).step_time_s
     p2p = est.step_time_s - free_p2p
-    exposed_param = param + po.exposed_step_comm_s
+    per_rank = [0.0] * pp
+    for (a, b), r in zip(po.split.bounds, ranks):
+        per_rank[r] += sum(u.optimizer_s for u in po.units[a:b])
+    # the step's after-backward part holds the slowest rank's optimizer step
+    optimizer = min(po.exposed_step_comm_s, max(per_rank))
+    exposed_param = param + po.exposed_step_comm_s - optimizer
     terms = {"compute_s": compute, "recompute_s": recompute,
              "exposed_comm_s": comm + exposed_param + p2p,
-             "bubble_s": free_p2p - (compute + recompute + comm + param), "host_step_s": 0.0,
+             "bubble_s": free_p2p - (compute + recompute + comm + param),
+             "optimizer_s": optimizer,
              "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p}
     # Ranks sharing fewer cores (pipeline_search.shared_cores_time): every term is
     # the same share of the shorter step, so the terms still sum to it.

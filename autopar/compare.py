@@ -4,7 +4,7 @@
 :func:`autopar.plan`) and scores a :class:`~autopar.api.Spec` with the same cost model
 (:func:`autopar.estimate`). The :class:`Comparison` lines the two up: their layouts,
 then the terms that add up to each step time (:data:`autopar.summary.STEP_TERMS`:
-compute, recomputation, exposed communication, bubble, host optimizer step), memory
+compute, recomputation, exposed communication, bubble, optimizer step), memory
 per device, MFU and throughput, with the ratio hand-written / planned, and says in one
 line which terms make the difference. A Spec that does not fit in memory still gives a
 comparison, which reports what it needs against the budget.
@@ -72,8 +72,6 @@ class Comparison:
         for key in STEP_TERMS:
             a = self.planned.breakdown.get(key, 0.0)
             b = hand.breakdown.get(key, 0.0) if hand else None
-            if key == "host_step_s" and not a and not b:
-                continue
             rows.append(_number_row(term_label(key), a, b, fmt_time))
         rows.append(_number_row("memory per device", self.planned.memory_per_device_bytes,
                                 hand.memory_per_device_bytes if hand else None, fmt_bytes,

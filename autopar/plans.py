@@ -142,7 +142,7 @@ class Plan:
             lowering wraps with ``fully_shard`` and activation checkpointing).
         step_time_s: predicted seconds per optimizer step.
         breakdown: predicted seconds by term: ``compute_s``, ``recompute_s``,
-            ``exposed_comm_s``, ``bubble_s`` and ``host_step_s`` add up to
+            ``exposed_comm_s``, ``bubble_s`` and ``optimizer_s`` add up to
             ``step_time_s`` (:data:`autopar.summary.STEP_TERMS`); the other keys
             (``comm_s``, ``reshard_s``, ``param_comm_s``, ``p2p_s``, ...) detail them.
         memory: predicted peak bytes per device by category (params, grads,

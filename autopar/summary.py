@@ -7,12 +7,12 @@ import re
 from autopar.plans import Plan
 
 
-STEP_TERMS = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "host_step_s")
+STEP_TERMS = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "optimizer_s")
 """The breakdown keys whose sum is a plan's step time (see :mod:`autopar.assemble`)."""
 
 TERM_LABELS = (("compute_s", "compute"), ("recompute_s", "recomputation"),
                ("exposed_comm_s", "exposed communication"), ("bubble_s", "bubble"),
-               ("host_step_s", "host optimizer step"))
+               ("optimizer_s", "optimizer step"))
 """Readable names of :data:`STEP_TERMS`, in order."""
 
 DETAIL_LABELS = (("comm_s", "collectives + resharding"), ("reshard_s", "resharding"),

@@ -11,14 +11,14 @@
    forward, with the eager ``seconds``. Eager backward times are not a target: they
    time one ``torch.autograd.grad`` call per op, whose engine start-up (50-90 µs, see
    h100_ops.json's small ops) a training step pays once, not per op.
-2. **One-H100 training steps** (benchmarks/results/h100_steps.json): a 1.32B GPT and a
-   1.50B Llama, batch 4 x 2048, no recompute. The measured step: fp32 parameters,
-   gradients and AdamW moments, forward and backward under ``torch.autocast(bfloat16)``,
-   ``torch.optim.AdamW(fused=True)``. Predicted: ``autopar.estimate(model, (x,),
-   Spec(dp=1), cluster=Cluster("h100-sxm", 1, 1), precision="bf16")`` (forward and
-   backward: every op in bf16) plus :func:`optimizer_step_time` (fused AdamW, 28 bytes
-   moved per parameter at the measured copy bandwidth), compared with the measured step
-   and its forward+backward part.
+2. **One-H100 training steps** (benchmarks/results/h100_runtime_steps.json, written by
+   ``benchmarks/gpu_runtime_step.py``): a 1.32B GPT and a 1.50B Llama, batch 4 x 2048,
+   run by autopar's own runtime (FSDP2 ``MixedPrecisionPolicy`` bf16 with fp32 masters,
+   ``torch.optim.AdamW(fused=True)``) under several plans: recomputation none /
+   selective / full, one micro-batch of 4 or four of 1. Predicted: ``autopar.estimate``
+   of the same configuration on ``Cluster("h100-sxm", 1, 1)``, whose step includes the
+   optimizer step; compared with the measured step, its forward+backward and optimizer
+   parts, and the measured peak memory.
 3. **CPU plans** (measured here): a small GPT trained under six hand-forced specs on 2
    and on 4 gloo ranks (``autopar.estimate`` then ``autopar.parallelize(plan=...)``,
    fp32, AdamW), median of timed steps, against ``plan.step_time_s`` + the optimizer
@@ -49,18 +49,6 @@ from autopar.cost_models.hardware import HardwareProfile, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-
-OPTIMIZER_BYTES_PER_PARAM = 28
-"""Fused AdamW on fp32 state: reads parameter, gradient, m and v (4 x 4 bytes), writes
-parameter, m and v (3 x 4 bytes) — first principles (PyTorch's fused AdamW kernel
-makes one pass over the four tensors)."""
-
-
-def optimizer_step_time(n_params: float, hw: HardwareProfile) -> float:
-    """Seconds of one fused AdamW step: 28 bytes per parameter at the profile's copy
-    bandwidth (``memory_bandwidth · memory_efficiency``)."""
-    return n_params * OPTIMIZER_BYTES_PER_PARAM / (hw.memory_bandwidth * hw.memory_efficiency)
-
 
 # ---- 1. operators -------------------------------------------------------------------
 def _op_case(layer: str, r: dict) -> tuple[str, OpShapes] | None:
@@ -113,31 +101,38 @@ def ape(pred: float, meas: float) -> float:
 
 # ---- 2. one-GPU steps -----------------------------------------------------------------
 def step_rows() -> list[dict[str, Any]]:
-    """Predicted and measured one-H100 steps of the 1.3B GPT and 1.5B Llama."""
+    """Predicted and measured one-H100 steps of autopar's own runtime: every plan of
+    benchmarks/results/h100_runtime_steps.json, scored again with the current model
+    (``autopar.estimate`` of the measured configuration: one device, its micro-batch
+    size and recomputation mode, bf16, AdamW)."""
     import autopar
     from autopar.examples import gpt, llama
 
-    doc = json.loads((RESULTS / "h100_steps.json").read_text())
+    doc = json.loads((RESULTS / "h100_runtime_steps.json").read_text())
     cluster = autopar.Cluster("h100-sxm", 1, 1)
-    hw = cluster.hardware()
     out = []
-    for run in doc["runs"]:
-        if run.get("recompute") != "none" or "error" in run:
+    for run in doc["results"]:
+        if "error" in run:
             continue
         cfg_cls = gpt.GPTConfig if run["model"] == "gpt" else llama.LlamaConfig
         with torch.device("meta"):
             cfg = cfg_cls(**run["config"])
             model = gpt.GPT(cfg) if run["model"] == "gpt" else llama.Llama(cfg)
         x = torch.randint(0, cfg.vocab_size, (run["batch"], run["seq"]), device="meta")
-        plan = autopar.estimate(model, (x,), autopar.Spec(dp=1), cluster=cluster,
-                                precision="bf16", optimizer="adamw")
-        opt = optimizer_step_time(run["params"], hw)
-        out.append({"model": run["model"], "params": run["params"],
-                    "predicted_fwd_bwd_s": plan.step_time_s, "predicted_optimizer_s": opt,
-                    "predicted_step_s": plan.step_time_s + opt,
-                    "measured_fwd_bwd_s": run["fwd_bwd_seconds_median"],
-                    "measured_optimizer_s": run["optimizer_step_seconds_median"],
-                    "measured_step_s": run["step_seconds_median"]})
+        (mode,) = run["plan"]["recompute"]
+        spec = autopar.Spec(dp=1, microbatch_size=run["plan"]["microbatch_size"], recompute=mode)
+        plan = autopar.estimate(model, (x,), spec, cluster=cluster, precision="bf16",
+                                optimizer="adamw")
+        opt = plan.breakdown["optimizer_s"]
+        out.append({"model": run["model"], "case": run["case"], "params": run["params"],
+                    "microbatch_size": spec.microbatch_size, "recompute": mode,
+                    "predicted_step_s": plan.step_time_s, "predicted_optimizer_s": opt,
+                    "predicted_fwd_bwd_s": plan.step_time_s - opt,
+                    "predicted_peak_bytes": plan.memory_per_device_bytes,
+                    "measured_step_s": run["measured_step_s"],
+                    "measured_fwd_bwd_s": run["measured_fwd_bwd_s"],
+                    "measured_optimizer_s": run["measured_optimizer_s"],
+                    "measured_peak_bytes": run["measured_peak_bytes"]})
     return out
 
 
@@ -163,7 +158,6 @@ def _cpu_work(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     world = dist.get_world_size()
     cluster = autopar.Cluster("cpu", 1, world)
-    hw = cluster.hardware()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, CPU_MODEL["vocab_size"], (CPU_BATCH, CPU_SEQ), generator=g)
     y = torch.randint(0, CPU_MODEL["vocab_size"], (CPU_BATCH, CPU_SEQ), generator=g)
@@ -185,18 +179,11 @@ def _cpu_work(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             dist.barrier()
             if i >= 2:
                 times.append(time.perf_counter() - t0)
-        n_local = sum(p.numel() for p in plan_params(pm))
-        pred_opt = optimizer_step_time(n_local, hw)
-        res.append({"spec": spec, "predicted_s": plan.step_time_s + pred_opt,
-                    "predicted_optimizer_s": pred_opt, "breakdown": dict(plan.breakdown),
+        res.append({"spec": spec, "predicted_s": plan.step_time_s,
+                    "predicted_optimizer_s": plan.breakdown["optimizer_s"],
+                    "breakdown": dict(plan.breakdown),
                     "measured_s": statistics.median(times), "measured_all_s": times})
     return res
-
-
-def plan_params(pm: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's local parameter shards (DTensors' local tensors)."""
-    return [getattr(p, "_local_tensor", p) if not hasattr(p, "to_local") else p.to_local()
-            for p in pm.parameters()]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -269,11 +256,12 @@ def main() -> int:
         s["error_step_pct"] = (s["predicted_step_s"] / s["measured_step_s"] - 1) * 100
         s["error_fwd_bwd_pct"] = (s["predicted_fwd_bwd_s"] / s["measured_fwd_bwd_s"] - 1) * 100
         s["error_optimizer_pct"] = (s["predicted_optimizer_s"] / s["measured_optimizer_s"] - 1) * 100
-        print(f"step {s['model']:6s} predicted {s['predicted_step_s'] * 1e3:7.1f} ms "
+        s["error_peak_pct"] = (s["predicted_peak_bytes"] / s["measured_peak_bytes"] - 1) * 100
+        print(f"step {s['model']:6s} {s['case']:12s} predicted {s['predicted_step_s'] * 1e3:7.1f} ms "
               f"(fwd+bwd {s['predicted_fwd_bwd_s'] * 1e3:.1f}, AdamW {s['predicted_optimizer_s'] * 1e3:.1f})"
               f"  measured {s['measured_step_s'] * 1e3:7.1f} ms (fwd+bwd "
               f"{s['measured_fwd_bwd_s'] * 1e3:.1f}, AdamW {s['measured_optimizer_s'] * 1e3:.1f})"
-              f"  error {s['error_step_pct']:+.1f}%")
+              f"  error {s['error_step_pct']:+.1f}%, peak memory {s['error_peak_pct']:+.1f}%")
     doc: dict[str, Any] = {"operators": {"rows": ops, "mape_pct": mape, "profile": "h100-sxm"},
                            "steps_h100": steps}
     if not args.skip_cpu:

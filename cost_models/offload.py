@@ -12,7 +12,7 @@ with ``B_host`` the profile's ``host_link`` bandwidth (PCIe, per direction; the
 latency is paid per bucketed copy and left out). The optimizer step then runs on the
 host's cores once per step and is memory-bound there (AdamW reads parameter, gradient
 and both moments and writes parameter and moments: 7 fp32 streams = 28 bytes per
-element; SGD with momentum 5 streams = 20 bytes):
+element; SGD with momentum 5 streams = 20 bytes; :mod:`.param_work`):
 
     t_step = bytes_per_element · N_shard / B_dram
 
@@ -21,15 +21,13 @@ element; SGD with momentum 5 streams = 20 bytes):
 
 from __future__ import annotations
 
+from autopar.cost_models.param_work import optimizer_bytes
+
 HOST_MEMORY_BANDWIDTH_PER_GPU = 51.2e9
 """Bytes/s of host DRAM bandwidth one GPU's optimizer step can use: a DGX A100 / H100
 host has two sockets of 8 DDR4-3200 (A100) or DDR5-4800 (H100) channels, 2 x 8 x 25.6
 GB/s = 409.6 GB/s at DDR4-3200 (AMD EPYC 7742 datasheet: 8 channels DDR4-3200), shared
 by 8 GPUs: 51.2 GB/s each (the DDR4 figure, the lower of the two)."""
-
-OPTIMIZER_STEP_BYTES = {"adam": 28.0, "adamw": 28.0, "sgd": 20.0}
-"""Bytes of host memory traffic per parameter element of one optimizer step (module
-docstring)."""
 
 
 def offload_transfer_time(shard_elements: float, hw) -> float:
@@ -40,5 +38,4 @@ def offload_transfer_time(shard_elements: float, hw) -> float:
 
 def host_step_time(shard_elements: float, optimizer: str, hw) -> float:
     """Seconds per step of the optimizer step on the host for ``shard_elements``."""
-    return OPTIMIZER_STEP_BYTES.get(optimizer, 28.0) * shard_elements / \
-        HOST_MEMORY_BANDWIDTH_PER_GPU
+    return optimizer_bytes(optimizer) * shard_elements / HOST_MEMORY_BANDWIDTH_PER_GPU

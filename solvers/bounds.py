@@ -78,7 +78,7 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
         param_time += m * min(s.micro_param_comm_s + s.comm_s for s in node.strategies)
         ss = node.strategies
         if v not in grouped:
-            base.add([m * (s.compute_s + s.comm_s) for s in ss], [mem(v, i) for i in range(len(ss))],
+            base.add([m * (s.device_s + s.comm_s) for s in ss], [mem(v, i) for i in range(len(ss))],
                      [m * s.backward_start_bytes for s in ss], [s.recompute_bytes for s in ss])
             continue
         g, k = grouped[v]
@@ -86,7 +86,7 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
         f = scale if pp > 1 else 1.0
         for r in grp.allowed:
             per_group[g][r].add(
-                [m * (s.compute_s + s.comm_s + grp.extra_s[k][i][r]) for i, s in enumerate(ss)],
+                [m * (s.device_s + s.comm_s + grp.extra_s[k][i][r]) for i, s in enumerate(ss)],
                 [mem(v, i) + grp.memory(k, i, r, m) * f for i in range(len(ss))],
                 [m * s.backward_start_bytes for s in ss],
                 [s.recompute_bytes + grp.transient[k][i][r] for i, s in enumerate(ss)])
@@ -204,7 +204,7 @@ def tree_bound(p: Problem, extra: list[list[float]] | None = None) -> float:
     for v in range(n - 1, -1, -1):
         node = p.nodes[v]
         add = extra[v] if extra is not None else None
-        row = [node.multiplicity * (s.compute_s + s.comm_s) + (add[i] if add else 0.0)
+        row = [node.multiplicity * (s.device_s + s.comm_s) + (add[i] if add else 0.0)
                for i, s in enumerate(node.strategies)]
         for k in children[v]:
             e = p.edges[k]

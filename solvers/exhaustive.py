@@ -17,9 +17,10 @@ and reports: for an assignment s, modes r and a split B of the units into
 ``S = pp · v`` contiguous stages,
 
     T(s, r, B) = simulate(schedule, chunks(B), pp, m, v, p2p_s).step_time_s
-                 + max_r max(0, step_comm_r − overlap · backward_r)
+                 + max_r (max(0, step_comm_r − overlap · backward_r) + optimizer_r)
 
-(the dp gradient synchronization a rank cannot hide behind its own backward), feasible
+(the dp gradient synchronization a rank cannot hide behind its own backward, then its
+optimizer step), feasible
 when every rank fits the budget less the largest backward transient,
 
     max_r Σ_{s on r} (static_s + k_s · activation_s) ≤ budget − max_r extra_r,
@@ -45,7 +46,7 @@ from autopar.graph import Graph
 from autopar.plans import RECOMPUTE
 from autopar.sharding import Mesh
 from autopar.solvers.ilp import Solution
-from autopar.solvers.interop import stage_in_flight
+from autopar.solvers.interop import after_backward, stage_in_flight
 from autopar.solvers.pipeline_search import boundary_bytes, loss_input_bytes, shared_cores_time
 from autopar.solvers.problem import Problem, evaluate
 from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
@@ -189,7 +190,7 @@ def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,
     """T(s, r, B), its feasibility and its memory (module docstring); with
     ``skip_infeasible`` a split that does not fit is not simulated (time: infinite)."""
     chunks, held = [], [0.0] * lay.pp
-    comm, bwd = [0.0] * lay.pp, [0.0] * lay.pp
+    comm, bwd, opt = [0.0] * lay.pp, [0.0] * lay.pp, [0.0] * lay.pp
     for s, (i, j) in enumerate(bounds):
         part = a.units[i:j]
         chunk = ChunkCost(sum(u.forward_s for u in part), sum(u.backward_s for u in part),
@@ -200,6 +201,7 @@ def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,
         r = lay.ranks[s]
         held[r] += chunk.static_bytes + lay.k[s] * chunk.activation_bytes
         comm[r] += sum(u.step_comm_s for u in part)
+        opt[r] += sum(u.optimizer_s for u in part)
         bwd[r] += chunk.backward_s
     room = lay.budget - max(a.extra)
     feasible = max(held) <= room + _TOL * max(1.0, abs(room))
@@ -207,7 +209,7 @@ def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,
         return PipelineScore(float("inf"), max(held) + max(a.extra), False, list(bounds))
     est = simulate(lay.schedule, chunks, lay.pp, lay.m, virtual_stages=lay.virtual_stages,
                    p2p_s=a.p2p_s)
-    exposed = max(max(0.0, c - lay.overlap * w) for c, w in zip(comm, bwd))
+    exposed = after_backward(comm, bwd, opt, lay.overlap)
     memory = max(p + e for p, e in zip(est.peak_memory_bytes, a.extra))
     step = shared_cores_time(est.step_time_s + exposed, est.busy_s, exposed, lay.shared)
     return PipelineScore(step, memory, feasible, list(bounds))

@@ -212,9 +212,10 @@ class IntraOpILP:
                 "memory_recompute"
 
     def _sum(self, attr: str) -> pulp.LpAffineExpression:
-        terms = [self.TIME * n.multiplicity * getattr(s, attr) * x
+        read = {"compute_s": "device_s", "bwd_compute_s": "device_bwd_s"}.get(attr, attr)
+        terms = [self.TIME * n.multiplicity * getattr(s, read) * x
                  for n, xs in zip(self.p.nodes, self.x)
-                 for s, x in zip(n.strategies, xs) if getattr(s, attr)]
+                 for s, x in zip(n.strategies, xs) if getattr(s, read)]
         if attr in ("compute_s", "bwd_compute_s"):  # recomputation runs in backward
             terms += self._recompute_sum("time", self.TIME)
         return pulp.lpSum(terms)
@@ -223,7 +224,7 @@ class IntraOpILP:
         """min n·(Σ m·(compute + comm) + Σ_e m_e·cost_e·y_e) + E_step + n·E_micro, with
         E_step ≥ Σ m·step_param_comm − overlap·Σ m·bwd_compute, E_micro ≥
         Σ m·micro_param_comm − overlap·Σ m·compute, and E ≥ 0; compute and bwd_compute
-        include the recomputation Σ_g Σ m_v·extra_s·w; plus Σ m·host_step (offload)."""
+        include the recomputation Σ_g Σ m_v·extra_s·w; plus Σ m·optimizer (once per step)."""
         p = self.p
         n = p.num_microbatches
         edge_cost = pulp.lpSum(self.TIME * e.multiplicity * c * self.y[k][ij]
@@ -235,7 +236,7 @@ class IntraOpILP:
         self.model += e_micro >= self._sum("micro_param_comm_s") - p.overlap * self._sum(
             "compute_s"), "exposed_micro_def"
         self.model += n * (self._sum("compute_s") + self._sum("comm_s") + edge_cost) \
-            + e_step + n * e_micro + self._sum("host_step_s")
+            + e_step + n * e_micro + self._sum("optimizer_s")
 
     def solve(self, time_limit_s: float | None = None) -> Solution:
         """Run CBC and read back one strategy per node."""
@@ -294,12 +295,12 @@ def _recompute_only_adds_time(problem: Problem) -> bool:
 
 def _least_time(problem: Problem) -> float:
     """n·(the forest bound of :func:`autopar.solvers.bounds.tree_bound`) + Σ_v m_v min_i
-    host_step: no assignment is faster (the dropped edges and the exposed parameter
+    optimizer: no assignment is faster (the dropped edges and the exposed parameter
     traffic are ≥ 0)."""
     from autopar.solvers.bounds import tree_bound
 
     return problem.num_microbatches * tree_bound(problem) + sum(
-        n.multiplicity * min(s.host_step_s for s in n.strategies) for n in problem.nodes)
+        n.multiplicity * min(s.optimizer_s for s in n.strategies) for n in problem.nodes)
 
 
 ENUMERATE_MODES = 9

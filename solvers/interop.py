@@ -6,10 +6,11 @@ the schedule's simulated step time (:func:`~autopar.solvers.schedules.simulate`)
 the data-parallel gradient synchronization that a rank cannot hide behind its own
 backward (it starts after the rank's last backward; Megatron-LM's overlapped reduction):
 
-    F(split) = simulate(split).step_time_s + max_r max(0, comm_r − overlap · bwd_r)
+    F(split) = simulate(split).step_time_s + max_r (max(0, comm_r − overlap · bwd_r) + opt_r)
 
-with ``comm_r`` the ``step_comm_s`` of the units on rank r and ``bwd_r`` their
-``backward_s`` per micro-batch. Memory per rank (must be ≤ ``memory_budget``) is the
+with ``comm_r`` the ``step_comm_s`` of the units on rank r, ``bwd_r`` their
+``backward_s`` per micro-batch and ``opt_r`` their ``optimizer_s`` (the rank's
+optimizer step, after its gradient synchronization). Memory per rank (must be ≤ ``memory_budget``) is the
 safe bound
 
     M_r = Σ_{stages s on r} (static_s + k_s · activation_s)
@@ -74,7 +75,8 @@ class UnitCost:
     """One unit of the model (e.g. ``"tok_emb"``, ``"blocks.3"``, ``"head"``), per
     micro-batch: seconds of forward, of the whole backward and of its weight-grad part,
     activation bytes kept for backward, and static bytes (params, grads, optimizer);
-    per step: seconds of its data-parallel gradient synchronization (``step_comm_s``)."""
+    per step: seconds of its data-parallel gradient synchronization (``step_comm_s``)
+    and of its optimizer step (``optimizer_s``)."""
 
     name: str
     forward_s: float
@@ -83,6 +85,7 @@ class UnitCost:
     activation_bytes: float = 0.0
     static_bytes: float = 0.0
     step_comm_s: float = 0.0
+    optimizer_s: float = 0.0
 
 
 @dataclass
@@ -111,6 +114,14 @@ class StageSplit:
     timeline: Timeline | None = None
 
 
+def after_backward(comm: list[float], bwd: list[float], opt: list[float],
+                   overlap: float) -> float:
+    """Seconds of a step after the last backward of the slowest rank r:
+    max_r (max(0, comm_r − overlap · bwd_r) + opt_r), the gradient synchronization its
+    backward did not hide, then its optimizer step (module docstring)."""
+    return max(max(0.0, c - overlap * w) + o for c, w, o in zip(comm, bwd, opt))
+
+
 @dataclass
 class _Prefix:
     """Prefix sums of the unit costs; ``x[j] − x[i]`` is the sum over units i..j−1."""
@@ -122,14 +133,15 @@ class _Prefix:
     static: list[float]
     act: list[float]
     comm: list[float]
+    opt: list[float]
 
     @classmethod
     def of(cls, units: list[UnitCost]) -> "_Prefix":
         """Build the prefix sums."""
-        acc = [[0.0] for _ in range(7)]
+        acc = [[0.0] for _ in range(8)]
         for u in units:
             vals = (u.forward_s + u.backward_s, u.forward_s, u.backward_s, u.backward_weight_s,
-                    u.static_bytes, u.activation_bytes, u.step_comm_s)
+                    u.static_bytes, u.activation_bytes, u.step_comm_s, u.optimizer_s)
             for a, x in zip(acc, vals):
                 a.append(a[-1] + x)
         return cls(*acc)
@@ -220,13 +232,14 @@ class _Problem:
         return mem
 
     def exposed(self, bounds: list[tuple[int, int]]) -> float:
-        """max_r max(0, comm_r − overlap · bwd_r) (module docstring)."""
-        comm, bwd = [0.0] * self.pp, [0.0] * self.pp
+        """max_r (max(0, comm_r − overlap · bwd_r) + opt_r) (module docstring)."""
+        comm, bwd, opt = [0.0] * self.pp, [0.0] * self.pp, [0.0] * self.pp
         pre = self.pre
         for s, (i, j) in enumerate(bounds):
             comm[self.ranks[s]] += pre.comm[j] - pre.comm[i]
             bwd[self.ranks[s]] += pre.b[j] - pre.b[i]
-        return max(max(0.0, c - self.overlap * w) for c, w in zip(comm, bwd))
+            opt[self.ranks[s]] += pre.opt[j] - pre.opt[i]
+        return after_backward(comm, bwd, opt, self.overlap)
 
     def durations(self, bounds: list[tuple[int, int]]) -> list[float]:
         """Every stage's F, B, I and W seconds, as :meth:`Timeline.durations` lays them out."""

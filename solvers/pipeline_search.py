@@ -40,7 +40,9 @@ The step time adds the data-parallel gradient synchronization each rank cannot h
 it runs after the rank's last backward and overlaps only with it (Megatron-LM's
 overlapped gradient reduction), so the split weighs it with the schedule:
 
-    T = T_schedule + max_r max(0, step_comm_r − overlap · backward_r)
+    T = T_schedule + max_r (max(0, step_comm_r − overlap · backward_r) + optimizer_r)
+
+(then the rank's optimizer step, which nothing hides).
 
 Three things the flat ILP objective cannot see are settled for the winning candidate
 by enumeration (:func:`refine_modes`): its recomputation modes, the memory model
@@ -68,7 +70,9 @@ from autopar.strategies.build import Built
 
 @dataclass
 class PipelineOutcome:
-    """A solved pipelined candidate."""
+    """A solved pipelined candidate. ``exposed_step_comm_s`` is the step's part after
+    the slowest rank's last backward: its unhidden gradient synchronization, then its
+    optimizer step (:func:`autopar.solvers.interop.after_backward`)."""
 
     solution: Solution
     units: list[Unit]
@@ -330,7 +334,8 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     link = group_link(full.sizes, 0, st.gpus_per_node, st.hw)
     p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2, link)
     costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
-                      u.activation_bytes, u.static_bytes, u.step_comm_s) for u in units]
+                      u.activation_bytes, u.static_bytes, u.step_comm_s, u.optimizer_s)
+             for u in units]
     start, redo = backward_transients(built.problem, sol.choice, sol.modes)
     last = stage_ranks(schedule, pp, virtual_stages)[-1]
     extra = [redo + (start + loss_input_bytes(g, built, sol.choice) if r == last else 0.0)

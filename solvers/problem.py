@@ -10,10 +10,10 @@ per node (``m_v`` = how many identical instances node ``v`` stands for, ``n`` =
 micro-batches per step):
 
     T(s) = n · Σ_v m_v (compute_v + comm_v) + n · Σ_e m_e cost_e(s_u, s_v) + E(s)
-           + Σ_v m_v host_step_v
+           + Σ_v m_v optimizer_v
 
-(``host_step`` is the optimizer step run on the host under CPU offload, once per step,
-after the backward: nothing hides it)
+(``optimizer`` is the optimizer step of the node's parameters, once per step after the
+backward, on the device or under CPU offload on the host: nothing hides it)
 where ``compute`` is forward + backward time, ``comm`` the activation collectives on
 the critical path, and E the parameter communication that cannot hide behind
 compute:
@@ -59,7 +59,13 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StrategyCost:
-    """Costs of one strategy of one node (seconds per micro-batch unless stated)."""
+    """Costs of one strategy of one node (seconds per micro-batch unless stated).
+
+    ``optimizer_s`` is per step. ``param_copy_s`` (of it ``param_copy_bwd_s`` in the
+    backward) is FSDP2's copying of the node's parameters
+    (:mod:`autopar.cost_models.param_work`), device time beside ``compute_s`` (the op's
+    own forward + backward), kept apart so that a change of ZeRO stage or micro-batch
+    count reprices it alone; :attr:`device_s` is the two together."""
 
     name: str
     compute_s: float = 0.0
@@ -69,9 +75,21 @@ class StrategyCost:
     step_param_comm_s: float = 0.0
     memory_bytes: float = 0.0
     gather_bytes: float = 0.0
-    host_step_s: float = 0.0
+    optimizer_s: float = 0.0
     backward_start_bytes: float = 0.0
     recompute_bytes: float = 0.0
+    param_copy_s: float = 0.0
+    param_copy_bwd_s: float = 0.0
+
+    @property
+    def device_s(self) -> float:
+        """Forward + backward device seconds: the op's compute and the copies."""
+        return self.compute_s + self.param_copy_s
+
+    @property
+    def device_bwd_s(self) -> float:
+        """The backward's part of :attr:`device_s`."""
+        return self.bwd_compute_s + self.param_copy_bwd_s
 
 
 @dataclass
@@ -154,8 +172,8 @@ class Evaluation:
     """The objective and its parts for one assignment (seconds, bytes).
 
     ``compute_s`` includes ``recompute_s`` (n · Σ m_v · extra_s, the recomputed
-    forwards); ``comm_s`` includes ``reshard_s``; ``host_step_s`` is Σ m_v host_step_v.
-    step_time_s = compute_s + comm_s + exposed_param_comm_s + host_step_s."""
+    forwards); ``comm_s`` includes ``reshard_s``; ``optimizer_s`` is Σ m_v optimizer_v.
+    step_time_s = compute_s + comm_s + exposed_param_comm_s + optimizer_s."""
 
     step_time_s: float
     compute_s: float
@@ -166,7 +184,7 @@ class Evaluation:
     memory_bytes: float
     feasible: bool
     recompute_s: float = 0.0
-    host_step_s: float = 0.0
+    optimizer_s: float = 0.0
 
 
 def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> Evaluation:
@@ -188,12 +206,12 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
     for node, i in zip(p.nodes, choice):
         s = node.strategies[i]
         m = node.multiplicity
-        comp += m * s.compute_s
-        bwd += m * s.bwd_compute_s
+        comp += m * s.device_s
+        bwd += m * s.device_bwd_s
         comm += m * s.comm_s
         micro_pc += m * s.micro_param_comm_s
         step_pc += m * s.step_param_comm_s
-        host += m * s.host_step_s
+        host += m * s.optimizer_s
         start += m * s.backward_start_bytes
         redo += s.recompute_bytes
         mem += m * s.memory_bytes + node.gather_multiplicity * s.gather_bytes

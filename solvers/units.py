@@ -18,7 +18,8 @@ costs sum to the whole graph's. Per micro-batch:
 conversion has its dual conversion of the gradient in backward.) Bytes per device:
 ``static_bytes`` = parameters, gradients, optimizer state and ZeRO-3 gathered
 parameters; ``activation_bytes`` = what autograd saves for one micro-batch.
-``step_comm_s`` is the unit's once-per-step gradient synchronization over ``dp``.
+``step_comm_s`` is the unit's once-per-step gradient synchronization over ``dp`` and
+``optimizer_s`` its once-per-step optimizer step.
 Of ``forward_s + backward_s``, ``comm_s`` is the activation collectives and resharding
 (both passes), ``param_comm_s`` the ZeRO-3 traffic and ``recompute_s`` the recomputed
 forwards; the rest is :attr:`Unit.compute_s`.
@@ -50,6 +51,7 @@ class Unit:
     activation_bytes: float = 0.0
     static_bytes: float = 0.0
     step_comm_s: float = 0.0
+    optimizer_s: float = 0.0
     nodes: list[str] = field(default_factory=list)
     comm_s: float = 0.0
     param_comm_s: float = 0.0
@@ -132,10 +134,11 @@ def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[d
             continue
         s = problem.nodes[k].strategies[choice[k]]
         u = units[where[n.name]]
-        u.forward_s += s.compute_s - s.bwd_compute_s + s.comm_s / 2
-        u.backward_s += s.bwd_compute_s + s.comm_s / 2 + s.micro_param_comm_s
-        u.backward_weight_s += s.bwd_compute_s / 2  # weight grad: one of backward's 2 GEMMs
+        u.forward_s += s.device_s - s.device_bwd_s + s.comm_s / 2
+        u.backward_s += s.device_bwd_s + s.comm_s / 2 + s.micro_param_comm_s
+        u.backward_weight_s += s.device_bwd_s / 2  # weight grad: one of backward's 2 GEMMs
         u.step_comm_s += s.step_param_comm_s
+        u.optimizer_s += s.optimizer_s
         u.comm_s += s.comm_s
         u.param_comm_s += s.micro_param_comm_s
         mem = memory[k][choice[k]]

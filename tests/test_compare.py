@@ -62,8 +62,10 @@ def test_terms_add_up_to_the_step_time(small, spec: autopar.Spec) -> None:
     b = plan.breakdown
     assert b["recompute_s"] > 0 if spec.recompute in ("selective", "full") else \
         b["recompute_s"] == 0
-    if spec.pp > 1:
-        assert b["bubble_s"] > 0 and b["exposed_p2p_s"] >= 0
+    if spec.pp > 1:  # a zero-bubble schedule may fill every idle slot
+        zero_bubble = spec.schedule in ("zbv", "interleaved_zero_bubble")
+        assert b["bubble_s"] >= -1e-12 if zero_bubble else b["bubble_s"] > 0
+        assert b["exposed_p2p_s"] >= 0
     else:
         assert b["bubble_s"] == 0
         assert b["exposed_comm_s"] == pytest.approx(b["comm_s"] + b["exposed_param_comm_s"])
@@ -73,7 +75,7 @@ def test_terms_add_up_with_cpu_offload_and_across_nodes() -> None:
     model, x = gpt(dim=512, layers=4, seq=64)
     off = autopar.estimate(model, x, autopar.Spec(zero=3, offload=True, recompute="full"),
                            cluster=CLUSTER, global_batch=32)
-    assert off.breakdown["host_step_s"] > 0
+    assert off.breakdown["optimizer_s"] > 0
     assert_terms_add_up(off)
     slow = autopar.Cluster("h100-sxm", 2, 1, inter_node_bandwidth=0.5)
     pipe = autopar.estimate(model, x, autopar.Spec(pp=2, microbatch_size=1), cluster=slow,

@@ -1,6 +1,6 @@
 """Given the same inputs, the plan is identical from run to run: twice in one process and
 once in a fresh interpreter with another hash seed, on models where many candidates tie
-(a tiny GPT on 8 devices, whose step time is the same for most layouts) or nearly tie
+(a tiny GPT on 8 devices, whose step time is nearly the same for most layouts) or nearly tie
 (a GPT pipelined over a slow inter-node link, its ZeRO stages and schedules within a
 few percent). Only the solver's timing statistics (keys ending in ``_s`` inside
 ``plan.solver``) may differ."""
@@ -139,11 +139,12 @@ def _candidate_times(case: Case, keep) -> list[float]:
 
 
 def test_the_cases_tie_or_nearly_tie(fresh) -> None:
-    """The premise: the tiny GPT's data-parallel candidates take exactly the same time
-    for every ZeRO stage; the pipelined case plans a pipeline with at least two rivals
-    within 10% of the best pipeline."""
-    exact = _candidate_times(CASES["tiny-gpt-1x8"], lambda c: c.tp == 1 and c.pp == 1)
-    assert sum(t <= min(exact) * (1 + 1e-12) for t in exact) >= 3, sorted(exact)
+    """The premise: at least three of the tiny GPT's data-parallel candidates (its ZeRO
+    stages) take the same time to 0.1% (they differ only in the optimizer step and
+    FSDP2's copies of a few kilobytes of parameters); the pipelined case plans a
+    pipeline with at least two rivals within 10% of the best pipeline."""
+    close = _candidate_times(CASES["tiny-gpt-1x8"], lambda c: c.tp == 1 and c.pp == 1)
+    assert sum(t <= min(close) * 1.001 for t in close) >= 3, sorted(close)
     near = _candidate_times(CASES["gpt-2x2-slow-pipeline"], lambda c: c.pp > 1)
     assert sum(t <= min(near) * 1.10 for t in near) >= 3, sorted(near)
     assert json.loads(fresh["gpt-2x2-slow-pipeline"])["pipeline"] is not None

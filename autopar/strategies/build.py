@@ -42,6 +42,7 @@ from autopar.cost_models.compute import OpShapes, backward_factors, local_shape,
 from autopar.cost_models.memory import (activation_bytes_per_element, param_bytes,
                                         saved_element_bytes, saved_for_backward)
 from autopar.cost_models.offload import host_step_time, offload_transfer_time
+from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import OpNode, TensorMeta
 from autopar.sharding import Mesh, layout_name
@@ -356,9 +357,11 @@ class _Builder:
         if out != raw:
             name += f"  [{layout_name(raw, len(rule.out))} -> {layout_name(out, len(rule.out))}]"
         ns = NodeStrategy(name, out, raw, ins, grads, memory)
-        sc = StrategyCost(name, fwd + bwd, bwd, comm, micro_pc, step_pc,
-                          sum(memory.values()), gather, self._host_step(n, ins),
-                          self._loss_gradient(n, ins))
+        copy_f, copy_b = self._param_copies(n, ins)
+        sc = StrategyCost(name, fwd + bwd, bwd, comm, micro_pc,
+                          step_pc, sum(memory.values()), gather, self._optimizer_step(n, ins),
+                          self._loss_gradient(n, ins), param_copy_s=copy_f + copy_b,
+                          param_copy_bwd_s=copy_b)
         return ns, sc
 
     def _memory(self, n: OpNode, rule: OpRule, ins, out,
@@ -425,12 +428,32 @@ class _Builder:
                 out.append(node.out.numel / _degree(ins[pos], self.mesh))
         return out
 
-    def _host_step(self, n: OpNode, ins) -> float:
-        """Seconds per step of the host-side optimizer step under CPU offload."""
-        if not self.st.offload:
-            return 0.0
-        return sum(host_step_time(local / self.dp, self.st.optimizer, self.st.hw)
+    def _optimizer_step(self, n: OpNode, ins) -> float:
+        """Seconds per step of the optimizer step on the parameters op ``n`` owns: on
+        the host under CPU offload, else on the device, over the ZeRO shard
+        (:mod:`autopar.cost_models.param_work`)."""
+        st = self.st
+        if st.offload:
+            return sum(host_step_time(local / self.dp, st.optimizer, st.hw)
+                       for local in self._own_params(n, ins))
+        shard = self.dp if st.zero >= 1 else 1
+        return sum(device_step_time(local / shard, st.optimizer, st.hw)
                    for local in self._own_params(n, ins))
+
+    def _param_copies(self, n: OpNode, ins) -> tuple[float, float]:
+        """(forward, backward) seconds per micro-batch of FSDP2's copies of the
+        parameters op ``n`` owns, where FSDP2 lays the model out (data parallelism, low
+        precision or offload: :func:`autopar.runtime.mesh.needs_fsdp`'s rule)."""
+        st = self.st
+        if self.dp == 1 and st.precision == "fp32" and not st.offload:
+            return 0.0, 0.0
+        shard = self.dp if st.zero >= 1 else 1
+        fwd = bwd = 0.0
+        for local in self._own_params(n, ins):
+            f, b = fsdp_copy_time(local, self.act_elt, shard, st.zero, st.num_microbatches,
+                                  st.hw)
+            fwd, bwd = fwd + f, bwd + b
+        return fwd, bwd
 
     def _param_costs(self, n: OpNode, ins, grads) -> tuple[float, float, float, float]:
         """(per-micro-batch dp comm, per-step dp comm, tp gradient comm, gathered bytes)."""
@@ -541,10 +564,13 @@ def _reprice(b: _Builder, base: Built) -> Built:
         for sc, ns in zip(nc.strategies, ds):
             mem = b._memory(n, rule, ns.ins, ns.out, ns.memory.get("activations", 0.0))
             micro, step, _, gather = b._param_costs(n, ns.ins, ns.grads)
+            copy_f, copy_b = b._param_copies(n, ns.ins)
             strategies.append(replace(ns, memory=mem))
-            costs.append(replace(sc, micro_param_comm_s=micro, step_param_comm_s=step,
-                                 memory_bytes=sum(mem.values()), gather_bytes=gather,
-                                 host_step_s=b._host_step(n, ns.ins)))
+            costs.append(replace(
+                sc, micro_param_comm_s=micro, step_param_comm_s=step,
+                memory_bytes=sum(mem.values()), gather_bytes=gather,
+                optimizer_s=b._optimizer_step(n, ns.ins),
+                param_copy_s=copy_f + copy_b, param_copy_bwd_s=copy_b))
         nodes.append(replace(nc, strategies=costs))
         details.append(strategies)
     st = b.st
