@@ -68,7 +68,7 @@ def compute_time(flops: float, nbytes: float, *, matmul: bool, dtype: str,
         peak = hw.vector_flops.get(key, hw.vector_flops.get("fp32", 1.0))
         eff = 1.0
     t_flops = flops / (peak * eff) if flops else 0.0
-    t_bytes = nbytes / (hw.memory_bandwidth * hw.memory_efficiency) if nbytes else 0.0
+    t_bytes = nbytes / hw.achieved_memory_bandwidth if nbytes else 0.0
     return max(t_flops, t_bytes, hw.kernel_overhead_s)
 
 

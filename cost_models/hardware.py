@@ -126,6 +126,12 @@ class HardwareProfile:
         return replace(hw, sources=src)
 
     @property
+    def achieved_memory_bandwidth(self) -> float:
+        """Bytes/s a memory-bound kernel moves (read + write):
+        ``memory_bandwidth · memory_efficiency``."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    @property
     def usable_memory_bytes(self) -> float:
         """Device memory a plan may use: total less the stated reserve."""
         return self.memory_bytes - self.memory_reserve_bytes

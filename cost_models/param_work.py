@@ -49,8 +49,7 @@ def optimizer_bytes(optimizer: str) -> float:
 def device_step_time(shard_elements: float, optimizer: str, hw) -> float:
     """Seconds of the optimizer step on the device for ``shard_elements`` fp32
     parameter elements (module docstring)."""
-    return optimizer_bytes(optimizer) * shard_elements / (hw.memory_bandwidth
-                                                          * hw.memory_efficiency)
+    return optimizer_bytes(optimizer) * shard_elements / hw.achieved_memory_bandwidth
 
 
 def fsdp_copy_bytes(compute_bytes: int, shard: int, zero: int,
@@ -76,6 +75,6 @@ def fsdp_copy_time(local_elements: float, compute_bytes: int, shard: int, zero: 
                    num_microbatches: int, hw) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of FSDP2's copies of
     ``local_elements`` parameter elements (the tensor-parallel local size)."""
-    rate = hw.memory_bandwidth * hw.memory_efficiency
+    rate = hw.achieved_memory_bandwidth
     fwd, bwd = fsdp_copy_bytes(compute_bytes, shard, zero, num_microbatches)
     return local_elements * fwd / rate, local_elements * bwd / rate

@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from autopar.cost_models.comm import collective_time, group_link
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
-from autopar.plans import RECOMPUTE
 from autopar.sharding import Mesh
 from autopar.solvers.ilp import Solution
 from autopar.solvers.interop import after_backward, stage_in_flight
@@ -291,8 +290,6 @@ class BruteForceResult:
     memory_bytes: float
     built: Built
     times: dict[Candidate, float | None] = field(default_factory=dict)
-
-
 
 
 def _best_of(an: GraphAnalysis, cands: list[Candidate], **kw) -> BruteForceResult | None:

@@ -15,10 +15,9 @@ mode stays linear and the ILP stays exact.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, replace
-
-import sys
 
 import pulp
 

@@ -14,7 +14,8 @@ micro-batches per step):
 
 (``optimizer`` is the optimizer step of the node's parameters, once per step after the
 backward, on the device or under CPU offload on the host: nothing hides it)
-where ``compute`` is forward + backward time, ``comm`` the activation collectives on
+where ``compute`` is forward + backward device time (the op's own and FSDP2's copies
+of its parameters: :attr:`StrategyCost.device_s`), ``comm`` the activation collectives on
 the critical path, and E the parameter communication that cannot hide behind
 compute:
 

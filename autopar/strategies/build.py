@@ -123,6 +123,7 @@ class _Builder:
         self.factor = st.microbatch_size * dp / self.g.batch_size
         self.act_elt = activation_bytes_per_element(st.precision)
         self.dp = dp
+        self.shard = dp if st.zero >= 1 else 1  # the ZeRO shard group (1 for ZeRO-0)
         self.pbytes = param_bytes(st.precision, st.optimizer, st.zero if dp > 1 else 0, dp,
                                   st.offload)
         self.dtype = st.precision
@@ -433,11 +434,8 @@ class _Builder:
         the host under CPU offload, else on the device, over the ZeRO shard
         (:mod:`autopar.cost_models.param_work`)."""
         st = self.st
-        if st.offload:
-            return sum(host_step_time(local / self.dp, st.optimizer, st.hw)
-                       for local in self._own_params(n, ins))
-        shard = self.dp if st.zero >= 1 else 1
-        return sum(device_step_time(local / shard, st.optimizer, st.hw)
+        step = host_step_time if st.offload else device_step_time
+        return sum(step(local / self.shard, st.optimizer, st.hw)
                    for local in self._own_params(n, ins))
 
     def _param_copies(self, n: OpNode, ins) -> tuple[float, float]:
@@ -447,11 +445,10 @@ class _Builder:
         st = self.st
         if self.dp == 1 and st.precision == "fp32" and not st.offload:
             return 0.0, 0.0
-        shard = self.dp if st.zero >= 1 else 1
         fwd = bwd = 0.0
         for local in self._own_params(n, ins):
-            f, b = fsdp_copy_time(local, self.act_elt, shard, st.zero, st.num_microbatches,
-                                  st.hw)
+            f, b = fsdp_copy_time(local, self.act_elt, self.shard, st.zero,
+                                  st.num_microbatches, st.hw)
             fwd, bwd = fwd + f, bwd + b
         return fwd, bwd
 
