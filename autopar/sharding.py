@@ -126,6 +126,15 @@ def to_torch(placements: list[str] | tuple[str, ...]) -> tuple["Placement", ...]
     return tuple(parse_placement(p) for p in placements)
 
 
+def shard_count(placements: tuple[str, ...] | list[str], sizes: tuple[int, ...]) -> int:
+    """How many pieces a tensor with these placements is cut into on a mesh of axis
+    ``sizes`` (the product of the sizes of the axes that shard it)."""
+    n = 1
+    for p, size in zip(placements, sizes):
+        n *= size if p.startswith("S(") else 1
+    return n
+
+
 def layout_name(placements: tuple[str, ...] | list[str], ndim: int) -> str:
     """Colossal-style name of a tensor layout, e.g. ``("S(0)", "S(2)") -> "S0RS1"``.
 

@@ -40,13 +40,13 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from autopar.cost_models.comm import collective_time, group_link
+from autopar.cost_models.comm import collective_time
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
-from autopar.sharding import Mesh
 from autopar.solvers.ilp import Solution
 from autopar.solvers.interop import after_backward, stage_in_flight
-from autopar.solvers.pipeline_search import boundary_bytes, loss_input_bytes, shared_cores_time
+from autopar.solvers.pipeline_search import (boundary_bytes, loss_input_bytes, pp_link,
+                                             shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
 from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
 from autopar.solvers.search import Candidate, candidate_settings, offload_candidates
@@ -145,12 +145,8 @@ class _Assigned:
 def _assigned(g: Graph, built: Built, choice: list[int], modes: list[int], *, pp: int,
               schedule: str, virtual_stages: int) -> _Assigned:
     """Units, stage-to-stage transfer time and per-rank transients of one assignment."""
-    st = built.settings
-    memory = [[s.memory for s in ss] for ss in built.strategies]
-    units = unit_costs(g, built.problem, built.names, memory, choice, modes)
-    full = Mesh(("pp",) + st.mesh.names, (pp,) + st.mesh.sizes)
-    link = group_link(full.sizes, 0, st.gpus_per_node, st.hw)
-    p2p = collective_time("send_recv", boundary_bytes(g, built, choice), 2, link)
+    units = unit_costs(g, built, choice, modes, tied_sync(built, pp))
+    p2p = collective_time("send_recv", boundary_bytes(g, built, choice), 2, pp_link(built, pp))
     start, redo = backward_transients(built.problem, choice, modes)
     last = stage_ranks(schedule, pp, virtual_stages)[-1]
     loss = loss_input_bytes(g, built, choice)

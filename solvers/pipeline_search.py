@@ -11,8 +11,9 @@ all have the shape dp × tp):
 
        M_pp(s) = Σ_v m_v (static_v(s_v) / pp + activations_v(s_v) · in_flight / pp)
 
-   where ``in_flight`` is what the first rank holds at the schedule's peak (min(m, p)
-   for 1F1B-like schedules, m for GPipe); the recomputation groups' activation terms
+   (each copy of a tied parameter that a stage holds added to its owner's static
+   bytes), where ``in_flight`` is what the first rank holds at the schedule's peak
+   (min(m, p) for 1F1B-like schedules, m for GPipe); the recomputation groups' activation terms
    scale the same way (``activation_scale`` = in_flight / pp) and the one block being
    recomputed is added once. When no assignment fits that model, the ILP is solved
    again with the *relaxed* count ``k_min = min_s k_s``, the fewest micro-batches any
@@ -23,7 +24,8 @@ all have the shape dp × tp):
    go to the stage split (:func:`autopar.solvers.interop.split_stages`), which places
    the units on pp · v stages, checks each rank's memory exactly for the schedule, and
    keeps the split with the least reported step time T below (simulated schedule plus
-   exposed synchronization).
+   exposed synchronization). When no split of the ILP's solution fits, the
+   recomputation modes are searched as for the winner (:func:`refine_modes`).
 
 Backward transients per rank: every rank adds the block being recomputed (one at a
 time); the rank of the last stage also holds, for the whole of that stage's backward,
@@ -54,17 +56,20 @@ transfer ``p2p = send_recv(bytes / shards)`` the schedule waits on at every hop.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from autopar.cost_models.comm import collective_time, group_link
+from autopar.cost_models.hardware import LinkSpec
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import Graph
-from autopar.sharding import Mesh
+from autopar.sharding import Mesh, shard_count
 from autopar.solvers.ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
 from autopar.solvers.interop import StageSplit, UnitCost, split_stages, stage_in_flight
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
 from autopar.solvers.schedules import stage_ranks
-from autopar.solvers.units import Unit, backward_transients, unit_costs
+from autopar.solvers.units import (Unit, backward_transients, copy_static_bytes, tied_copies,
+                                    unit_costs)
 from autopar.strategies.build import Built
 
 
@@ -97,27 +102,28 @@ def least_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stage
     return min(stage_in_flight(schedule, pp, num_microbatches, virtual_stages))
 
 
-def pipeline_problem(built: Built, pp: int, held: int) -> Problem:
+def pipeline_problem(g: Graph, built: Built, pp: int, held: int) -> Problem:
     """A copy of ``built.problem`` whose memory is that of one pipeline rank (see the
-    module docstring)."""
+    module docstring), the copies of tied parameters the stages hold included (on the
+    owner op: Σ_r M_r counts each copy once)."""
+    copies: dict[tuple[int, int], float] = {}
+    for copy in tied_copies(g, built):
+        mult = built.problem.nodes[copy.owner].multiplicity
+        for i in range(len(built.strategies[copy.owner])):
+            extra = len(copy.readers) * copy_static_bytes(g, built, copy, i) / mult
+            copies[copy.owner, i] = copies.get((copy.owner, i), 0.0) + extra
     nodes = []
-    for node, details in zip(built.problem.nodes, built.strategies):
+    for k, (node, details) in enumerate(zip(built.problem.nodes, built.strategies)):
         costs = []
-        for sc, ns in zip(node.strategies, details):
+        for i, (sc, ns) in enumerate(zip(node.strategies, details)):
             act = ns.memory.get("activations", 0.0)
-            static = sc.memory_bytes - act
+            static = sc.memory_bytes - act + copies.get((k, i), 0.0)
             costs.append(replace(sc, memory_bytes=(static + act * held) / pp))
         nodes.append(NodeChoice(node.name, costs, node.multiplicity, node.gather_multiplicity))
     groups = [replace(grp, activation_scale=held / pp) for grp in built.problem.recompute]
     return replace(built.problem, nodes=nodes, recompute=groups)
 
 
-def _shards(placements, sizes) -> int:
-    """How many pieces a tensor with these placements is cut into on a mesh of ``sizes``."""
-    n = 1
-    for p, size in zip(placements, sizes):
-        n *= size if p.startswith("S(") else 1
-    return n
 
 
 def _per_device(g: Graph, built: Built, numel: int, elt: float) -> float:
@@ -151,7 +157,7 @@ def boundary_bytes(g: Graph, built: Built, choice: list[int]) -> float:
     if found is None:
         return 0.0
     k, whole = found
-    return whole / _shards(built.strategies[k][choice[k]].out, built.settings.mesh.sizes)
+    return whole / shard_count(built.strategies[k][choice[k]].out, built.settings.mesh.sizes)
 
 
 def boundary_classes(g: Graph, built: Built) -> tuple[int, list[list[int]]]:
@@ -163,7 +169,7 @@ def boundary_classes(g: Graph, built: Built) -> tuple[int, list[list[int]]]:
     k = found[0]
     by_shards: dict[int, list[int]] = {}
     for i, ns in enumerate(built.strategies[k]):
-        by_shards.setdefault(_shards(ns.out, built.settings.mesh.sizes), []).append(i)
+        by_shards.setdefault(shard_count(ns.out, built.settings.mesh.sizes), []).append(i)
     return k, [by_shards[n] for n in sorted(by_shards, reverse=True)]
 
 
@@ -191,7 +197,7 @@ def loss_input_bytes(g: Graph, built: Built, choice: list[int]) -> float:
     src = g.node(node.inputs[0])
     st = built.settings
     elt = 4.0 if st.precision == "fp32" or src.out.dtype == "float32" else 2.0
-    return _per_device(g, built, src.out.numel, elt) / _shards(ins[0], st.mesh.sizes)
+    return _per_device(g, built, src.out.numel, elt) / shard_count(ins[0], st.mesh.sizes)
 
 
 def _solve(problem: Problem, bound: float) -> Solution | NoFeasiblePlanError | None:
@@ -229,8 +235,12 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
     if isinstance(entry, NoFeasiblePlanError):
         raise entry
     sol, units = entry
-    return _outcome(g, built, sol, units, pp=pp, schedule=schedule,
-                    virtual_stages=virtual_stages, bound=bound)
+    try:
+        return _outcome(g, built, sol, units, pp=pp, schedule=schedule,
+                        virtual_stages=virtual_stages, bound=bound)
+    except NoFeasiblePlanError:  # the ILP's rank model fits, no split does: search the modes
+        return refine_modes(g, built, None, pp=pp, schedule=schedule,
+                            virtual_stages=virtual_stages, bound=bound)
 
 
 def _intra_op(g: Graph, built: Built, pp: int, held: int, solved: dict,
@@ -240,22 +250,38 @@ def _intra_op(g: Graph, built: Built, pp: int, held: int, solved: dict,
     key = (id(built), pp, held)
     if key not in solved:
         # the pipeline's step time is at least the ILP's objective spread over pp ranks
-        found = _solve(pipeline_problem(built, pp, held), bound * pp)
+        found = _solve(pipeline_problem(g, built, pp, held), bound * pp)
         if found is None or isinstance(found, NoFeasiblePlanError):
             solved[key] = found
         else:
-            solved[key] = (found, _units(g, built, found))
+            solved[key] = (found, _units(g, built, found, pp))
     return solved[key]
 
 
-def _units(g: Graph, built: Built, sol: Solution) -> list[Unit]:
-    """The pipeline units' costs under an intra-op solution."""
-    memory = [[s.memory for s in ss] for ss in built.strategies]
-    return unit_costs(g, built.problem, built.names, memory, sol.choice, sol.modes)
+def _units(g: Graph, built: Built, sol: Solution, pp: int) -> list[Unit]:
+    """The pipeline units' costs under an intra-op solution, pipelined over ``pp``
+    ranks (each stage with its copy of a tied parameter)."""
+    return unit_costs(g, built, sol.choice, sol.modes, tied_sync(built, pp))
 
 
-def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedule: str,
-                 virtual_stages: int) -> PipelineOutcome:
+def pp_link(built: Built, pp: int) -> LinkSpec:
+    """The link between adjacent pipeline ranks of ``built``'s stage mesh (the outermost
+    axis of the pp × dp × tp mesh)."""
+    st = built.settings
+    full = Mesh(("pp",) + st.mesh.names, (pp,) + st.mesh.sizes)
+    return group_link(full.sizes, 0, st.gpus_per_node, st.hw)
+
+
+def tied_sync(built: Built, pp: int) -> Callable[[float], float]:
+    """Seconds to sum a tied parameter's gradient copies of ``nbytes`` over the pipeline
+    ranks holding them: one all-reduce of two ranks over the pp link (the owner's stage
+    and the reader's; under zbv they share a rank and this overcharges it)."""
+    link = pp_link(built, pp)
+    return lambda nbytes: collective_time("all_reduce", nbytes, 2, link)
+
+
+def refine_modes(g: Graph, built: Built, po: PipelineOutcome | None, *, pp: int, schedule: str,
+                 virtual_stages: int, bound: float = float("inf")) -> PipelineOutcome | None:
     """The winning candidate's recomputation modes, memory model and block-boundary
     placement chosen jointly with its stage split.
 
@@ -275,25 +301,31 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedu
     weighs everything else as the pipeline does; the relaxed model drops no assignment
     that some split fits, and the first rank's is solved only when no split fits the
     relaxed answer. A combination whose ILP lower bound cannot beat the best pipeline
-    is skipped."""
+    is skipped.
+
+    With no incumbent (``po`` None: the ILP's solution fitted its model of a rank but
+    no split of it fitted the exact per-rank check) the same combinations are searched
+    for the fastest pipeline that fits and beats ``bound``: None when one fits but none
+    beats it; NoFeasiblePlanError when none fits."""
     m = built.settings.num_microbatches
     helds = sorted({least_in_flight(schedule, pp, m, virtual_stages), in_flight(schedule, pp, m)})
     k, classes = boundary_classes(g, built)
     combos: list = list(itertools.product(*(grp.allowed for grp in built.problem.recompute)))
     if len(combos) > ENUMERATE_MODES:
         combos = [None]
-    if len(helds) * max(1, len(classes)) * len(combos) < 2:
+    if po is not None and len(helds) * max(1, len(classes)) * len(combos) < 2:
         return po
-    bases = [pipeline_problem(built, pp, held) for held in helds]
-    seen = {(tuple(po.solution.choice), tuple(po.solution.modes or []))}
-    timelines = {(schedule, pp, m, virtual_stages): po.split.timeline}
-    best = po
+    bases = [pipeline_problem(g, built, pp, held) for held in helds]
+    seen = set() if po is None else {(tuple(po.solution.choice), tuple(po.solution.modes or []))}
+    timelines = {} if po is None else {(schedule, pp, m, virtual_stages): po.split.timeline}
+    best, fits = po, po is not None
     for allowed, modes in itertools.product(classes if len(classes) > 1 else [None], combos):
         for base in bases:  # the relaxed model first; the first rank's if no split fits
             one = base if allowed is None else restrict_node(base, k, allowed)
+            limit = bound if best is None else best.step_time_s
             try:
                 sol = solve_ilp(one if modes is None else fold_modes(one, list(modes)),
-                                bound=best.step_time_s * pp)
+                                bound=limit * pp)
             except NoFeasiblePlanError:
                 break  # the stricter model has no assignment either
             if sol is None:
@@ -304,14 +336,18 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome, *, pp: int, schedu
                 break
             seen.add((tuple(sol.choice), tuple(sol.modes)))
             try:
-                out = _outcome(g, built, sol, _units(g, built, sol), pp=pp, schedule=schedule,
-                               virtual_stages=virtual_stages, bound=best.step_time_s, timelines=timelines,
-                               initial=best.split.bounds)
+                out = _outcome(g, built, sol, _units(g, built, sol, pp), pp=pp, schedule=schedule,
+                               virtual_stages=virtual_stages, bound=limit, timelines=timelines,
+                               initial=None if best is None else best.split.bounds)
             except NoFeasiblePlanError:
                 continue
-            if out is not None and out.step_time_s < best.step_time_s * (1 - 1e-9):
+            fits = True
+            if out is not None and out.step_time_s < limit * (1 - 1e-9):
                 best = out
             break
+    if not fits:
+        raise NoFeasiblePlanError(f"no recomputation and split of pp={pp} ({schedule}) fits the "
+                                  f"budget")
     return best
 
 
@@ -330,9 +366,8 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
         return None
     shared = st.hw.oversubscription
-    full = Mesh(("pp",) + st.mesh.names, (pp,) + st.mesh.sizes)
-    link = group_link(full.sizes, 0, st.gpus_per_node, st.hw)
-    p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2, link)
+    p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2,
+                          pp_link(built, pp))
     costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
                       u.activation_bytes, u.static_bytes, u.step_comm_s, u.optimizer_s)
              for u in units]

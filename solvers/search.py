@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
+from autopar.graph import Graph
 from autopar.sharding import Mesh
 from autopar.solvers.bounds import combo_bounds, fitting_bound
 from autopar.solvers.ilp import Solution, solve_ilp
@@ -233,15 +234,15 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         if progress is not None:
             progress(done + 1, len(order), kept[0].step_time_s if kept else None)
     if not kept:
-        err = NoFeasiblePlanError(_no_fit_message(infeasible, memory_budget, outcomes))
-        err.least_bytes = min((lower_bound_memory(b, c) for c, b in infeasible),
+        err = NoFeasiblePlanError(_no_fit_message(an.graph, infeasible, memory_budget, outcomes))
+        err.least_bytes = min((lower_bound_memory(an.graph, b, c) for c, b in infeasible),
                               default=float("inf"))
         raise err
     best = kept[0]
     if best.pipeline is not None:  # the winner's recomputation, chosen with its stage split
         c = best.candidate
         po = refine_modes(an.graph, best.built, best.pipeline, pp=c.pp, schedule=c.schedule,
-                          virtual_stages=c.virtual_stages)
+                          virtual_stages=c.virtual_stages) or best.pipeline
         best = Scored(po.step_time_s, best.built, po.solution, c, po)
     res = SearchResult(best.built, best.solution, outcomes, time.perf_counter() - t0,
                        best.candidate, best.pipeline, kept[1:])
@@ -351,14 +352,14 @@ def _bounds(cands: list[Candidate], built_by: dict, budget: float) -> list[float
     return out
 
 
-def lower_bound_memory(built: Built, c: Candidate | None = None) -> float:
+def lower_bound_memory(g: Graph, built: Built, c: Candidate | None = None) -> float:
     """A lower bound on the memory per device of candidate ``c`` (every node's smallest
     memory with its most saving recomputation mode; on a pipeline, that of one rank
     holding 1/pp of the model and the schedule's in-flight micro-batches)."""
     if c is None or c.pp == 1:
         return least_memory(built.problem)
     held = in_flight(c.schedule, c.pp, c.num_microbatches)
-    return least_memory(pipeline_problem(built, c.pp, held))
+    return least_memory(pipeline_problem(g, built, c.pp, held))
 
 
 def _consumers(built: Built, c: Candidate) -> dict[str, float]:
@@ -374,13 +375,13 @@ def _consumers(built: Built, c: Candidate) -> dict[str, float]:
     return cats
 
 
-def _no_fit_message(infeasible: list[tuple[Candidate, Built]], budget: float,
+def _no_fit_message(g: Graph, infeasible: list[tuple[Candidate, Built]], budget: float,
                     outcomes: list[Outcome]) -> str:
     if not infeasible:
         reasons = "; ".join(sorted({o.reason for o in outcomes if o.reason}))
         return f"no candidate plan could be built ({reasons})"
-    c, best = min(infeasible, key=lambda cb: lower_bound_memory(cb[1], cb[0]))
-    need = lower_bound_memory(best, c)
+    c, best = min(infeasible, key=lambda cb: lower_bound_memory(g, cb[1], cb[0]))
+    need = lower_bound_memory(g, best, c)
     top = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in
                     sorted(_consumers(best, c).items(), key=lambda kv: -kv[1]) if v > 0)
     return (f"no plan fits in {budget / 1e9:.2f} GB per device: the smallest needs at least "

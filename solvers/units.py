@@ -19,7 +19,9 @@ conversion has its dual conversion of the gradient in backward.) Bytes per devic
 ``static_bytes`` = parameters, gradients, optimizer state and ZeRO-3 gathered
 parameters; ``activation_bytes`` = what autograd saves for one micro-batch.
 ``step_comm_s`` is the unit's once-per-step gradient synchronization over ``dp`` and
-``optimizer_s`` its once-per-step optimizer step.
+``optimizer_s`` its once-per-step optimizer step. Pipelined, a unit that reads a
+parameter of another unit (a tied head) also holds and updates its own copy
+(:func:`add_tied_copies`).
 Of ``forward_s + backward_s``, ``comm_s`` is the activation collectives and resharding
 (both passes), ``param_comm_s`` the ZeRO-3 traffic and ``recompute_s`` the recomputed
 forwards; the rest is :attr:`Unit.compute_s`.
@@ -33,10 +35,13 @@ not per unit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar.graph import Graph
+from autopar.sharding import shard_count
 from autopar.solvers.problem import Problem
+from autopar.strategies.build import Built
 
 
 @dataclass
@@ -115,12 +120,15 @@ def recompute_transient(problem: Problem, choice: list[int], modes: list[int]) -
     return max(backward_transients(problem, choice, modes))
 
 
-def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[dict]],
-               choice: list[int], modes: list[int] | None = None) -> list[Unit]:
+def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | None = None,
+               tied_sync: Callable[[float], float] | None = None) -> list[Unit]:
     """The units of ``g`` with their costs under ``choice`` (one strategy index per
-    problem node; ``names`` are the problem nodes' graph names and ``memory[k][i]``
-    the memory categories of node k's strategy i) and recomputation ``modes`` (one
-    per problem group; default none)."""
+    node of ``built.problem``) and recomputation ``modes`` (one per problem group;
+    default none). ``tied_sync``: given for a pipeline, whose stages each hold their
+    own copy of a parameter they share (:func:`add_tied_copies`); it maps a copy's
+    gradient bytes to the seconds of summing the copies over the stages' ranks."""
+    problem, names = built.problem, built.names
+    memory = [[s.memory for s in ss] for ss in built.strategies]
     units, where = unit_of_nodes(g)
     index = {name: k for k, name in enumerate(names)}
     modes = modes or [0] * len(problem.recompute)
@@ -150,7 +158,100 @@ def unit_costs(g: Graph, problem: Problem, names: list[str], memory: list[list[d
             u.backward_s += grp.extra_s[pos][choice[k]][r]
             u.recompute_s += grp.extra_s[pos][choice[k]][r]
     _add_edges(g, problem, names, choice, units, where)
+    if tied_sync is not None:
+        add_tied_copies(g, built, choice, units, tied_sync)
     return units
+
+
+@dataclass(frozen=True)
+class TiedCopy:
+    """A trainable parameter that units other than its own read (a tied output head
+    reading the embedding's weight): ``owner`` is the problem node of the op that owns
+    it (its first user), ``readers`` the units that would hold a copy."""
+
+    param: str
+    owner: int
+    readers: tuple[int, ...]
+
+
+def tied_copies(g: Graph, built: Built) -> list[TiedCopy]:
+    """Every tied parameter of ``g`` read outside its own unit."""
+    index = {name: k for k, name in enumerate(built.names)}
+    _, where = unit_of_nodes(g)
+    out = []
+    for p, ops in _param_users(g).items():
+        info = g.params.get(g.node(p).target)
+        readers = sorted({where[o] for o in ops} - {where[p]})
+        if readers and (info is None or info.trainable):
+            out.append(TiedCopy(p, index[g.canonical.get(ops[0], ops[0])], tuple(readers)))
+    return out
+
+
+def _param_users(g: Graph) -> dict[str, list[str]]:
+    """The ops reading each parameter, in graph order (the first owns it)."""
+    users: dict[str, list[str]] = {}
+    for n in g.nodes:
+        if n.kind == "op":
+            for i in dict.fromkeys(n.inputs):
+                if g.node(i).kind == "param":
+                    users.setdefault(i, []).append(n.name)
+    return users
+
+
+def own_elements(g: Graph, built: Built, copy: TiedCopy, strategy: int) -> dict[str, float]:
+    """Elements on one device of every parameter the tied parameter's owner op owns,
+    under the owner's ``strategy`` (the tied parameter's share of them is the share
+    of the op's parameter terms a copy repeats)."""
+    first = _param_users(g)
+    op = g.node(first[copy.param][0])
+    sizes = built.settings.mesh.sizes
+    ins = built.strategies[copy.owner][strategy].ins
+    return {i: g.node(i).out.numel / shard_count(ins[pos], sizes)
+            for pos, i in enumerate(op.inputs)
+            if g.node(i).kind == "param" and first[i][0] == op.name}
+
+
+def copy_static_bytes(g: Graph, built: Built, copy: TiedCopy, strategy: int) -> float:
+    """Bytes per device of one copy of the tied parameter under its owner's
+    ``strategy``: its share of the owner's parameters, gradients, optimizer state and
+    ZeRO-3 gathered parameters."""
+    own = own_elements(g, built, copy, strategy)
+    ns = built.strategies[copy.owner][strategy]
+    static = sum(v for c, v in ns.memory.items() if c != "activations")
+    return static * own[copy.param] / sum(own.values())
+
+
+def add_tied_copies(g: Graph, built: Built, choice: list[int], units: list[Unit],
+                    sync: Callable[[float], float]) -> None:
+    """Charge every unit that reads a trainable parameter held by another unit a copy
+    of it (:func:`tied_copies`), as a pipeline stage keeps one (the runtime unties
+    shared parameters across stages and sums their gradients after the backward).
+
+    The copy repeats the tied parameter's share of the owning op's parameter terms
+    under the chosen strategy (:func:`own_elements`): static bytes
+    (:func:`copy_static_bytes`, exact), per-micro-batch ZeRO-3 gathers and FSDP2
+    copies, the dp gradient synchronization and the optimizer step (in proportion to
+    elements). Its gradient sum over the stages' ranks, ``sync`` of the fp32 gradient
+    shard, runs after the last backward and is added to the unit's ``optimizer_s``,
+    the part of a step nothing hides. Exact when the owner and the reader are the
+    first and the last unit (always on different stages); for units in between, which
+    a split may put on one stage, the copy is an upper bound."""
+    st = built.settings
+    shard = dict(zip(st.mesh.names, st.mesh.sizes)).get("dp", 1) if st.zero >= 1 else 1
+    for copy in tied_copies(g, built):
+        i = choice[copy.owner]
+        s = built.problem.nodes[copy.owner].strategies[i]
+        own = own_elements(g, built, copy, i)
+        frac = own[copy.param] / sum(own.values())
+        static = copy_static_bytes(g, built, copy, i)
+        for r in copy.readers:
+            u = units[r]
+            u.static_bytes += static
+            u.forward_s += (s.param_copy_s - s.param_copy_bwd_s) * frac
+            u.backward_s += (s.param_copy_bwd_s + s.micro_param_comm_s) * frac
+            u.param_comm_s += s.micro_param_comm_s * frac
+            u.step_comm_s += s.step_param_comm_s * frac
+            u.optimizer_s += s.optimizer_s * frac + sync(4.0 * own[copy.param] / shard)
 
 
 def _add_edges(g: Graph, problem: Problem, names: list[str], choice: list[int],

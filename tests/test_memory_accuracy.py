@@ -1,6 +1,7 @@
 """Memory-model accuracy: the planner's predicted peak bytes per rank against the peak
 measured by :func:`autopar.runtime.memory_probe.measure_step_memory` for plans with
-and without recomputation, every ZeRO stage, tensor parallelism and a pipeline.
+and without recomputation, every ZeRO stage, tensor parallelism and pipelines (under
+GPipe the last rank is the fullest: it holds its own copy of the tied embedding).
 
 One spawned 4-rank gloo group (fp32 on CPU, AdamW) runs each plan on a tiny GPT whose
 activations and training state are of the same size: one warm-up step (AdamW creates
@@ -31,6 +32,7 @@ PLANS = {  # name -> planning options (everything else fixed by the planner)
     "dp=2 tp=2 selective": dict(dp=2, tp=2, pp=1, zero=0, recompute="selective"),
     "pp=2 dp=2 1f1b": dict(dp=2, tp=1, pp=2, zero=0, recompute="none", schedule="1f1b"),
     "pp=2 dp=2 1f1b full": dict(dp=2, tp=1, pp=2, zero=0, recompute="full", schedule="1f1b"),
+    "pp=2 dp=2 gpipe zero=1": dict(dp=2, tp=1, pp=2, zero=1, recompute="none", schedule="gpipe"),
 }
 
 

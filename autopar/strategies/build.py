@@ -45,7 +45,7 @@ from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import OpNode, TensorMeta
-from autopar.sharding import Mesh, layout_name
+from autopar.sharding import Mesh, layout_name, shard_count
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.recompute import recompute_groups
@@ -501,11 +501,8 @@ class _Builder:
 
 
 def _degree(pl: Placements, mesh: Mesh) -> int:
-    d = 1
-    for p, s in zip(pl, mesh.sizes):
-        if p.startswith("S("):
-            d *= s
-    return d
+    """How many pieces placements ``pl`` cut a tensor into on ``mesh``."""
+    return shard_count(pl, mesh.sizes)
 
 
 def build_problem(an: GraphAnalysis, st: Settings, cache: dict | None = None) -> Built:
