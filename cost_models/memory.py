@@ -107,6 +107,13 @@ class ParamBytes:
     gathered_all: bool
 
 
+def fsdp_lays_out(precision: str, dp: int, offload: bool) -> bool:
+    """Whether FSDP2 lays the parameters out: for data parallelism, for the
+    low-precision cast (``MixedPrecisionPolicy``, on a dp mesh of size 1) and for CPU
+    offload (``CPUOffloadPolicy``). The runtime and both cost models follow this rule."""
+    return dp > 1 or precision != "fp32" or offload
+
+
 def param_bytes(precision: str, optimizer: str, zero: int, dp: int,
                 offload: bool = False) -> ParamBytes:
     """Bytes per parameter element on a device (module table)."""
@@ -117,10 +124,10 @@ def param_bytes(precision: str, optimizer: str, zero: int, dp: int,
         raise ConfigError("offload needs zero=3 (FSDP2 offloads sharded parameters)")
     low = activation_bytes_per_element(precision)
     shard = dp if zero >= 1 else 1
-    # FSDP2 (applied for dp > 1, and for the mixed-precision cast) computes on a separate
-    # unsharded copy, even on a shard group of one (ZeRO-0's replicate mesh): measured
-    # by the probe (tests/test_memory_accuracy.py), params = 2x the fp32 parameters
-    gathered = float(low) if precision != "fp32" or dp > 1 else 0.0
+    # FSDP2 computes on a separate unsharded copy, even on a shard group of one
+    # (ZeRO-0's replicate mesh): measured by the probe (tests/test_memory_accuracy.py),
+    # params = 2x the fp32 parameters
+    gathered = float(low) if fsdp_lays_out(precision, dp, offload) else 0.0
     keep = 0.0 if offload else 1.0
     return ParamBytes(keep * 4.0 / shard, keep * sb.grad / shard, keep * sb.optimizer / shard,
                       gathered, zero != 3)

@@ -342,7 +342,7 @@ def _mesh_section(plan: Plan) -> tuple[str, str]:
         comment += "\n    # dp_shard=1: FSDP2 replicates over dp (plain data parallelism)"
     else:
         shape, names = (dp, tp), ("dp", "tp")
-        fsdp = 'mesh["dp"]' if dp > 1 or needs_fsdp(plan) else ""
+        fsdp = 'mesh["dp"]' if needs_fsdp(plan) else ""
     shape, names = outer + shape, ("pp",) * len(outer) + names
     quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
     one_line = len(f"    return init_device_mesh(device_type, {shape}, mesh_dim_names={quoted})")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.cost_models.memory import fsdp_lays_out
 from autopar.plans import Plan
 
 __all__ = ["PlanMeshes", "build_meshes", "needs_fsdp", "MESH_AXES"]
@@ -50,10 +51,10 @@ class PlanMeshes:
 
 
 def needs_fsdp(plan: Plan) -> bool:
-    """Whether the plan runs FSDP2 even without data parallelism: low precision
-    (FSDP2's ``MixedPrecisionPolicy`` on a ``dp`` mesh of size 1, so every path casts
-    alike) or offload."""
-    return plan.precision != "fp32" or plan.offload
+    """Whether the plan runs FSDP2: for data parallelism, low precision (FSDP2's
+    ``MixedPrecisionPolicy`` on a ``dp`` mesh of size 1, so every path casts alike) or
+    offload (the cost models' rule, :func:`autopar.cost_models.memory.fsdp_lays_out`)."""
+    return fsdp_lays_out(plan.precision, plan.degree("dp"), plan.offload)
 
 
 def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
@@ -68,6 +69,6 @@ def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
         fsdp: DeviceMesh | None = root["dp", "dp_shard"]
     else:
         root = init_device_mesh(device_type, shape + (tp,), mesh_dim_names=outer + ("tp",))
-        fsdp = root["dp"] if dp > 1 or needs_fsdp(plan) else None
+        fsdp = root["dp"] if needs_fsdp(plan) else None
     return PlanMeshes(mesh=root[outer + ("tp",)], tp=root["tp"], fsdp=fsdp,
                       pp=root["pp"] if pp > 1 else None)

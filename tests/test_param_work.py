@@ -68,3 +68,20 @@ def test_one_device_bf16_pays_fsdp_copies_per_micro_batch() -> None:
                                     cluster=one, precision="bf16").breakdown["compute_s"]
                for mb in (1, 4)}
     assert compute[1] > compute[4]
+
+
+def test_fsdp_copy_is_counted_wherever_the_runtime_applies_fsdp() -> None:
+    """One rule decides where FSDP2 lays parameters out (data parallelism, low
+    precision, offload): there the model counts its unsharded compute copy, and the
+    runtime wraps the model; on one fp32 device without offload neither does."""
+    from types import SimpleNamespace
+
+    from autopar.cost_models.memory import param_bytes
+    from autopar.runtime.mesh import needs_fsdp
+    cases = {("fp32", 1, False): 0.0, ("fp32", 1, True): 4.0, ("bf16", 1, False): 2.0,
+             ("fp32", 2, False): 4.0}
+    for (precision, dp, offload), gathered in cases.items():
+        zero = 3 if offload else 0
+        assert param_bytes(precision, "adamw", zero, dp, offload).gathered == gathered
+        plan = SimpleNamespace(precision=precision, offload=offload, degree={"dp": dp}.get)
+        assert needs_fsdp(plan) == (gathered > 0)

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cost_models.comm import bucketed_time, collective_time, group_link
 from autopar.cost_models.compute import OpShapes, backward_factors, local_shape, op_time
-from autopar.cost_models.memory import (activation_bytes_per_element, param_bytes,
-                                        saved_element_bytes, saved_for_backward)
+from autopar.cost_models.memory import (activation_bytes_per_element, fsdp_lays_out,
+                                        param_bytes, saved_element_bytes, saved_for_backward)
 from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.errors import NoFeasiblePlanError
@@ -441,9 +441,9 @@ class _Builder:
     def _param_copies(self, n: OpNode, ins) -> tuple[float, float]:
         """(forward, backward) seconds per micro-batch of FSDP2's copies of the
         parameters op ``n`` owns, where FSDP2 lays the model out (data parallelism, low
-        precision or offload: :func:`autopar.runtime.mesh.needs_fsdp`'s rule)."""
+        precision or offload: :func:`~autopar.cost_models.memory.fsdp_lays_out`)."""
         st = self.st
-        if self.dp == 1 and st.precision == "fp32" and not st.offload:
+        if not fsdp_lays_out(st.precision, self.dp, st.offload):
             return 0.0, 0.0
         fwd = bwd = 0.0
         for local in self._own_params(n, ins):
