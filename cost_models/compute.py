@@ -56,6 +56,15 @@ def is_matmul(target: str) -> bool:
     return _op_name(target) in MATMUL_OPS
 
 
+NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm",
+                      "group_norm"})
+
+
+def is_norm(target: str) -> bool:
+    """True for normalization ops (the modules sequence parallelism shards)."""
+    return _op_name(target) in NORM_OPS
+
+
 def compute_time(flops: float, nbytes: float, *, matmul: bool, dtype: str,
                  hw: HardwareProfile) -> float:
     """Roofline seconds of one op (see module docstring). fp32 matrix products use the

@@ -79,6 +79,14 @@ class HardwareProfile:
     SM resources, beside the compute stream); a CPU profile measures it per process
     count (gloo moves data on the same cores that compute)."""
 
+    host_overhead_s: dict[str, float] = field(default_factory=dict)
+    """Host seconds the parallel wrappers add (:mod:`autopar.cost_models.profiler_host`):
+    DTensor per call of a tensor-parallel Linear and of a sequence-parallel norm
+    (``linear_fwd``, ``linear_bwd``, ``norm_fwd``, ``norm_bwd``) and FSDP2 per
+    parameter of a ``fully_shard`` unit per micro-batch (``fsdp_param_fwd``,
+    ``fsdp_param_bwd``); empty where not measured. A CPU profile measures them per
+    process count."""
+
     @property
     def oversubscription(self) -> float:
         """Processes per core of a CPU profile selected for more processes than the
@@ -118,6 +126,7 @@ class HardwareProfile:
                      memory_bandwidth=e.get("memory_bandwidth", self.memory_bandwidth),
                      kernel_overhead_s=e.get("kernel_overhead_s", self.kernel_overhead_s),
                      comm_overlap=e.get("comm_overlap", self.comm_overlap),
+                     host_overhead_s=e.get("host_overhead_s", self.host_overhead_s),
                      provenance={**self.provenance, "processes_per_node": n,
                                  "per_process_entry": k})
         link = e.get("link")
@@ -303,11 +312,13 @@ def _num(data: dict, key: str, origin: str, sources: dict[str, str], prefix: str
     return float(value)
 
 
-def _table(data: dict, key: str, origin: str, sources: dict[str, str]) -> dict[str, float]:
+def _table(data: dict, key: str, origin: str, sources: dict[str, str],
+           prefix: str = "") -> dict[str, float]:
     t = data.get(key)
     if not isinstance(t, dict) or not t:
-        raise PlanFormatError(f"hardware profile {origin}: field '{key}' must map dtypes to numbers")
-    return {k: _num(t, k, origin, sources, f"{key}.") for k in t}
+        raise PlanFormatError(f"hardware profile {origin}: field '{prefix}{key}' must map "
+                              f"names to numbers")
+    return {k: _num(t, k, origin, sources, f"{prefix}{key}.") for k in t}
 
 
 def _link(data: dict, key: str, origin: str, sources: dict[str, str]) -> LinkSpec:
@@ -339,6 +350,8 @@ def _per_process(data: dict, origin: str) -> dict[int, dict[str, Any]]:
                              ("matmul_flops", "memory_bandwidth", "kernel_overhead_s")}
         if "comm_overlap" in entry:
             e["comm_overlap"] = _num(entry, "comm_overlap", origin, src, pre)
+        if "host_overhead_s" in entry:
+            e["host_overhead_s"] = _table(entry, "host_overhead_s", origin, src)
         kinds = [(kind, _link(entry, kind, origin, src)) for kind in
                  ("all_reduce", "all_gather", "reduce_scatter") if kind in entry]
         if kinds:
@@ -351,7 +364,8 @@ def _per_process(data: dict, origin: str) -> dict[int, dict[str, Any]]:
                  f"{pre}comm_overlap": "comm_overlap",
                  "all_reduce.bandwidth": "intra_node.bandwidth",
                  "all_reduce.latency": "intra_node.latency"}
-        e["sources"] = {names.get(n, f"{pre}{n}"): text for n, text in src.items()}
+        e["sources"] = {names.get(n, n if n.startswith("host_") else f"{pre}{n}"): text
+                        for n, text in src.items()}
         out[int(key)] = e
     return out
 
@@ -380,6 +394,8 @@ def parse_profile(text: str, origin: str = "<text>", folder: Any = None) -> Hard
             sources=src, provenance=dict(data.get("provenance", {})), tables=tables,
             per_process=_per_process(data, origin),
             comm_overlap=(_num(data, "comm_overlap", origin, src) if "comm_overlap" in data
-                          else 1.0))
+                          else 1.0),
+            host_overhead_s=(_table(data, "host_overhead_s", origin, src)
+                                if "host_overhead_s" in data else {}))
     except KeyError as e:
         raise PlanFormatError(f"hardware profile {origin} is missing the field {e}") from None

@@ -16,6 +16,8 @@ Per N the profile stores, under ``per_process["N"]`` (see
 - copy bandwidth: a 64 MiB copy (beyond the last-level cache), bytes read + written;
 - per-op time: the median eager time of a tiny ``torch.add`` on tensors that require
   grad (ATen dispatch plus the autograd node a training step records);
+- the host seconds DTensor adds to a tensor-parallel Linear and a sequence-parallel
+  norm, and FSDP2 per parameter of a unit (:mod:`autopar.cost_models.profiler_host`);
 - for N > 1, the share of an all-reduce that GEMMs hide (``comm_overlap``;
   :func:`comm_overlap`);
 - for N > 1, gloo all-reduce, all-gather and reduce-scatter over loopback, each fitted
@@ -47,6 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cost_models.comm import fit_alpha_beta
+from autopar.cost_models.profiler_host import HOST_KEYS, host_overhead, median_time
 
 SIZES = [2**k for k in (12, 16, 18, 20, 22)]
 """Bytes of the collective buffers (the full tensor: reduced, gathered or scattered)."""
@@ -65,24 +68,6 @@ COLLECTIVE_LOOPS = 8
 (milliseconds) average out over several."""
 
 
-def _median_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int = REPS,
-                 loops: int = 1) -> float:
-    """Median over ``reps`` runs (after one warm-up) of the seconds per call of ``loops``
-    calls of ``fn``, timed from one ``sync`` to the next (a barrier: every process
-    starts together, and a run lasts until the slowest process is done, as a step
-    does)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t) / loops)
-    return statistics.median(times)
-
-
 def gemm_flops(sync: Callable[[], None]) -> float:
     """fp32 torch.mm rate (FLOP/s): per size the median over repetitions of enough
     products to make about 2 GFLOP, the best size kept."""
@@ -94,7 +79,7 @@ def gemm_flops(sync: Callable[[], None]) -> float:
         def run() -> None:
             for _ in range(k):
                 torch.mm(a, b)
-        best = max(best, k * 2 * n**3 / _median_time(run, sync))
+        best = max(best, k * 2 * n**3 / median_time(run, sync))
     return best
 
 
@@ -102,7 +87,7 @@ def copy_bandwidth(sync: Callable[[], None]) -> float:
     """Bytes read + written per second by a 64 MiB copy (median of repetitions)."""
     src = torch.empty(16 * 2**20)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), sync)
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), sync)
 
 
 def op_overhead() -> float:
@@ -135,7 +120,7 @@ def collective_fits(world: int, sync: Callable[[], None]) -> dict[str, dict[str,
 
     def compute() -> None:
         torch.mm(a, a)
-    base = _median_time(compute, sync, 5, COLLECTIVE_LOOPS)
+    base = median_time(compute, sync, 5, COLLECTIVE_LOOPS)
     out = {}
     for kind in KINDS:
         times = []
@@ -145,7 +130,7 @@ def collective_fits(world: int, sync: Callable[[], None]) -> dict[str, dict[str,
             def step() -> None:
                 compute()
                 coll()
-            times.append(max(0.0, _median_time(step, sync, 5, COLLECTIVE_LOOPS) - base))
+            times.append(max(0.0, median_time(step, sync, 5, COLLECTIVE_LOOPS) - base))
         fit = fit_alpha_beta([float(s) for s in SIZES], times, kind, world)
         out[kind] = {"seconds": times, "bandwidth": fit.bandwidth, "latency": fit.latency}
     return out
@@ -164,8 +149,8 @@ def comm_overlap(sync: Callable[[], None]) -> float:
     time, as when gloo's threads and the compute share the same cores."""
     full = torch.ones(OVERLAP_BYTES // 4)
     a = torch.randn(512, 512)
-    c = _median_time(lambda: dist.all_reduce(full), sync, REPS, COLLECTIVE_LOOPS)
-    one = _median_time(lambda: torch.mm(a, a), sync, REPS, COLLECTIVE_LOOPS)
+    c = median_time(lambda: dist.all_reduce(full), sync, REPS, COLLECTIVE_LOOPS)
+    one = median_time(lambda: torch.mm(a, a), sync, REPS, COLLECTIVE_LOOPS)
     k = max(1, round(c / max(one, 1e-9)))
 
     def gemms() -> None:
@@ -176,8 +161,8 @@ def comm_overlap(sync: Callable[[], None]) -> float:
         work = dist.all_reduce(full, async_op=True)
         gemms()
         work.wait()
-    g = _median_time(gemms, sync, REPS, COLLECTIVE_LOOPS)
-    t = _median_time(both, sync, REPS, COLLECTIVE_LOOPS)
+    g = median_time(gemms, sync, REPS, COLLECTIVE_LOOPS)
+    t = median_time(both, sync, REPS, COLLECTIVE_LOOPS)
     return min(1.0, max(0.0, (g + c - t) / max(min(g, c), 1e-12)))
 
 
@@ -190,6 +175,7 @@ def _worker(rank: int, world: int, port: int, q: Any) -> None:
     res: dict[str, Any] = {"gemm_flops": gemm_flops(sync), "copy_bandwidth": copy_bandwidth(sync)}
     sync()
     res["op_overhead_s"] = op_overhead()
+    res["host_overhead_s"] = host_overhead("cpu", sync)
     if world > 1:
         res["collectives"] = collective_fits(world, sync)
         res["comm_overlap"] = comm_overlap(sync)
@@ -213,6 +199,8 @@ def measure_processes(world: int) -> dict[str, Any]:
         p.join()
     out: dict[str, Any] = {k: statistics.median(got[r][k] for r in got)
                            for k in ("gemm_flops", "copy_bandwidth", "op_overhead_s")}
+    out["host_overhead_s"] = {k: statistics.median(got[r]["host_overhead_s"][k] for r in got)
+                                 for k in HOST_KEYS}
     if world > 1:
         out["collectives"] = got[0]["collectives"]
         out["comm_overlap"] = statistics.median(got[r]["comm_overlap"] for r in got)
@@ -234,6 +222,10 @@ def _n(value: Any, source: str) -> dict[str, Any]:
     return {"value": value, "source": source}
 
 
+_HOST_WHAT = {"linear": "a tensor-parallel Linear on DTensor", "norm": "a sequence-parallel "
+              "norm on DTensor", "fsdp_param": "FSDP2 (per parameter of a unit)"}
+
+
 def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]:
     """The ``per_process["world"]`` block of the profile from one measurement."""
     where = f"{how}, {world} concurrent one-thread process{'es' if world > 1 else ''}"
@@ -244,6 +236,11 @@ def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]
         "kernel_overhead_s": _n(m["op_overhead_s"], f"{where}: median eager time of a tiny "
                                                     "torch.add recorded by autograd"),
     }
+    entry["host_overhead_s"] = {
+        k: _n(v, f"{where}: host seconds {_HOST_WHAT[k.rsplit('_', 1)[0]]} adds per "
+                 f"{'forward' if k.endswith('fwd') else 'backward'} on a one-process mesh "
+                 "(cost_models/profiler_host.py), median over ranks")
+        for k, v in m["host_overhead_s"].items()}
     if world > 1:
         for kind, fit in m["collectives"].items():
             entry[kind] = {

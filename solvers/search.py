@@ -136,7 +136,9 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
 def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None,
                num_units: int) -> list[tuple[str, int]]:
     """The (schedule, virtual stages) pairs to try for ``pp`` stages and ``m``
-    micro-batches: none without a pipeline, the requested one, or AUTO_SCHEDULES."""
+    micro-batches: none without a pipeline, the requested one, or AUTO_SCHEDULES; those
+    torch runs (:func:`~autopar.solvers.schedules.validate`) and autopar's runtime
+    lowers (zbv with at least as many micro-batches as stages: ``runtime/pipeline.py``)."""
     if pp == 1:
         return [("", 1)]
     if schedule is not None:
@@ -144,7 +146,8 @@ def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None
         pairs = [(schedule, v)]
     else:
         pairs = list(AUTO_SCHEDULES)
-    return [(sc, v) for sc, v in pairs if pp * v <= num_units and validate(sc, pp, m, v) is None]
+    return [(sc, v) for sc, v in pairs if pp * v <= num_units and validate(sc, pp, m, v) is None
+            and not (sc == "zbv" and m < pp * v)]  # the runtime runs zbv with m >= its stages
 
 
 def offload_candidates(cands: list[Candidate]) -> list[Candidate]:

@@ -142,9 +142,9 @@ def test_the_cases_tie_or_nearly_tie(fresh) -> None:
     """The premise: at least three of the tiny GPT's data-parallel candidates (its ZeRO
     stages) take the same time to 0.1% (they differ only in the optimizer step and
     FSDP2's copies of a few kilobytes of parameters); the pipelined case plans a
-    pipeline with at least two rivals within 10% of the best pipeline."""
+    pipeline with at least two rivals within 20% of the best pipeline."""
     close = _candidate_times(CASES["tiny-gpt-1x8"], lambda c: c.tp == 1 and c.pp == 1)
     assert sum(t <= min(close) * 1.001 for t in close) >= 3, sorted(close)
     near = _candidate_times(CASES["gpt-2x2-slow-pipeline"], lambda c: c.pp > 1)
-    assert sum(t <= min(near) * 1.10 for t in near) >= 3, sorted(near)
+    assert sum(t <= min(near) * 1.20 for t in near) >= 3, sorted(near)
     assert json.loads(fresh["gpt-2x2-slow-pipeline"])["pipeline"] is not None

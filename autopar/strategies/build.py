@@ -38,7 +38,8 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from autopar.cost_models.comm import bucketed_time, collective_time, group_link
-from autopar.cost_models.compute import OpShapes, backward_factors, local_shape, op_time
+from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
+                                         local_shape, op_time)
 from autopar.cost_models.memory import (activation_bytes_per_element, fsdp_lays_out,
                                         param_bytes, saved_element_bytes, saved_for_backward)
 from autopar.cost_models.offload import host_step_time, offload_transfer_time
@@ -345,6 +346,8 @@ class _Builder:
             if ff or bf:
                 bwd = op_time(shapes, flops * ff, nbytes * bf, backward=True,
                               dtype=self.dtype, hw=self.st.hw)
+        host_f, host_b = self._dtensor_host(n, ins)
+        fwd, bwd = fwd + host_f, bwd + host_b
         comm = 0.0
         if out != raw:
             grad_out = out
@@ -364,6 +367,33 @@ class _Builder:
                           self._loss_gradient(n, ins), param_copy_s=copy_f + copy_b,
                           param_copy_bwd_s=copy_b)
         return ns, sc
+
+    def _dtensor_host(self, n: OpNode, ins) -> tuple[float, float]:
+        """(forward, backward) host seconds DTensor adds to op ``n`` under input
+        placements ``ins``: a matrix product (or embedding) whose parameter is split over
+        a non-dp axis runs as a tensor-parallel Linear, a norm whose input is split so runs as a
+        sequence-parallel one (:attr:`HardwareProfile.host_overhead_s`; 0 where the
+        profile has no figure). Added to the op's time, as on a CPU, where the host is
+        the device; GPU profiles leave it unmeasured while their host time hides behind
+        the device's."""
+        over = self.st.hw.host_overhead_s
+        free = self._free_axes()
+        if not over or not free:
+            return 0.0, 0.0
+        kinds = [self.g.node(i).kind for i in n.inputs]
+
+        def split(pl: Placements) -> bool:
+            return any(pl[a].startswith("S(") for a in free)
+        kind = None
+        if (is_matmul(n.target) or n.target.endswith(("embedding", "embedding.default"))) and \
+                any(k == "param" and split(p) for k, p in zip(kinds, ins)):
+            kind = "linear"
+        elif is_norm(n.target) and ins and kinds[0] != "param" and split(ins[0]):
+            kind = "norm"
+        if kind is None:
+            return 0.0, 0.0
+        return (over.get(f"{kind}_fwd", 0.0),
+                over.get(f"{kind}_bwd", 0.0) if n.requires_grad else 0.0)
 
     def _memory(self, n: OpNode, rule: OpRule, ins, out,
                 activations: float | None = None) -> dict[str, float]:

@@ -1,0 +1,124 @@
+"""Host overhead of the parallel wrappers: DTensor modules and FSDP2 units.
+
+A tensor-parallel Linear (``ColwiseParallel`` / ``RowwiseParallel``) and a
+sequence-parallel norm (``SequenceParallel``) dispatch through DTensor: sharding
+propagation, placement checks and the wrapping of inputs and outputs, on the host, for
+every call and its backward. On a tiny module this host time is all there is, so it is
+measured as the difference between the parallel module and the same plain module, on a
+mesh of one process (no collective runs; the collectives are priced by the
+communication model), forward and forward+backward.
+
+FSDP2's hooks and per-parameter bookkeeping are measured the same way, per parameter
+of a ``fully_shard`` unit (:func:`fsdp_overhead`). The figures, in seconds
+(:data:`HOST_KEYS`), go into the profile's ``host_overhead_s``
+(:attr:`autopar.cost_models.hardware.HardwareProfile.host_overhead_s`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HOST_KEYS = ("linear_fwd", "linear_bwd", "norm_fwd", "norm_bwd", "fsdp_param_fwd",
+             "fsdp_param_bwd")
+"""The measured figures (:func:`host_overhead`)."""
+
+_CALLS, _REPS = 100, 5
+
+
+def median_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int = 7,
+                loops: int = 1, warmup: int = 1) -> float:
+    """Median over ``reps`` runs (after ``warmup`` calls) of the seconds per call of
+    ``loops`` calls of ``fn``, timed from one ``sync`` to the next (a barrier: every
+    process starts together, and a run lasts until the slowest process is done, as a
+    step does)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t) / loops)
+    return statistics.median(times)
+
+
+def _fwd_and_step(module: nn.Module, x: torch.Tensor,
+                  sync: Callable[[], None]) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of one call of ``module`` on ``x``."""
+    def fwd() -> None:
+        module(x)
+
+    def both() -> None:
+        out = module(x)
+        (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
+    return (median_time(fwd, sync, _REPS, _CALLS, warmup=10),
+            median_time(both, sync, _REPS, _CALLS, warmup=10))
+
+
+def dtensor_overhead(device_type: str, sync: Callable[[], None]) -> dict[str, float]:
+    """Host seconds per call that DTensor adds to a tensor-parallel Linear (the mean of
+    a column-wise and a row-wise one) and to a sequence-parallel LayerNorm, forward and
+    backward, on a mesh of this process alone. Needs an initialized process group
+    (every rank calls it: the one-process groups are created collectively)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    group, _ = dist.new_subgroups(group_size=1)
+    mesh = DeviceMesh.from_group(group, device_type)
+    dev = torch.device(device_type)
+    x = torch.randn(4, 2, 8, device=dev, requires_grad=True)
+    out: dict[str, float] = {}
+    plain = _fwd_and_step(nn.Linear(8, 8).to(dev), x, sync)
+    extra = []
+    for style in (ColwiseParallel(), RowwiseParallel()):
+        par = parallelize_module(nn.Linear(8, 8).to(dev), mesh, style)
+        extra.append([p - q for p, q in zip(_fwd_and_step(par, x, sync), plain)])
+    fwd = statistics.fmean(e[0] for e in extra)
+    out["linear_fwd"], out["linear_bwd"] = fwd, statistics.fmean(e[1] for e in extra) - fwd
+    plain = _fwd_and_step(nn.LayerNorm(8).to(dev), x, sync)
+    par = parallelize_module(nn.LayerNorm(8).to(dev), mesh, SequenceParallel())
+    both = [p - q for p, q in zip(_fwd_and_step(par, x, sync), plain)]
+    out["norm_fwd"], out["norm_bwd"] = both[0], both[1] - both[0]
+    return {k: max(0.0, v) for k, v in out.items()}
+
+
+def fsdp_overhead(device_type: str, sync: Callable[[], None]) -> dict[str, float]:
+    """Host seconds per parameter that FSDP2 adds to one forward and one backward of a
+    ``fully_shard`` unit (its hooks, the unshard and reshard bookkeeping and the
+    per-parameter copies), on a mesh of this process alone: a unit of eight tiny
+    Linears (16 parameters, as many as a transformer block has) against the plain
+    module, divided by its parameter count. Keys ``fsdp_param_fwd`` and
+    ``fsdp_param_bwd``.
+    Needs an initialized process group (every rank calls it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    group, _ = dist.new_subgroups(group_size=1)
+    mesh = DeviceMesh.from_group(group, device_type)
+    dev = torch.device(device_type)
+    x = torch.randn(4, 8, device=dev, requires_grad=True)
+
+    def unit() -> nn.Module:
+        return nn.Sequential(*(nn.Linear(8, 8) for _ in range(8))).to(dev)
+    plain = _fwd_and_step(unit(), x, sync)
+    wrapped = unit()
+    params = sum(1 for _ in wrapped.parameters())
+    fully_shard(wrapped, mesh=mesh)
+    fwd, both = (p - q for p, q in zip(_fwd_and_step(wrapped, x, sync), plain))
+    return {"fsdp_param_fwd": max(0.0, fwd) / params,
+            "fsdp_param_bwd": max(0.0, both - fwd) / params}
+
+
+def host_overhead(device_type: str, sync: Callable[[], None]) -> dict[str, float]:
+    """Every figure of :data:`HOST_KEYS`: :func:`dtensor_overhead` and
+    :func:`fsdp_overhead`."""
+    return {**dtensor_overhead(device_type, sync), **fsdp_overhead(device_type, sync)}

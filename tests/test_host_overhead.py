@@ -1,0 +1,92 @@
+"""Host overhead of the parallel wrappers: measured on a mesh of one process, read from
+the profile per process count, and charged to exactly the ops that run wrapped."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autopar.capture import capture
+from autopar.cost_models.hardware import load_profile
+from autopar.cost_models.profiler_host import HOST_KEYS
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.sharding import Mesh
+from autopar.solvers.ilp import solve_ilp
+from autopar.solvers.problem import evaluate
+from autopar.strategies.analysis import analyze
+from autopar.strategies.build import Settings, build_problem
+from tests.dist_utils import run_distributed
+
+
+def _measure() -> dict[str, float]:
+    import torch.distributed as dist
+
+    from autopar.cost_models.profiler_host import host_overhead
+    torch.set_num_threads(1)
+    return host_overhead("cpu", dist.barrier)
+
+
+@pytest.mark.multirank
+def test_wrappers_cost_host_time_on_a_mesh_of_one() -> None:
+    """Every figure is measured, and DTensor makes a tiny Linear slower than plain."""
+    got = run_distributed(1, _measure, timeout_s=300)[0]
+    assert set(got) == set(HOST_KEYS)
+    assert all(v >= 0.0 for v in got.values())
+    assert got["linear_fwd"] + got["linear_bwd"] > 10e-6
+
+
+def test_cpu_profile_reads_host_overhead_per_process_count() -> None:
+    cpu = load_profile("cpu")
+    two, four = cpu.for_processes(2), cpu.for_processes(4)
+    assert set(two.host_overhead_s) == set(HOST_KEYS)
+    assert two.host_overhead_s != four.host_overhead_s  # each count its own measurement
+    assert load_profile("h100-sxm").host_overhead_s == {}
+
+
+def _gpt_problem(mesh: tuple[int, int], hw, sequence_parallel: bool):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=1024, n_layers=2, n_heads=4))
+    g = capture(model, (torch.randint(0, 512, (8, 64), device="meta"),))
+    st = Settings(Mesh(("dp", "tp"), mesh), 8 // mesh[0], 1, 0, "fp32", "adamw", 1e12, hw, 4,
+                  sequence_parallel=sequence_parallel)
+    return build_problem(analyze(g), st)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_ops_are_charged_the_dtensor_overhead(sequence_parallel) -> None:
+    """On tp=2 the planned step grows by the measured DTensor figures times the wrapped
+    modules: 12 Linears (q, k, v, proj, fc1, fc2 per block) whose weights are split,
+    and with sequence parallelism also the 5 norms whose inputs are."""
+    base = load_profile("h100-sxm")  # fast links: the ILP splits the weights
+    over = {"linear_fwd": 1e-3, "linear_bwd": 2e-3, "norm_fwd": 1e-4, "norm_bwd": 3e-4}
+    built = _gpt_problem((1, 2), base, sequence_parallel)
+    choice = solve_ilp(built.problem).choice
+    charged = _gpt_problem((1, 2), replace(base, host_overhead_s=over), sequence_parallel)
+    delta = evaluate(charged.problem, choice).compute_s - evaluate(built.problem, choice).compute_s
+    chosen = [built.strategies[k][c] for k, c in enumerate(choice)]
+    linears = sum(built.problem.nodes[k].multiplicity for k, ns in enumerate(chosen)
+                  if built.names[k].startswith(("linear", "addmm"))
+                  and any(p.startswith("S(") for p in ns.ins[1][1:]))
+    assert linears == 12
+    norms = 5 if sequence_parallel else 0
+    expect = linears * 3e-3 + norms * 4e-4
+    assert delta == pytest.approx(expect, rel=1e-9)
+
+
+def test_fsdp_overhead_is_charged_per_parameter_and_micro_batch() -> None:
+    """dp=2 pays FSDP2's per-parameter host time for every trainable parameter once per
+    micro-batch; tp=2 alone (fp32, no FSDP2) pays none of it."""
+    base = load_profile("h100-sxm")  # fast links: the ILP splits the weights
+    over = {"fsdp_param_fwd": 1e-4, "fsdp_param_bwd": 2e-4}
+    for mesh, expect_params in (((2, 1), True), ((1, 2), False)):
+        built = _gpt_problem(mesh, base, False)
+        choice = solve_ilp(built.problem).choice
+        charged = _gpt_problem(mesh, replace(base, host_overhead_s=over), False)
+        times = [evaluate(p, choice).compute_s for p in (built.problem, charged.problem)]
+        with torch.device("meta"):
+            n = len(list(GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=1024, n_layers=2,
+                                       n_heads=4)).parameters()))
+        assert times[1] - times[0] == pytest.approx(3e-4 * n if expect_params else 0.0,
+                                                    rel=1e-9, abs=1e-12)
