@@ -199,7 +199,7 @@ CANDIDATES = {  # case -> (instance, candidate)
     # piling the layers on one rank exposes its dp all-reduce (26% slower)
     "split-blind-to-dp-sync": (MLP_SLOW_DP, Candidate(2, 1, 2, 2, 0, 2, "1f1b", 1)),
     # the first rank's in-flight count forces recomputation an uneven split does not need
-    "ilp-memory-model": (GPT_07, Candidate(2, 1, 2, 2, 0, 2, "zbv", 2)),
+    "ilp-memory-model": (GPT_07, Candidate(2, 1, 1, 4, 0, 2, "zbv", 2)),  # m >= 4 stages
     # a replicated block output doubles the transfer over the slow pp link
     "ilp-blind-to-p2p": (MLP_SLOW, Candidate(1, 2, 4, 2, 0, 2, "1f1b", 1)),
 }
