@@ -312,13 +312,12 @@ def _num(data: dict, key: str, origin: str, sources: dict[str, str], prefix: str
     return float(value)
 
 
-def _table(data: dict, key: str, origin: str, sources: dict[str, str],
-           prefix: str = "") -> dict[str, float]:
+def _table(data: dict, key: str, origin: str, sources: dict[str, str]) -> dict[str, float]:
     t = data.get(key)
     if not isinstance(t, dict) or not t:
-        raise PlanFormatError(f"hardware profile {origin}: field '{prefix}{key}' must map "
-                              f"names to numbers")
-    return {k: _num(t, k, origin, sources, f"{prefix}{key}.") for k in t}
+        raise PlanFormatError(f"hardware profile {origin}: field '{key}' must map names to "
+                              "numbers")
+    return {k: _num(t, k, origin, sources, f"{key}.") for k in t}
 
 
 def _link(data: dict, key: str, origin: str, sources: dict[str, str]) -> LinkSpec:

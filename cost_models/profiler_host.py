@@ -63,62 +63,62 @@ def _fwd_and_step(module: nn.Module, x: torch.Tensor,
             median_time(both, sync, _REPS, _CALLS, warmup=10))
 
 
-def dtensor_overhead(device_type: str, sync: Callable[[], None]) -> dict[str, float]:
+def _added(wrapped: nn.Module, plain: nn.Module, x: torch.Tensor,
+           sync: Callable[[], None]) -> tuple[float, float]:
+    """(forward, backward) seconds that ``wrapped`` takes beyond ``plain`` on ``x``."""
+    w_fwd, w_both = _fwd_and_step(wrapped, x, sync)
+    p_fwd, p_both = _fwd_and_step(plain, x, sync)
+    return w_fwd - p_fwd, (w_both - w_fwd) - (p_both - p_fwd)
+
+
+def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
     """Host seconds per call that DTensor adds to a tensor-parallel Linear (the mean of
     a column-wise and a row-wise one) and to a sequence-parallel LayerNorm, forward and
-    backward, on a mesh of this process alone. Needs an initialized process group
-    (every rank calls it: the one-process groups are created collectively)."""
-    from torch.distributed.device_mesh import DeviceMesh
+    backward, on ``mesh`` (one process: :func:`host_overhead`)."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    group, _ = dist.new_subgroups(group_size=1)
-    mesh = DeviceMesh.from_group(group, device_type)
-    dev = torch.device(device_type)
+    dev = torch.device(mesh.device_type)
     x = torch.randn(4, 2, 8, device=dev, requires_grad=True)
-    out: dict[str, float] = {}
-    plain = _fwd_and_step(nn.Linear(8, 8).to(dev), x, sync)
-    extra = []
-    for style in (ColwiseParallel(), RowwiseParallel()):
-        par = parallelize_module(nn.Linear(8, 8).to(dev), mesh, style)
-        extra.append([p - q for p, q in zip(_fwd_and_step(par, x, sync), plain)])
-    fwd = statistics.fmean(e[0] for e in extra)
-    out["linear_fwd"], out["linear_bwd"] = fwd, statistics.fmean(e[1] for e in extra) - fwd
-    plain = _fwd_and_step(nn.LayerNorm(8).to(dev), x, sync)
-    par = parallelize_module(nn.LayerNorm(8).to(dev), mesh, SequenceParallel())
-    both = [p - q for p, q in zip(_fwd_and_step(par, x, sync), plain)]
-    out["norm_fwd"], out["norm_bwd"] = both[0], both[1] - both[0]
-    return {k: max(0.0, v) for k, v in out.items()}
+    plain = nn.Linear(8, 8).to(dev)
+    lin = [_added(parallelize_module(nn.Linear(8, 8).to(dev), mesh, style), plain, x, sync)
+           for style in (ColwiseParallel(), RowwiseParallel())]
+    norm = _added(parallelize_module(nn.LayerNorm(8).to(dev), mesh, SequenceParallel()),
+                  nn.LayerNorm(8).to(dev), x, sync)
+    return {"linear_fwd": statistics.fmean(f for f, _ in lin),
+            "linear_bwd": statistics.fmean(b for _, b in lin),
+            "norm_fwd": norm[0], "norm_bwd": norm[1]}
 
 
-def fsdp_overhead(device_type: str, sync: Callable[[], None]) -> dict[str, float]:
+def fsdp_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
     """Host seconds per parameter that FSDP2 adds to one forward and one backward of a
     ``fully_shard`` unit (its hooks, the unshard and reshard bookkeeping and the
-    per-parameter copies), on a mesh of this process alone: a unit of eight tiny
-    Linears (16 parameters, as many as a transformer block has) against the plain
-    module, divided by its parameter count. Keys ``fsdp_param_fwd`` and
-    ``fsdp_param_bwd``.
-    Needs an initialized process group (every rank calls it)."""
-    from torch.distributed.device_mesh import DeviceMesh
+    per-parameter copies), on ``mesh`` (one process: :func:`host_overhead`): a unit of
+    eight tiny Linears (16 parameters, as many as a transformer block has) against the
+    plain module, divided by its parameter count. Keys ``fsdp_param_fwd`` and
+    ``fsdp_param_bwd``."""
     from torch.distributed.fsdp import fully_shard
 
-    group, _ = dist.new_subgroups(group_size=1)
-    mesh = DeviceMesh.from_group(group, device_type)
-    dev = torch.device(device_type)
+    dev = torch.device(mesh.device_type)
     x = torch.randn(4, 8, device=dev, requires_grad=True)
 
     def unit() -> nn.Module:
         return nn.Sequential(*(nn.Linear(8, 8) for _ in range(8))).to(dev)
-    plain = _fwd_and_step(unit(), x, sync)
     wrapped = unit()
     params = sum(1 for _ in wrapped.parameters())
     fully_shard(wrapped, mesh=mesh)
-    fwd, both = (p - q for p, q in zip(_fwd_and_step(wrapped, x, sync), plain))
-    return {"fsdp_param_fwd": max(0.0, fwd) / params,
-            "fsdp_param_bwd": max(0.0, both - fwd) / params}
+    fwd, bwd = _added(wrapped, unit(), x, sync)
+    return {"fsdp_param_fwd": fwd / params, "fsdp_param_bwd": bwd / params}
 
 
 def host_overhead(device_type: str, sync: Callable[[], None]) -> dict[str, float]:
-    """Every figure of :data:`HOST_KEYS`: :func:`dtensor_overhead` and
-    :func:`fsdp_overhead`."""
-    return {**dtensor_overhead(device_type, sync), **fsdp_overhead(device_type, sync)}
+    """Every figure of :data:`HOST_KEYS` (:func:`dtensor_overhead`,
+    :func:`fsdp_overhead`), non-negative, on a mesh of this process alone. Needs an
+    initialized process group: every rank calls it, as the one-process groups are
+    created collectively."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group, _ = dist.new_subgroups(group_size=1)
+    mesh = DeviceMesh.from_group(group, device_type)
+    got = {**dtensor_overhead(mesh, sync), **fsdp_overhead(mesh, sync)}
+    return {k: max(0.0, v) for k, v in got.items()}

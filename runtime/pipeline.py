@@ -47,6 +47,7 @@ from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
 from autopar.runtime.pipeline_split import StageGraph, split_stages
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
+from autopar.solvers.schedules import needs_a_microbatch_per_stage
 
 __all__ = ["SCHEDULE_CLASSES", "TiedCopies", "PipelineRuntime", "check_pipeline",
            "stage_ranks", "untie_across_stages", "stage_plan", "build_pipeline_schedule",
@@ -79,7 +80,7 @@ def _check_microbatches(plan: Plan) -> None:
     pipe, n, pp = plan.pipeline, plan.num_microbatches, plan.degree("pp")
     assert pipe is not None
     stages = len(pipe.stages)
-    if pipe.schedule in ("1f1b", "zbv") and n < stages:
+    if needs_a_microbatch_per_stage(pipe.schedule) and n < stages:
         raise LoweringError(f"the '{pipe.schedule}' schedule needs at least as many "
                             f"micro-batches as stages ({stages}), but the plan has "
                             f"num_microbatches={n}; use {stages} or more micro-batches")

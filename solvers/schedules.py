@@ -120,6 +120,14 @@ def validate(schedule: str, pp: int, num_microbatches: int, virtual_stages: int 
     return None
 
 
+def needs_a_microbatch_per_stage(schedule: str) -> bool:
+    """Whether autopar's runtime runs ``schedule`` only with at least as many
+    micro-batches as stages: 1f1b (torch's ``Schedule1F1B``) and zbv (the runtime's own
+    rule, ``runtime/pipeline.py``; torch's ``ScheduleZBVZeroBubble`` accepts fewer, so
+    :func:`validate` and the simulator do too)."""
+    return schedule in ("1f1b", "zbv")
+
+
 def stage_ranks(schedule: str, pp: int, virtual_stages: int) -> list[int]:
     """The pp rank of each of the ``pp · v`` stages: ``s % pp`` for the looped
     schedules; for ``zbv`` the "V" of Qi et al. §6 — stage s < pp on rank s, stage

@@ -26,7 +26,7 @@ from autopar.solvers.ilp import Solution, solve_ilp
 from autopar.plans import RECOMPUTE
 from autopar.solvers.pipeline_search import (PipelineOutcome, in_flight, pipeline_problem,
                                              refine_modes, solve_pipeline)
-from autopar.solvers.schedules import validate
+from autopar.solvers.schedules import needs_a_microbatch_per_stage, validate
 from autopar.solvers.problem import evaluate, least_memory
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, Settings, build_problem
@@ -138,7 +138,7 @@ def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None
     """The (schedule, virtual stages) pairs to try for ``pp`` stages and ``m``
     micro-batches: none without a pipeline, the requested one, or AUTO_SCHEDULES; those
     torch runs (:func:`~autopar.solvers.schedules.validate`) and autopar's runtime
-    lowers (zbv with at least as many micro-batches as stages: ``runtime/pipeline.py``)."""
+    lowers (:func:`~autopar.solvers.schedules.needs_a_microbatch_per_stage`)."""
     if pp == 1:
         return [("", 1)]
     if schedule is not None:
@@ -147,7 +147,7 @@ def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None
     else:
         pairs = list(AUTO_SCHEDULES)
     return [(sc, v) for sc, v in pairs if pp * v <= num_units and validate(sc, pp, m, v) is None
-            and not (sc == "zbv" and m < pp * v)]  # the runtime runs zbv with m >= its stages
+            and not (needs_a_microbatch_per_stage(sc) and m < pp * v)]
 
 
 def offload_candidates(cands: list[Candidate]) -> list[Candidate]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from autopar.graph import Graph
 from autopar.sharding import shard_count
 from autopar.solvers.problem import Problem
+from autopar.strategies.analysis import param_users
 from autopar.strategies.build import Built
 
 
@@ -167,10 +168,12 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
 class TiedCopy:
     """A trainable parameter that units other than its own read (a tied output head
     reading the embedding's weight): ``owner`` is the problem node of the op that owns
-    it (its first user), ``readers`` the units that would hold a copy."""
+    it (its first user), ``own`` every parameter that op owns with its input position,
+    ``readers`` the units that would hold a copy."""
 
     param: str
     owner: int
+    own: tuple[tuple[str, int], ...]
     readers: tuple[int, ...]
 
 
@@ -178,37 +181,25 @@ def tied_copies(g: Graph, built: Built) -> list[TiedCopy]:
     """Every tied parameter of ``g`` read outside its own unit."""
     index = {name: k for k, name in enumerate(built.names)}
     _, where = unit_of_nodes(g)
+    owner, consumers = param_users(g)
     out = []
-    for p, ops in _param_users(g).items():
+    for p, uses in consumers.items():
         info = g.params.get(g.node(p).target)
-        readers = sorted({where[o] for o in ops} - {where[p]})
+        readers = sorted({where[o] for o, _ in uses} - {where[p]})
         if readers and (info is None or info.trainable):
-            out.append(TiedCopy(p, index[g.canonical.get(ops[0], ops[0])], tuple(readers)))
+            op = owner[p][0]
+            own = tuple((i, pos) for i, (o, pos) in owner.items() if o == op)
+            out.append(TiedCopy(p, index[g.canonical.get(op, op)], own, tuple(readers)))
     return out
-
-
-def _param_users(g: Graph) -> dict[str, list[str]]:
-    """The ops reading each parameter, in graph order (the first owns it)."""
-    users: dict[str, list[str]] = {}
-    for n in g.nodes:
-        if n.kind == "op":
-            for i in dict.fromkeys(n.inputs):
-                if g.node(i).kind == "param":
-                    users.setdefault(i, []).append(n.name)
-    return users
 
 
 def own_elements(g: Graph, built: Built, copy: TiedCopy, strategy: int) -> dict[str, float]:
     """Elements on one device of every parameter the tied parameter's owner op owns,
     under the owner's ``strategy`` (the tied parameter's share of them is the share
     of the op's parameter terms a copy repeats)."""
-    first = _param_users(g)
-    op = g.node(first[copy.param][0])
     sizes = built.settings.mesh.sizes
     ins = built.strategies[copy.owner][strategy].ins
-    return {i: g.node(i).out.numel / shard_count(ins[pos], sizes)
-            for pos, i in enumerate(op.inputs)
-            if g.node(i).kind == "param" and first[i][0] == op.name}
+    return {i: g.node(i).out.numel / shard_count(ins[pos], sizes) for i, pos in copy.own}
 
 
 def copy_static_bytes(g: Graph, built: Built, copy: TiedCopy, strategy: int) -> float:

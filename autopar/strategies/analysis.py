@@ -83,7 +83,7 @@ def analyze(graph: Graph) -> GraphAnalysis:
             dp_place[n.name] = _out_place(rule, label)
     batch_dim = {k: (int(v[2:-1]) if v.startswith("S(") else None) for k, v in dp_place.items()}
     module_ops = _module_ops(graph)
-    owner, consumers = _param_users(graph)
+    owner, consumers = param_users(graph)
     saved = {}
     mult: dict[str, int] = {}
     for n in graph.nodes:
@@ -168,8 +168,8 @@ def _module_ops(graph: Graph) -> set[str]:
     return result
 
 
-def _param_users(graph: Graph) -> tuple[dict[str, tuple[str, int]],
-                                        dict[str, list[tuple[str, int]]]]:
+def param_users(graph: Graph) -> tuple[dict[str, tuple[str, int]],
+                                       dict[str, list[tuple[str, int]]]]:
     """For every param node: its first consumer (op name, input position), and all."""
     owner: dict[str, tuple[str, int]] = {}
     consumers: dict[str, list[tuple[str, int]]] = {}
