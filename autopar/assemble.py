@@ -7,6 +7,7 @@ with or without a pipeline (n micro-batches; on a pipeline, sums over the units 
 busiest rank r, the rank with the most busy time)::
 
     step_time_s = compute_s + recompute_s + exposed_comm_s + bubble_s + optimizer_s
+                  + exposed_host_s
 
 * ``compute_s``: forward + backward without recomputation (n · Σ compute), FSDP2's
   copies of the parameters included (:mod:`autopar.cost_models.param_work`);
@@ -21,6 +22,10 @@ busiest rank r, the rank with the most busy time)::
   (T₀ − busy_r); 0 without a pipeline;
 * ``optimizer_s``: the optimizer step, after the backward (on the device; on the host
   under CPU offload); on a pipeline the slowest rank's.
+* ``exposed_host_s``: on a GPU, the time the device waits for the host to issue its
+  work (H of :mod:`autopar.solvers.problem`, (**); ``host_s`` is the step's host
+  seconds); on a pipeline what the busiest rank's host time adds to the schedule
+  (:func:`autopar.solvers.pipeline_search.rank_host_time`).
 
 The other keys (``comm_s``, ``reshard_s``, ``param_comm_s``, ``p2p_s`` = seconds per
 transfer, ...) detail these terms; they are not added again."""
@@ -137,7 +142,8 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
                  "exposed_comm_s": ev.comm_s + ev.exposed_param_comm_s, "bubble_s": 0.0,
                  "optimizer_s": ev.optimizer_s, "comm_s": ev.comm_s, "reshard_s": ev.reshard_s,
                  "param_comm_s": ev.param_comm_s,
-                 "exposed_param_comm_s": ev.exposed_param_comm_s}
+                 "exposed_param_comm_s": ev.exposed_param_comm_s,
+                 "exposed_host_s": ev.exposed_host_s, "host_s": ev.host_s}
     recompute = recompute_of_blocks(built, sol, blocks)
     return Plan(
         model=g.model_name, graph_hash=g.fingerprint(), cluster=cluster_desc,
@@ -247,8 +253,10 @@ def pipeline_breakdown(po: PipelineOutcome, *, pp: int, schedule: str, virtual_s
              "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p}
     # Ranks sharing fewer cores (pipeline_search.shared_cores_time): every term is
     # the same share of the shorter step, so the terms still sum to it.
-    scale = po.step_time_s / po.split.objective_s if po.split.objective_s else 1.0
-    return {**{k: v * scale for k, v in terms.items()}, "p2p_s": po.p2p_s}
+    scale = (po.step_time_s - po.exposed_host_s) / po.split.objective_s \
+        if po.split.objective_s else 1.0
+    return {**{k: v * scale for k, v in terms.items()}, "p2p_s": po.p2p_s,
+            "exposed_host_s": po.exposed_host_s}
 
 
 def runner_up(best: Plan, other: Plan) -> dict:

@@ -7,17 +7,20 @@ import re
 from autopar.plans import Plan
 
 
-STEP_TERMS = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "optimizer_s")
+STEP_TERMS = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "optimizer_s",
+              "exposed_host_s")
 """The breakdown keys whose sum is a plan's step time (see :mod:`autopar.assemble`)."""
 
 TERM_LABELS = (("compute_s", "compute"), ("recompute_s", "recomputation"),
                ("exposed_comm_s", "exposed communication"), ("bubble_s", "bubble"),
-               ("optimizer_s", "optimizer step"))
+               ("optimizer_s", "optimizer step"),
+               ("exposed_host_s", "waiting for the host"))
 """Readable names of :data:`STEP_TERMS`, in order."""
 
 DETAIL_LABELS = (("comm_s", "collectives + resharding"), ("reshard_s", "resharding"),
                  ("param_comm_s", "param comm"), ("exposed_param_comm_s", "exposed param comm"),
-                 ("exposed_p2p_s", "exposed p2p"), ("p2p_s", "p2p per transfer"))
+                 ("exposed_p2p_s", "exposed p2p"), ("p2p_s", "p2p per transfer"),
+                 ("host_s", "host time"))
 """Readable names of the breakdown keys that detail the step-time terms."""
 
 

@@ -135,6 +135,14 @@ class HardwareProfile:
         return replace(hw, sources=src)
 
     @property
+    def host_runs_ahead(self) -> bool:
+        """True where the host issues work for a separate device (a GPU): the host's
+        time then overlaps the device's, and a step takes the longer of the two
+        (:mod:`autopar.cost_models.host`). False for a CPU profile, where the host is
+        the device and host overheads add to the op times."""
+        return not self.per_process and self.provenance.get("device_type") != "cpu"
+
+    @property
     def achieved_memory_bandwidth(self) -> float:
         """Bytes/s a memory-bound kernel moves (read + write):
         ``memory_bandwidth · memory_efficiency``."""
@@ -258,6 +266,11 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
     if tables.launch_s is not None:
         hw = replace(hw, kernel_overhead_s=tables.launch_s)
         src["kernel_overhead_s"] = f"{how}: host dispatch of a tiny op"
+    host = doc.get("host_overhead_s")
+    if isinstance(host, dict) and host:
+        hw = replace(hw, host_overhead_s={k: float(v) for k, v in host.items()
+                                          if isinstance(v, (int, float)) and v >= 0})
+        src["host_overhead_s"] = f"{how}: host seconds per op, hook and parameter"
     if isinstance(prov.get("memory_bytes"), (int, float)):
         hw = replace(hw, memory_bytes=float(prov["memory_bytes"]))
         src["memory_bytes"] = f"{how}: device memory reported by torch"

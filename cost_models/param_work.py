@@ -32,8 +32,9 @@ H100 profile of one step):
   (reads p and 4, writes 4) instead of reducing.
 
 FSDP2's hooks and per-parameter bookkeeping also cost host time per parameter and
-micro-batch; a profile that measured it (a CPU profile: ``host_overhead_s``) adds it to
-the copies, where host time is device time.
+micro-batch; a CPU profile that measured it (``host_overhead_s``) adds it to the copies,
+since there host time is device time; on a GPU it is host time beside the device's
+(:mod:`autopar.cost_models.host`).
 
 ZeRO-3 all-gathers twice per micro-batch (forward and backward), the others once.
 """
@@ -79,11 +80,12 @@ def fsdp_copy_time(local_elements: float, compute_bytes: int, shard: int, zero: 
                    num_microbatches: int, hw) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of FSDP2's copies of one parameter
     of ``local_elements`` elements (the tensor-parallel local size): the bytes moved
-    at the achieved memory bandwidth, plus FSDP2's host time per parameter where the
-    profile measured it (``host_overhead_s``: hooks and per-parameter bookkeeping;
-    :mod:`autopar.cost_models.profiler_host`)."""
+    at the achieved memory bandwidth, plus, on a CPU (where the host is the device),
+    FSDP2's host time per parameter where the profile measured it (``host_overhead_s``:
+    hooks and per-parameter bookkeeping; :mod:`autopar.cost_models.profiler_host`). On a
+    GPU that host time runs beside the device (:mod:`autopar.cost_models.host`)."""
     rate = hw.achieved_memory_bandwidth
     fwd, bwd = fsdp_copy_bytes(compute_bytes, shard, zero, num_microbatches)
-    host = hw.host_overhead_s
+    host = {} if hw.host_runs_ahead else hw.host_overhead_s
     return (local_elements * fwd / rate + host.get("fsdp_param_fwd", 0.0),
             local_elements * bwd / rate + host.get("fsdp_param_bwd", 0.0))

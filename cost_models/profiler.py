@@ -13,6 +13,9 @@ Tables (each a list of rows: the shape, dtype, median seconds and the achieved r
 - ``memory_bound`` — pointwise ops, norms, softmax, embedding, cross-entropy as
   bytes/s, forward and backward (:mod:`.profiler_membound`);
 - ``launch`` — the overhead of a tiny op;
+- ``host_overhead_s`` (not a table: one figure per key) — host seconds per op kind,
+  forward and backward, what selective checkpointing, FSDP2 and DTensor add, and the
+  optimizer step's per parameter (:mod:`.profiler_host`, :mod:`.profiler_dispatch`);
 - ``collectives`` — under torchrun with more than one process (:mod:`.profiler_comm`).
 
 The run is resumable: every measured row is appended to ``FILE.partial.jsonl`` as it
@@ -38,6 +41,7 @@ from autopar.cost_models.profiler_comm import (FIT_FORMULA, fit_table, init_from
                                                measure_collectives)
 from autopar.cost_models.profiler_core import Task, Timer, compact_json, provenance
 from autopar.cost_models.profiler_grid import Grid, cpu_grid, gpu_grid
+from autopar.cost_models.profiler_host import measure_host
 
 FORMAT = "autopar-profile/1"
 """Version tag of the profile JSON written here."""
@@ -199,6 +203,10 @@ def run_profile(out: Path, *, quick: bool = False, resume: bool = False,
     if not _measure(todo, timer, rows, part, time_limit, stream):
         return None
     doc = assemble(prov, rows, comm_order + [f"{t.table}/{t.key}" for t in tasks])
+    if grid.host:
+        stream.write("profile: host overheads (dispatch, checkpointing, FSDP2, DTensor, "
+                     "optimizer)\n")
+        doc["host_overhead_s"] = measure_host(device)
     dump(doc, out)
     part.unlink(missing_ok=True)
     return doc

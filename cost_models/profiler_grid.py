@@ -40,6 +40,7 @@ class Grid:
     cross_entropy: tuple[tuple[int, int, str], ...]  # (tokens, vocab, dtype)
     comm_sizes: tuple[int, ...]                     # bytes
     launch: bool = True
+    host: bool = True                               # host overheads (profiler_host)
     budget_s: float = 0.25                          # timed seconds per point (Timer)
 
     def tasks(self, device: torch.device) -> list[Task]:

@@ -90,14 +90,16 @@ def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
             "norm_fwd": norm[0], "norm_bwd": norm[1]}
 
 
-def fsdp_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
+def fsdp_overhead(mesh: Any, sync: Callable[[], None],
+                  param_dtype: torch.dtype | None = None) -> dict[str, float]:
     """Host seconds per parameter that FSDP2 adds to one forward and one backward of a
     ``fully_shard`` unit (its hooks, the unshard and reshard bookkeeping and the
     per-parameter copies), on ``mesh`` (one process: :func:`host_overhead`): a unit of
     eight tiny Linears (16 parameters, as many as a transformer block has) against the
     plain module, divided by its parameter count. Keys ``fsdp_param_fwd`` and
-    ``fsdp_param_bwd``."""
-    from torch.distributed.fsdp import fully_shard
+    ``fsdp_param_bwd``. With ``param_dtype`` the unit computes in that dtype
+    (``MixedPrecisionPolicy``, as a bf16 plan runs), its casts included."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dev = torch.device(mesh.device_type)
     x = torch.randn(4, 8, device=dev, requires_grad=True)
@@ -106,19 +108,49 @@ def fsdp_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
         return nn.Sequential(*(nn.Linear(8, 8) for _ in range(8))).to(dev)
     wrapped = unit()
     params = sum(1 for _ in wrapped.parameters())
-    fully_shard(wrapped, mesh=mesh)
+    fully_shard(wrapped, mesh=mesh,
+                mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype
+                else MixedPrecisionPolicy())
     fwd, bwd = _added(wrapped, unit(), x, sync)
     return {"fsdp_param_fwd": fwd / params, "fsdp_param_bwd": bwd / params}
 
 
-def host_overhead(device_type: str, sync: Callable[[], None]) -> dict[str, float]:
+def host_overhead(device_type: str, sync: Callable[[], None],
+                  dispatch: bool = False) -> dict[str, float]:
     """Every figure of :data:`HOST_KEYS` (:func:`dtensor_overhead`,
-    :func:`fsdp_overhead`), non-negative, on a mesh of this process alone. Needs an
-    initialized process group: every rank calls it, as the one-process groups are
-    created collectively."""
+    :func:`fsdp_overhead`), non-negative, on a mesh of this process alone; with
+    ``dispatch`` also those of
+    :data:`~autopar.cost_models.profiler_dispatch.DISPATCH_KEYS` (what a GPU profile
+    needs: there the host runs beside the device, and the op tables do not see it).
+    On CUDA the FSDP2 figure is taken in bf16, as GPU plans run. Needs an initialized
+    process group: every rank calls it, as the one-process groups are created
+    collectively."""
     from torch.distributed.device_mesh import DeviceMesh
 
     group, _ = dist.new_subgroups(group_size=1)
     mesh = DeviceMesh.from_group(group, device_type)
-    got = {**dtensor_overhead(mesh, sync), **fsdp_overhead(mesh, sync)}
+    low = torch.bfloat16 if device_type == "cuda" else None
+    got = {**dtensor_overhead(mesh, sync), **fsdp_overhead(mesh, sync, low)}
+    if dispatch:
+        from autopar.cost_models.profiler_dispatch import dispatch_overhead
+        got.update(dispatch_overhead(mesh, sync))
     return {k: max(0.0, v) for k, v in got.items()}
+
+
+def measure_host(device: torch.device) -> dict[str, float]:
+    """:func:`host_overhead` with dispatch figures for ``autopar profile``, in a process
+    group of this process alone (created here, over a file store, when none exists)."""
+    import tempfile
+
+    own = not dist.is_initialized()
+    if own:
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            store = dist.FileStore(f.name, 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
+                                rank=0, world_size=1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    try:
+        return host_overhead(device.type, sync, dispatch=True)
+    finally:
+        if own:
+            dist.destroy_process_group()

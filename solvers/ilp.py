@@ -151,14 +151,20 @@ class IntraOpILP:
                                    == self.z[g][r]), f"wz_{g}_{k}_{r}"
 
     def _recompute_sum(self, what: str, scale: float) -> list:
-        """Σ_g Σ_{k,C,r} coefficient · w[g,k,C,r] for ``what`` = "time" (m_v·extra_s) or
-        "memory" (:meth:`RecomputeGroup.memory`), the coefficient of any member of C."""
+        """Σ_g Σ_{k,C,r} coefficient · w[g,k,C,r] for ``what`` = "time" (m_v·extra_s),
+        "host_fwd" / "host_bwd" (m_v times :meth:`RecomputeGroup.host`) or "memory"
+        (:meth:`RecomputeGroup.memory`), the coefficient of any member of C."""
         terms = []
         for g, grp in enumerate(self.p.recompute):
             for (k, c, r), w in self.w[g].items():
                 i = self.classes[g][k][c][0]
                 m = self.p.nodes[grp.nodes[k]].multiplicity
-                c = m * grp.extra_s[k][i][r] if what == "time" else grp.memory(k, i, r, m)
+                if what == "time":
+                    c = m * grp.extra_s[k][i][r]
+                elif what in ("host_fwd", "host_bwd"):
+                    c = m * grp.host(k, i, r)[what == "host_bwd"]
+                else:
+                    c = grp.memory(k, i, r, m)
                 if c:
                     terms.append(scale * c * w)
         return terms
@@ -234,8 +240,34 @@ class IntraOpILP:
             "bwd_compute_s"), "exposed_step_def"
         self.model += e_micro >= self._sum("micro_param_comm_s") - p.overlap * self._sum(
             "compute_s"), "exposed_micro_def"
-        self.model += n * (self._sum("compute_s") + self._sum("comm_s") + edge_cost) \
+        total = n * (self._sum("compute_s") + self._sum("comm_s") + edge_cost) \
             + e_step + n * e_micro + self._sum("optimizer_s")
+        self.model += total + self._host_exposure(total, edge_cost)
+
+    def _host_exposure(self, total: pulp.LpAffineExpression,
+                       edge_cost: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
+        """H of (**) (:mod:`autopar.solvers.problem`): a variable h ≥ 0 with h ≥ h_F − d_F,
+        h ≥ n·δ, h ≥ (n−1)·δ + h_F − d_F and h ≥ n·(h_F + h_B) + h_O − T; 0 when no
+        strategy has host seconds."""
+        p = self.p
+        if not any(s.all_host_s or s.host_step_s for nd in p.nodes for s in nd.strategies) \
+                and not any(g.host_fwd_s for g in p.recompute):
+            return pulp.LpAffineExpression()
+        n = p.num_microbatches
+        half = (self._sum("comm_s") + edge_cost) * 0.5
+        d_bwd = self._sum("bwd_compute_s") + half
+        d_fwd = self._sum("compute_s") - self._sum("bwd_compute_s") + half
+        h_bwd = self._sum("all_host_bwd_s") + pulp.lpSum(
+            self._recompute_sum("host_bwd", self.TIME))
+        h_fwd = self._sum("all_host_s") - self._sum("all_host_bwd_s") + pulp.lpSum(
+            self._recompute_sum("host_fwd", self.TIME))
+        delta = h_fwd + h_bwd - d_fwd - d_bwd
+        h = pulp.LpVariable("exposed_host", 0)
+        self.model += h >= h_fwd - d_fwd, "host_first_forward"
+        self.model += h >= n * delta, "host_every_pass"
+        self.model += h >= (n - 1) * delta + h_fwd - d_fwd, "host_to_last_forward"
+        self.model += h >= n * (h_fwd + h_bwd) + self._sum("host_step_s") - total, "host_step"
+        return pulp.LpAffineExpression(h)
 
     def solve(self, time_limit_s: float | None = None) -> Solution:
         """Run CBC and read back one strategy per node."""
@@ -259,10 +291,11 @@ class IntraOpILP:
 
 
 def _classes(grp, k: int, n: int) -> list[list[int]]:
-    """Node k's strategies grouped by equal (extra_s, act_delta, transient) rows."""
+    """Node k's strategies grouped by equal (extra_s, act_delta, transient, host) rows."""
     out: dict[tuple, list[int]] = {}
     for i in range(n):
-        key = (tuple(grp.extra_s[k][i]), tuple(grp.act_delta[k][i]), tuple(grp.transient[k][i]))
+        key = (tuple(grp.extra_s[k][i]), tuple(grp.act_delta[k][i]), tuple(grp.transient[k][i]),
+               tuple(grp.host(k, i, r) for r in range(len(grp.modes))))
         out.setdefault(key, []).append(i)
     return list(out.values())
 
@@ -277,6 +310,8 @@ def fold_modes(problem: Problem, modes: list[int]) -> Problem:
             m = node.multiplicity
             costs = [replace(sc, compute_s=sc.compute_s + grp.extra_s[k][i][r],
                              bwd_compute_s=sc.bwd_compute_s + grp.extra_s[k][i][r],
+                             host_s=sc.host_s + sum(grp.host(k, i, r)),
+                             host_bwd_s=sc.host_bwd_s + grp.host(k, i, r)[1],
                              memory_bytes=sc.memory_bytes + grp.memory(k, i, r, m) / m,
                              recompute_bytes=sc.recompute_bytes + grp.transient[k][i][r])
                      for i, sc in enumerate(node.strategies)]

@@ -77,7 +77,9 @@ from autopar.strategies.build import Built
 class PipelineOutcome:
     """A solved pipelined candidate. ``exposed_step_comm_s`` is the step's part after
     the slowest rank's last backward: its unhidden gradient synchronization, then its
-    optimizer step (:func:`autopar.solvers.interop.after_backward`)."""
+    optimizer step (:func:`autopar.solvers.interop.after_backward`).
+    ``exposed_host_s``: what the busiest rank's host time adds to the schedule's
+    (:func:`rank_host_time`)."""
 
     solution: Solution
     units: list[Unit]
@@ -88,6 +90,18 @@ class PipelineOutcome:
     exposed_step_comm_s: float
     transient_bytes: float = 0.0
     rank_extra_bytes: list[float] | None = None
+    exposed_host_s: float = 0.0
+
+
+def rank_host_time(units: list[Unit], bounds: list[tuple[int, int]], ranks: list[int],
+                   pp: int, num_microbatches: int) -> float:
+    """The busiest pipeline rank's host seconds per step (GPU profiles: each rank's host
+    issues its own stages' ops, n micro-batches of them, and its optimizer step). The
+    step takes at least this long; the schedule's device time is the other bound."""
+    host = [0.0] * pp
+    for (a, b), r in zip(bounds, ranks):
+        host[r] += sum(num_microbatches * u.host_s + u.host_step_s for u in units[a:b])
+    return max(host)
 
 
 def in_flight(schedule: str, pp: int, num_microbatches: int) -> int:
@@ -105,7 +119,8 @@ def least_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stage
 def pipeline_problem(g: Graph, built: Built, pp: int, held: int) -> Problem:
     """A copy of ``built.problem`` whose memory is that of one pipeline rank (see the
     module docstring), the copies of tied parameters the stages hold included (on the
-    owner op: Σ_r M_r counts each copy once)."""
+    owner op: Σ_r M_r counts each copy once). Host seconds are left out: the problem
+    spans every stage, while each rank's host issues only its own."""
     copies: dict[tuple[int, int], float] = {}
     for copy in tied_copies(g, built):
         mult = built.problem.nodes[copy.owner].multiplicity
@@ -118,9 +133,12 @@ def pipeline_problem(g: Graph, built: Built, pp: int, held: int) -> Problem:
         for i, (sc, ns) in enumerate(zip(node.strategies, details)):
             act = ns.memory.get("activations", 0.0)
             static = sc.memory_bytes - act + copies.get((k, i), 0.0)
-            costs.append(replace(sc, memory_bytes=(static + act * held) / pp))
+            costs.append(replace(sc, memory_bytes=(static + act * held) / pp, host_s=0.0,
+                                 host_bwd_s=0.0, param_host_s=0.0, param_host_bwd_s=0.0,
+                                 host_step_s=0.0))
         nodes.append(NodeChoice(node.name, costs, node.multiplicity, node.gather_multiplicity))
-    groups = [replace(grp, activation_scale=held / pp) for grp in built.problem.recompute]
+    groups = [replace(grp, activation_scale=held / pp, host_fwd_s=[], host_bwd_s=[])
+              for grp in built.problem.recompute]
     return replace(built.problem, nodes=nodes, recompute=groups)
 
 
@@ -386,8 +404,9 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     timelines[key] = split.timeline
     ranks = [r + e for r, e in zip(split.estimate.peak_memory_bytes, extra)]
     step = shared_cores_time(split.objective_s, split.estimate.busy_s, split.exposed_s, shared)
-    return PipelineOutcome(sol, units, split, step, max(ranks), p2p, split.exposed_s,
-                           max(extra), extra)
+    host = rank_host_time(units, split.bounds, stage_ranks(schedule, pp, virtual_stages), pp, m)
+    return PipelineOutcome(sol, units, split, max(step, host), max(ranks), p2p,
+                           split.exposed_s, max(extra), extra, max(0.0, host - step))
 
 
 def shared_cores_time(objective_s: float, busy_s: list[float], exposed_s: float,

@@ -22,7 +22,24 @@ compute:
     E(s) = max(0, Σ_v m_v step_param_comm_v − overlap · Σ_v m_v bwd_compute_v)
          + n · max(0, Σ_v m_v micro_param_comm_v − overlap · Σ_v m_v compute_v)   ... (*)
 
-The ILP models each max with one non-negative variable. ``step_param_comm`` is paid
+The ILP models each max with one non-negative variable.
+
+Host time (on a GPU, where the host issues kernels ahead of the device:
+:mod:`autopar.cost_models.host`). Per micro-batch the host spends h_F in the forward and
+h_B in the backward (``host_s`` and ``param_host_s`` split as the device times are, plus
+the recomputation modes' ``host_fwd_s`` / ``host_bwd_s``), and h_O once per step (the
+optimizer: ``host_step_s``); the device spends d_F = Σ m (compute − bwd_compute) +
+comm/2 and d_B = Σ m bwd_compute + comm/2 per micro-batch, and D_O = the exposed
+parameter traffic and the optimizer step after the last backward. The device cannot
+finish a phase before the host has issued it, nor start it before finishing the phase
+before; over the phases F₁ B₁ … F_n B_n O the step is the largest of the times "host
+up to a phase, device from there on", which with δ = h_F + h_B − d_F − d_B is T(s) plus
+
+    H(s) = max(0, h_F − d_F, n·δ, (n−1)·δ + h_F − d_F, n·(h_F + h_B) + h_O − T(s))  (**)
+
+(the first forward issued slower than it runs; every pass host-bound; every pass up to
+the last forward; the whole step host-bound). With no host figures H = 0. The ILP
+models (**) with one non-negative variable and one constraint per term. ``step_param_comm`` is paid
 once per step (DDP's gradient all-reduce), ``micro_param_comm`` once per micro-batch
 (FSDP's all-gathers and reduce-scatters); ``overlap`` in [0, 1] is the fraction of
 compute that this communication may hide behind (1.0 = perfect overlap on separate
@@ -81,6 +98,11 @@ class StrategyCost:
     recompute_bytes: float = 0.0
     param_copy_s: float = 0.0
     param_copy_bwd_s: float = 0.0
+    host_s: float = 0.0
+    host_bwd_s: float = 0.0
+    param_host_s: float = 0.0
+    param_host_bwd_s: float = 0.0
+    host_step_s: float = 0.0
 
     @property
     def device_s(self) -> float:
@@ -91,6 +113,17 @@ class StrategyCost:
     def device_bwd_s(self) -> float:
         """The backward's part of :attr:`device_s`."""
         return self.bwd_compute_s + self.param_copy_bwd_s
+
+    @property
+    def all_host_s(self) -> float:
+        """Forward + backward host seconds per micro-batch: the op's dispatch
+        (``host_s``) and FSDP2's hooks for its parameters (``param_host_s``)."""
+        return self.host_s + self.param_host_s
+
+    @property
+    def all_host_bwd_s(self) -> float:
+        """The backward's part of :attr:`all_host_s`."""
+        return self.host_bwd_s + self.param_host_bwd_s
 
 
 @dataclass
@@ -133,7 +166,8 @@ class RecomputeGroup:
 
     ``extra_s[k][i][r]`` / ``act_delta[k][i][r]`` / ``transient[k][i][r]``: for the k-th
     node of ``nodes`` using its strategy i under mode ``modes[r]`` (see the module
-    docstring). ``allowed`` lists the mode indices the solver may pick."""
+    docstring); ``host_fwd_s`` / ``host_bwd_s`` likewise, the host seconds (**).
+    ``allowed`` lists the mode indices the solver may pick."""
 
     name: str
     nodes: list[int]
@@ -143,6 +177,15 @@ class RecomputeGroup:
     modes: tuple[str, ...] = ("none", "selective", "full")
     allowed: tuple[int, ...] = (0, 1, 2)
     activation_scale: float = 1.0
+    host_fwd_s: list[list[list[float]]] = field(default_factory=list)
+    host_bwd_s: list[list[list[float]]] = field(default_factory=list)
+
+    def host(self, k: int, i: int, r: int) -> tuple[float, float]:
+        """(forward, backward) host seconds per micro-batch and instance the mode adds
+        to node k with strategy i (``host_fwd_s`` / ``host_bwd_s``; none when empty)."""
+        if not self.host_fwd_s:
+            return 0.0, 0.0
+        return self.host_fwd_s[k][i][r], self.host_bwd_s[k][i][r]
 
     def memory(self, k: int, i: int, r: int, multiplicity: int) -> float:
         """Bytes node ``nodes[k]`` with strategy i adds to C under mode r (all instances)."""
@@ -173,8 +216,10 @@ class Evaluation:
     """The objective and its parts for one assignment (seconds, bytes).
 
     ``compute_s`` includes ``recompute_s`` (n · Σ m_v · extra_s, the recomputed
-    forwards); ``comm_s`` includes ``reshard_s``; ``optimizer_s`` is Σ m_v optimizer_v.
-    step_time_s = compute_s + comm_s + exposed_param_comm_s + optimizer_s."""
+    forwards); ``comm_s`` includes ``reshard_s``; ``optimizer_s`` is Σ m_v optimizer_v;
+    ``exposed_host_s`` is H(s) of (**), ``host_s`` the step's host seconds.
+    step_time_s = compute_s + comm_s + exposed_param_comm_s + optimizer_s
+    + exposed_host_s."""
 
     step_time_s: float
     compute_s: float
@@ -186,6 +231,19 @@ class Evaluation:
     feasible: bool
     recompute_s: float = 0.0
     optimizer_s: float = 0.0
+    exposed_host_s: float = 0.0
+    host_s: float = 0.0
+
+
+def host_exposure(n: int, d_fwd: float, d_bwd: float, h_fwd: float, h_bwd: float,
+                  h_step: float, total: float) -> float:
+    """H(s) of (**) in the module docstring: the seconds the host adds to a step of
+    ``total`` device seconds, from the per-micro-batch forward and backward device and
+    host seconds and the optimizer's host seconds."""
+    delta = h_fwd + h_bwd - d_fwd - d_bwd
+    first = h_fwd - d_fwd
+    return max(0.0, first, n * delta, (n - 1) * delta + first,
+               n * (h_fwd + h_bwd) + h_step - total)
 
 
 def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> Evaluation:
@@ -193,6 +251,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
     index per group of ``p.recompute``; default: mode 0, "none"), exactly as the ILP does."""
     n = p.num_microbatches
     comp = bwd = comm = micro_pc = step_pc = mem = host = start = redo = extra = 0.0
+    h_fwd = h_bwd = h_step = 0.0
     modes = list(modes) if modes is not None else [0] * len(p.recompute)
     feasible = True
     for grp, r in zip(p.recompute, modes):
@@ -204,6 +263,8 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
             bwd += m * grp.extra_s[k][i][r]
             mem += grp.memory(k, i, r, m)
             redo += grp.transient[k][i][r]
+            hf, hb = grp.host(k, i, r)
+            h_fwd, h_bwd = h_fwd + m * hf, h_bwd + m * hb
     for node, i in zip(p.nodes, choice):
         s = node.strategies[i]
         m = node.multiplicity
@@ -213,6 +274,9 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
         micro_pc += m * s.micro_param_comm_s
         step_pc += m * s.step_param_comm_s
         host += m * s.optimizer_s
+        h_fwd += m * (s.all_host_s - s.all_host_bwd_s)
+        h_bwd += m * s.all_host_bwd_s
+        h_step += m * s.host_step_s
         start += m * s.backward_start_bytes
         redo += s.recompute_bytes
         mem += m * s.memory_bytes + node.gather_multiplicity * s.gather_bytes
@@ -233,8 +297,13 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
     e_micro = max(0.0, micro_pc - p.overlap * comp)
     exposed = e_step + n * e_micro
     total = n * (comp + comm + reshard) + exposed + host
-    return Evaluation(total, n * comp, n * (comm + reshard), n * reshard, exposed,
-                      step_pc + n * micro_pc, mem, feasible, n * extra, host)
+    hidden = 0.0
+    if h_fwd or h_bwd or h_step:
+        half = (comm + reshard) / 2
+        hidden = host_exposure(n, comp - bwd + half, bwd + half, h_fwd, h_bwd, h_step, total)
+    return Evaluation(total + hidden, n * comp, n * (comm + reshard), n * reshard, exposed,
+                      step_pc + n * micro_pc, mem, feasible, n * extra, host, hidden,
+                      n * (h_fwd + h_bwd) + h_step)
 
 
 def least_memory(p: Problem) -> float:

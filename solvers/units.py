@@ -19,7 +19,9 @@ conversion has its dual conversion of the gradient in backward.) Bytes per devic
 ``static_bytes`` = parameters, gradients, optimizer state and ZeRO-3 gathered
 parameters; ``activation_bytes`` = what autograd saves for one micro-batch.
 ``step_comm_s`` is the unit's once-per-step gradient synchronization over ``dp`` and
-``optimizer_s`` its once-per-step optimizer step. Pipelined, a unit that reads a
+``optimizer_s`` its once-per-step optimizer step. ``host_s`` (per micro-batch) and
+``host_step_s`` (per step) are its host seconds on a GPU profile
+(:mod:`autopar.cost_models.host`). Pipelined, a unit that reads a
 parameter of another unit (a tied head) also holds and updates its own copy
 (:func:`add_tied_copies`).
 Of ``forward_s + backward_s``, ``comm_s`` is the activation collectives and resharding
@@ -62,6 +64,8 @@ class Unit:
     comm_s: float = 0.0
     param_comm_s: float = 0.0
     recompute_s: float = 0.0
+    host_s: float = 0.0
+    host_step_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -150,6 +154,8 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
         u.optimizer_s += s.optimizer_s
         u.comm_s += s.comm_s
         u.param_comm_s += s.micro_param_comm_s
+        u.host_s += s.all_host_s
+        u.host_step_s += s.host_step_s
         mem = memory[k][choice[k]]
         u.activation_bytes += mem.get("activations", 0.0)
         u.static_bytes += sum(v for c, v in mem.items() if c != "activations")
@@ -158,6 +164,7 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
             u.activation_bytes += grp.act_delta[pos][choice[k]][r]
             u.backward_s += grp.extra_s[pos][choice[k]][r]
             u.recompute_s += grp.extra_s[pos][choice[k]][r]
+            u.host_s += sum(grp.host(pos, choice[k], r))
     _add_edges(g, problem, names, choice, units, where)
     if tied_sync is not None:
         add_tied_copies(g, built, choice, units, tied_sync)

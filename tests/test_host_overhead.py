@@ -42,7 +42,14 @@ def test_cpu_profile_reads_host_overhead_per_process_count() -> None:
     two, four = cpu.for_processes(2), cpu.for_processes(4)
     assert set(two.host_overhead_s) == set(HOST_KEYS)
     assert two.host_overhead_s != four.host_overhead_s  # each count its own measurement
-    assert load_profile("h100-sxm").host_overhead_s == {}
+    assert not two.host_runs_ahead  # on a CPU the host is the device
+    h100 = load_profile("h100-sxm")
+    assert h100.host_runs_ahead and set(HOST_KEYS) <= set(h100.host_overhead_s)
+
+
+def _as_cpu(hw, over: dict[str, float]):
+    """``hw``'s rates with a CPU's host (the host is the device) and host figures ``over``."""
+    return replace(hw, host_overhead_s=over, provenance={**hw.provenance, "device_type": "cpu"})
 
 
 def _gpt_problem(mesh: tuple[int, int], hw, sequence_parallel: bool):
@@ -59,11 +66,11 @@ def test_tensor_parallel_ops_are_charged_the_dtensor_overhead(sequence_parallel)
     """On tp=2 the planned step grows by the measured DTensor figures times the wrapped
     modules: 12 Linears (q, k, v, proj, fc1, fc2 per block) whose weights are split,
     and with sequence parallelism also the 5 norms whose inputs are."""
-    base = load_profile("h100-sxm")  # fast links: the ILP splits the weights
+    base = _as_cpu(load_profile("h100-sxm"), {})  # fast links: the ILP splits the weights
     over = {"linear_fwd": 1e-3, "linear_bwd": 2e-3, "norm_fwd": 1e-4, "norm_bwd": 3e-4}
     built = _gpt_problem((1, 2), base, sequence_parallel)
     choice = solve_ilp(built.problem).choice
-    charged = _gpt_problem((1, 2), replace(base, host_overhead_s=over), sequence_parallel)
+    charged = _gpt_problem((1, 2), _as_cpu(base, over), sequence_parallel)
     delta = evaluate(charged.problem, choice).compute_s - evaluate(built.problem, choice).compute_s
     chosen = [built.strategies[k][c] for k, c in enumerate(choice)]
     linears = sum(built.problem.nodes[k].multiplicity for k, ns in enumerate(chosen)
@@ -78,12 +85,12 @@ def test_tensor_parallel_ops_are_charged_the_dtensor_overhead(sequence_parallel)
 def test_fsdp_overhead_is_charged_per_parameter_and_micro_batch() -> None:
     """dp=2 pays FSDP2's per-parameter host time for every trainable parameter once per
     micro-batch; tp=2 alone (fp32, no FSDP2) pays none of it."""
-    base = load_profile("h100-sxm")  # fast links: the ILP splits the weights
+    base = _as_cpu(load_profile("h100-sxm"), {})  # fast links: the ILP splits the weights
     over = {"fsdp_param_fwd": 1e-4, "fsdp_param_bwd": 2e-4}
     for mesh, expect_params in (((2, 1), True), ((1, 2), False)):
         built = _gpt_problem(mesh, base, False)
         choice = solve_ilp(built.problem).choice
-        charged = _gpt_problem(mesh, replace(base, host_overhead_s=over), False)
+        charged = _gpt_problem(mesh, _as_cpu(base, over), False)
         times = [evaluate(p, choice).compute_s for p in (built.problem, charged.problem)]
         with torch.device("meta"):
             n = len(list(GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=1024, n_layers=2,

@@ -105,7 +105,10 @@ def test_budget_walk_moves_through_cheaper_memory_choices() -> None:
         last_time = plan.step_time_s
         seen.append((plan.zero, plan.offload, plan.recompute["blocks.0"]))
     modes = {m for _, _, m in seen}
-    assert {"selective", "full"} <= modes, seen
+    # On the H100 profile this small model is host-bound: selective recomputation's
+    # dispatch mode costs more host time than full recomputation's re-run forward
+    # (the measured figures, benchmarks/results/README.md), so the walk goes to "full".
+    assert "full" in modes and "selective" not in modes, seen
     assert any(z == 3 for z, _, _ in seen), seen
     assert any(off for _, off, _ in seen), seen
     summary = plan.summary() if seen else ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import socket
 from pathlib import Path
 
@@ -12,14 +13,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from autopar.cost_models.hardware import load_profile
 from autopar.cost_models.profiler import load_partial, partial_path, run_profile
+from autopar.cost_models.profiler_dispatch import DISPATCH_KEYS
+from autopar.cost_models.profiler_host import HOST_KEYS
 from autopar.cost_models.profiler_comm import fit_alpha_beta, fit_table, ring_factor
 from autopar.cost_models.profiler_grid import Grid
 
 TINY = Grid(gemm=((32, 32, 32, "fp32", "square"), (64, 16, 32, "fp32", "ffn_col_tp2")),
             attention=((1, 2, 2, 32, 16, "fp32"),), pointwise=((1024, "fp32"),),
             rows=((8, 32, "fp32"),), embedding=((8, 64, 16, "fp32"),),
-            cross_entropy=((8, 64, "fp32"),), comm_sizes=(1024, 65536), budget_s=0.002)
+            cross_entropy=((8, 64, "fp32"),), comm_sizes=(1024, 65536), budget_s=0.002,
+            host=False)
 
 
 @pytest.fixture
@@ -62,7 +67,7 @@ def test_fit_table_applies_ring_factor():
 
 def test_tiny_cpu_run_writes_profile(tmp_path: Path, one_thread):
     out = tmp_path / "cpu.profile.json"
-    doc = run_profile(out, grid=TINY, device=torch.device("cpu"))
+    doc = run_profile(out, grid=replace(TINY, host=True), device=torch.device("cpu"))
     assert doc is not None and out.exists() and not partial_path(out).exists()
     text = out.read_text()
     assert socket.gethostname() not in text
@@ -87,6 +92,11 @@ def test_tiny_cpu_run_writes_profile(tmp_path: Path, one_thread):
                                                 "round_trip"}
     assert t["collectives"] == [] and d["errors"] == []
     assert d["summary"]["gemm_peak_flop_per_s"]["fp32"]["flop_per_s"] > 0
+    host = d["host_overhead_s"]
+    assert set(host) == set(HOST_KEYS) | set(DISPATCH_KEYS)
+    assert all(v >= 0.0 for v in host.values())
+    assert host["op_matmul_fwd"] > 0 and host["op_matmul_bwd"] > 0
+    assert load_profile(str(out)).host_overhead_s == pytest.approx(host)
 
 
 def test_resume_skips_finished_points(tmp_path: Path, one_thread):

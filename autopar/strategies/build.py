@@ -38,6 +38,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from autopar.cost_models.comm import bucketed_time, collective_time, group_link
+from autopar.cost_models.host import fsdp_host_time, op_host_time, optimizer_host_time
 from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
                                          local_shape, op_time)
 from autopar.cost_models.memory import (activation_bytes_per_element, fsdp_lays_out,
@@ -346,8 +347,9 @@ class _Builder:
             if ff or bf:
                 bwd = op_time(shapes, flops * ff, nbytes * bf, backward=True,
                               dtype=self.dtype, hw=self.st.hw)
-        host_f, host_b = self._dtensor_host(n, ins)
-        fwd, bwd = fwd + host_f, bwd + host_b
+        host_f, host_b = self.op_host(n, ins)
+        if not self.st.hw.host_runs_ahead:  # on a CPU the host is the device
+            fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0
         comm = 0.0
         if out != raw:
             grad_out = out
@@ -362,20 +364,44 @@ class _Builder:
             name += f"  [{layout_name(raw, len(rule.out))} -> {layout_name(out, len(rule.out))}]"
         ns = NodeStrategy(name, out, raw, ins, grads, memory)
         copy_f, copy_b = self._param_copies(n, ins)
+        ph, ph_bwd, h_step = self._param_host(n, ins)
         sc = StrategyCost(name, fwd + bwd, bwd, comm, micro_pc,
                           step_pc, sum(memory.values()), gather, self._optimizer_step(n, ins),
                           self._loss_gradient(n, ins), param_copy_s=copy_f + copy_b,
-                          param_copy_bwd_s=copy_b)
+                          param_copy_bwd_s=copy_b, host_s=host_f + host_b, host_bwd_s=host_b,
+                          param_host_s=ph, param_host_bwd_s=ph_bwd, host_step_s=h_step)
         return ns, sc
+
+    def op_host(self, n: OpNode, ins) -> tuple[float, float]:
+        """(forward, backward) host seconds of op ``n`` under input placements ``ins``:
+        its dispatch (:func:`~autopar.cost_models.host.op_host_time`, GPU profiles) and
+        what DTensor adds (:meth:`_dtensor_host`)."""
+        dt_f, dt_b = self._dtensor_host(n, ins)
+        op_f, op_b = op_host_time(self.st.hw, n.target, n.flops, n.bytes, n.requires_grad)
+        return op_f + dt_f, op_b + dt_b
+
+    def _param_host(self, n: OpNode, ins) -> tuple[float, float, float]:
+        """Host seconds of the parameters op ``n`` owns, on a GPU profile
+        (:mod:`autopar.cost_models.host`): FSDP2's hooks per micro-batch (forward +
+        backward, and the backward's part) where FSDP2 lays them out, and the optimizer
+        step's per step (on DTensors under FSDP2 or tensor parallelism; none under CPU
+        offload, whose step is priced on the host already)."""
+        st = self.st
+        count = len(self._own_params(n, ins))
+        if not count:
+            return 0.0, 0.0, 0.0
+        fsdp = fsdp_lays_out(st.precision, self.dp, st.offload)
+        f, b = fsdp_host_time(st.hw, count) if fsdp else (0.0, 0.0)
+        step = optimizer_host_time(st.hw, count, fsdp or bool(self._free_axes()))
+        return f + b, b, step
 
     def _dtensor_host(self, n: OpNode, ins) -> tuple[float, float]:
         """(forward, backward) host seconds DTensor adds to op ``n`` under input
         placements ``ins``: a matrix product (or embedding) whose parameter is split over
         a non-dp axis runs as a tensor-parallel Linear, a norm whose input is split so runs as a
         sequence-parallel one (:attr:`HardwareProfile.host_overhead_s`; 0 where the
-        profile has no figure). Added to the op's time, as on a CPU, where the host is
-        the device; GPU profiles leave it unmeasured while their host time hides behind
-        the device's."""
+        profile has no figure). On a CPU it adds to the op's time (the host is the
+        device); on a GPU it is host time beside the device's (:meth:`op_host`)."""
         over = self.st.hw.host_overhead_s
         free = self._free_axes()
         if not over or not free:
@@ -589,12 +615,14 @@ def _reprice(b: _Builder, base: Built) -> Built:
             mem = b._memory(n, rule, ns.ins, ns.out, ns.memory.get("activations", 0.0))
             micro, step, _, gather = b._param_costs(n, ns.ins, ns.grads)
             copy_f, copy_b = b._param_copies(n, ns.ins)
+            ph, ph_bwd, h_step = b._param_host(n, ns.ins)
             strategies.append(replace(ns, memory=mem))
             costs.append(replace(
                 sc, micro_param_comm_s=micro, step_param_comm_s=step,
                 memory_bytes=sum(mem.values()), gather_bytes=gather,
                 optimizer_s=b._optimizer_step(n, ns.ins),
-                param_copy_s=copy_f + copy_b, param_copy_bwd_s=copy_b))
+                param_copy_s=copy_f + copy_b, param_copy_bwd_s=copy_b,
+                param_host_s=ph, param_host_bwd_s=ph_bwd, host_step_s=h_step))
         nodes.append(replace(nc, strategies=costs))
         details.append(strategies)
     st = b.st

@@ -21,12 +21,17 @@ layer instance (bytes per device, seconds):
   both re-run the forward half of the node's activation collectives (``comm/2``: the
   policy keeps the matrix-product output, not the collective's). Resharding on edges
   inside the layer (zero for the Megatron layouts) is not re-charged.
+* host seconds, on a GPU profile (:mod:`autopar.cost_models.host`): full re-issues the
+  op's forward in backward (its forward host time); selective runs every op of the
+  block through its dispatch mode in both passes (``sac_op_fwd``, ``sac_op_bwd``) and
+  re-issues the forward of the ops it recomputes.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autopar.cost_models.host import charges_host, selective_host_time
 from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.solvers.problem import RecomputeGroup, StrategyCost
 
@@ -98,32 +103,55 @@ def _extra(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> float:
     return fwd + sc.comm_s / 2
 
 
+def _host(b: "_Builder", name: str, ns: "NodeStrategy", mode: str) -> tuple[float, float]:
+    """(forward, backward) host seconds ``mode`` adds to node ``name`` under strategy
+    ``ns`` on a GPU profile (module docstring)."""
+    if mode == "none":
+        return 0.0, 0.0
+    n = b.g.node(name)
+    if n.kind != "op":
+        return 0.0, 0.0
+    again = b.op_host(n, ns.ins)[0]
+    if mode == "full":
+        return 0.0, again
+    sac_f, sac_b = selective_host_time(b.st.hw)
+    return sac_f, sac_b + (0.0 if op_name(n.target) in SELECTIVE_SAVE_OPS else again)
+
+
 def recompute_groups(b: "_Builder", index: dict[str, int], details: list[list["NodeStrategy"]],
                      costs: list[list[StrategyCost]]) -> list[RecomputeGroup]:
     """One group per canonical layer of the graph, over the modes ``b.st.recompute_modes``
     allows (mode indices follow :data:`autopar.plans.RECOMPUTE`)."""
     g = b.g
     allowed = tuple(k for k, m in enumerate(RECOMPUTE) if m in b.st.recompute_modes)
+    host = charges_host(b.st.hw)
     groups = []
     for layer, paths in layer_groups(g).items():
         names = [n for n in g.layers[layer].nodes if n in index]
         inputs = _block_inputs(b, layer, names)
-        nodes, extra, delta, trans = [], [], [], []
+        nodes, extra, delta, trans, h_fwd, h_bwd = [], [], [], [], [], []
         for name in names:
             k = index[name]
-            ex_k, de_k, tr_k = [], [], []
+            ex_k, de_k, tr_k, hf_k, hb_k = [], [], [], [], []
             for ns, sc in zip(details[k], costs[k]):
                 base = _kept(b, name, ns, "none", inputs)
                 kept = [_kept(b, name, ns, m, inputs) for m in RECOMPUTE]
                 ex_k.append([_extra(b, name, sc, m) for m in RECOMPUTE])
                 de_k.append([x - base for x in kept])
                 tr_k.append([base - x for x in kept])
-            if any(v for row in ex_k + de_k for v in row):
+                hosts = [_host(b, name, ns, m) if host else (0.0, 0.0) for m in RECOMPUTE]
+                hf_k.append([f for f, _ in hosts])
+                hb_k.append([h for _, h in hosts])
+            if any(v for row in ex_k + de_k + hf_k + hb_k for v in row):
                 nodes.append(k)
                 extra.append(ex_k)
                 delta.append(de_k)
                 trans.append(tr_k)
+                h_fwd.append(hf_k)
+                h_bwd.append(hb_k)
         if nodes:
             groups.append(RecomputeGroup(",".join(paths), nodes, extra, delta, trans,
-                                         RECOMPUTE, allowed))
+                                         RECOMPUTE, allowed,
+                                         host_fwd_s=h_fwd if host else [],
+                                         host_bwd_s=h_bwd if host else []))
     return groups
