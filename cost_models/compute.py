@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost_models.hardware import HardwareProfile
+from autopar.flops import op_name
 from autopar.cost_models.tables import (ELEMENT_BYTES, attention_time, gemm_time,
                                         memory_bound_time)
 
@@ -46,14 +47,9 @@ MATMUL_OPS = frozenset({"linear", "mm", "bmm", "addmm", "matmul", "einsum", "bad
                         "scaled_dot_product_attention", "conv1d", "conv2d", "convolution"})
 
 
-def _op_name(target: str) -> str:
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
-
-
 def is_matmul(target: str) -> bool:
     """True for ops that run on the matrix units (GEMMs and attention)."""
-    return _op_name(target) in MATMUL_OPS
+    return op_name(target) in MATMUL_OPS
 
 
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm",
@@ -62,7 +58,7 @@ NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms
 
 def is_norm(target: str) -> bool:
     """True for normalization ops (the modules sequence parallelism shards)."""
-    return _op_name(target) in NORM_OPS
+    return op_name(target) in NORM_OPS
 
 
 def compute_time(flops: float, nbytes: float, *, matmul: bool, dtype: str,
@@ -185,7 +181,7 @@ def op_time(shapes: OpShapes, flops: float, nbytes: float, *, backward: bool, dt
     if not (flops or nbytes):
         return 0.0
     key = _DTYPES.get(dtype, "fp32")
-    measured = _table_time(_op_name(shapes.target), shapes, flops, backward, key, hw)
+    measured = _table_time(op_name(shapes.target), shapes, flops, backward, key, hw)
     if measured is not None:
         return max(measured, hw.kernel_overhead_s)
     return compute_time(flops, nbytes, matmul=is_matmul(shapes.target), dtype=dtype, hw=hw)
@@ -209,7 +205,7 @@ arange zeros ones full empty scalar_tensor""".split())
 
 def backward_factors(target: str) -> tuple[float, float]:
     """(FLOPs, bytes) multipliers giving an op's backward cost from its forward cost."""
-    op = _op_name(target)
+    op = op_name(target)
     if op in _BACKWARD:
         return _BACKWARD[op]
     if op in _NO_BACKWARD:

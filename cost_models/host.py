@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from autopar.cost_models.compute import is_matmul, is_norm
 from autopar.cost_models.hardware import HardwareProfile
+from autopar.flops import op_name
 
 ATTENTION_OPS = ("scaled_dot_product_attention",)
 """Op names priced as attention (the rest of the matrix products are ``matmul``)."""
@@ -36,7 +37,7 @@ ATTENTION_OPS = ("scaled_dot_product_attention",)
 def op_kind(target: str, flops: float, nbytes: float) -> str:
     """The host-time kind of an op: ``attention``, ``matmul``, ``norm``, ``embedding``,
     ``view`` (moves no bytes) or ``pointwise`` (everything else)."""
-    name = target.split(".")[1] if target.startswith("aten.") else target.split(".")[-1]
+    name = op_name(target)
     if any(a in name for a in ATTENTION_OPS):
         return "attention"
     if is_matmul(target):

@@ -20,7 +20,8 @@ and reports: for an assignment s, modes r and a split B of the units into
                  + max_r (max(0, step_comm_r − overlap · backward_r) + optimizer_r)
 
 (the dp gradient synchronization a rank cannot hide behind its own backward, then its
-optimizer step), feasible
+optimizer step), at least the busiest rank's host seconds on a GPU profile
+(:func:`~autopar.solvers.pipeline_search.rank_host_time`), feasible
 when every rank fits the budget less the largest backward transient,
 
     max_r Σ_{s on r} (static_s + k_s · activation_s) ≤ budget − max_r extra_r,
@@ -46,7 +47,7 @@ from autopar.graph import Graph
 from autopar.solvers.ilp import Solution
 from autopar.solvers.interop import after_backward, stage_in_flight
 from autopar.solvers.pipeline_search import (boundary_bytes, loss_input_bytes, pp_link,
-                                             shared_cores_time, tied_sync)
+                                             rank_host_time, shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
 from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
 from autopar.solvers.search import Candidate, candidate_settings, offload_candidates
@@ -207,7 +208,8 @@ def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,
     exposed = after_backward(comm, bwd, opt, lay.overlap)
     memory = max(p + e for p, e in zip(est.peak_memory_bytes, a.extra))
     step = shared_cores_time(est.step_time_s + exposed, est.busy_s, exposed, lay.shared)
-    return PipelineScore(step, memory, feasible, list(bounds))
+    host = rank_host_time(a.units, bounds, list(lay.ranks), lay.pp, lay.m)
+    return PipelineScore(max(step, host), memory, feasible, list(bounds))
 
 
 def stage_splits(n: int, stages: int) -> Iterator[list[tuple[int, int]]]:

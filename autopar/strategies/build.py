@@ -347,7 +347,7 @@ class _Builder:
             if ff or bf:
                 bwd = op_time(shapes, flops * ff, nbytes * bf, backward=True,
                               dtype=self.dtype, hw=self.st.hw)
-        host_f, host_b = self.op_host(n, ins)
+        host_f, host_b = self._op_host(n, ins)
         if not self.st.hw.host_runs_ahead:  # on a CPU the host is the device
             fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0
         comm = 0.0
@@ -372,7 +372,7 @@ class _Builder:
                           param_host_s=ph, param_host_bwd_s=ph_bwd, host_step_s=h_step)
         return ns, sc
 
-    def op_host(self, n: OpNode, ins) -> tuple[float, float]:
+    def _op_host(self, n: OpNode, ins) -> tuple[float, float]:
         """(forward, backward) host seconds of op ``n`` under input placements ``ins``:
         its dispatch (:func:`~autopar.cost_models.host.op_host_time`, GPU profiles) and
         what DTensor adds (:meth:`_dtensor_host`)."""
@@ -384,8 +384,8 @@ class _Builder:
         """Host seconds of the parameters op ``n`` owns, on a GPU profile
         (:mod:`autopar.cost_models.host`): FSDP2's hooks per micro-batch (forward +
         backward, and the backward's part) where FSDP2 lays them out, and the optimizer
-        step's per step (on DTensors under FSDP2 or tensor parallelism; none under CPU
-        offload, whose step is priced on the host already)."""
+        step's dispatch per step (on DTensors under FSDP2 or tensor parallelism; under
+        CPU offload too, beside the host step's arithmetic in ``optimizer_s``)."""
         st = self.st
         count = len(self._own_params(n, ins))
         if not count:
@@ -401,7 +401,7 @@ class _Builder:
         a non-dp axis runs as a tensor-parallel Linear, a norm whose input is split so runs as a
         sequence-parallel one (:attr:`HardwareProfile.host_overhead_s`; 0 where the
         profile has no figure). On a CPU it adds to the op's time (the host is the
-        device); on a GPU it is host time beside the device's (:meth:`op_host`)."""
+        device); on a GPU it is host time beside the device's (:meth:`_op_host`)."""
         over = self.st.hw.host_overhead_s
         free = self._free_axes()
         if not over or not free:

@@ -32,17 +32,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.cost_models.host import charges_host, selective_host_time
+from autopar.flops import op_name
 from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.solvers.problem import RecomputeGroup, StrategyCost
 
 if TYPE_CHECKING:
     from autopar.strategies.build import NodeStrategy, _Builder
-
-
-def op_name(target: str) -> str:
-    """``aten.linear.default`` -> ``linear``."""
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
 
 
 def layer_groups(g) -> dict[int, list[str]]:
@@ -103,15 +98,13 @@ def _extra(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> float:
     return fwd + sc.comm_s / 2
 
 
-def _host(b: "_Builder", name: str, ns: "NodeStrategy", mode: str) -> tuple[float, float]:
-    """(forward, backward) host seconds ``mode`` adds to node ``name`` under strategy
-    ``ns`` on a GPU profile (module docstring)."""
-    if mode == "none":
-        return 0.0, 0.0
+def _host(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> tuple[float, float]:
+    """(forward, backward) host seconds ``mode`` adds to node ``name`` with strategy
+    cost ``sc`` on a GPU profile (module docstring)."""
     n = b.g.node(name)
-    if n.kind != "op":
+    if mode == "none" or n.kind != "op":
         return 0.0, 0.0
-    again = b.op_host(n, ns.ins)[0]
+    again = sc.host_s - sc.host_bwd_s  # the op's forward, issued again
     if mode == "full":
         return 0.0, again
     sac_f, sac_b = selective_host_time(b.st.hw)
@@ -139,7 +132,7 @@ def recompute_groups(b: "_Builder", index: dict[str, int], details: list[list["N
                 ex_k.append([_extra(b, name, sc, m) for m in RECOMPUTE])
                 de_k.append([x - base for x in kept])
                 tr_k.append([base - x for x in kept])
-                hosts = [_host(b, name, ns, m) if host else (0.0, 0.0) for m in RECOMPUTE]
+                hosts = [_host(b, name, sc, m) if host else (0.0, 0.0) for m in RECOMPUTE]
                 hf_k.append([f for f, _ in hosts])
                 hb_k.append([h for _, h in hosts])
             if any(v for row in ex_k + de_k + hf_k + hb_k for v in row):
