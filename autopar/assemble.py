@@ -253,8 +253,8 @@ def pipeline_breakdown(po: PipelineOutcome, *, pp: int, schedule: str, virtual_s
              "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p}
     # Ranks sharing fewer cores (pipeline_search.shared_cores_time): every term is
     # the same share of the shorter step, so the terms still sum to it.
-    scale = (po.step_time_s - po.exposed_host_s) / po.split.objective_s \
-        if po.split.objective_s else 1.0
+    device = po.split.estimate.step_time_s + po.split.exposed_s
+    scale = (po.step_time_s - po.exposed_host_s) / device if device else 1.0
     return {**{k: v * scale for k, v in terms.items()}, "p2p_s": po.p2p_s,
             "exposed_host_s": po.exposed_host_s}
 

@@ -246,8 +246,9 @@ class IntraOpILP:
 
     def _host_exposure(self, total: pulp.LpAffineExpression,
                        edge_cost: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
-        """H of (**) (:mod:`autopar.solvers.problem`): a variable h ≥ 0 with h ≥ h_F − d_F,
-        h ≥ n·δ, h ≥ (n−1)·δ + h_F − d_F and h ≥ n·(h_F + h_B) + h_O − T; 0 when no
+        """H of (**) (:mod:`autopar.solvers.problem`): a variable h ≥ 0 with
+        h ≥ n·(h_F + h_B) + h_O − T and, unless the problem leaves out the phases
+        (``host_phases``), h ≥ h_F − d_F, h ≥ n·δ and h ≥ (n−1)·δ + h_F − d_F; 0 when no
         strategy has host seconds."""
         p = self.p
         if not any(s.all_host_s or s.host_step_s for nd in p.nodes for s in nd.strategies) \
@@ -263,10 +264,11 @@ class IntraOpILP:
             self._recompute_sum("host_fwd", self.TIME))
         delta = h_fwd + h_bwd - d_fwd - d_bwd
         h = pulp.LpVariable("exposed_host", 0)
-        self.model += h >= h_fwd - d_fwd, "host_first_forward"
-        self.model += h >= n * delta, "host_every_pass"
-        self.model += h >= (n - 1) * delta + h_fwd - d_fwd, "host_to_last_forward"
         self.model += h >= n * (h_fwd + h_bwd) + self._sum("host_step_s") - total, "host_step"
+        if p.host_phases:
+            self.model += h >= h_fwd - d_fwd, "host_first_forward"
+            self.model += h >= n * delta, "host_every_pass"
+            self.model += h >= (n - 1) * delta + h_fwd - d_fwd, "host_to_last_forward"
         return pulp.LpAffineExpression(h)
 
     def solve(self, time_limit_s: float | None = None) -> Solution:

@@ -6,11 +6,15 @@ the schedule's simulated step time (:func:`~autopar.solvers.schedules.simulate`)
 the data-parallel gradient synchronization that a rank cannot hide behind its own
 backward (it starts after the rank's last backward; Megatron-LM's overlapped reduction):
 
-    F(split) = simulate(split).step_time_s + max_r (max(0, comm_r − overlap · bwd_r) + opt_r)
+    F(split) = max(simulate(split).step_time_s + max_r (max(0, comm_r − overlap · bwd_r) + opt_r),
+                   max_r host_r)
 
 with ``comm_r`` the ``step_comm_s`` of the units on rank r, ``bwd_r`` their
 ``backward_s`` per micro-batch and ``opt_r`` their ``optimizer_s`` (the rank's
-optimizer step, after its gradient synchronization). Memory per rank (must be ≤ ``memory_budget``) is the
+optimizer step, after its gradient synchronization); ``host_r`` is the seconds rank r's
+host spends per step issuing its units' work (their ``host_s``: on a GPU the host
+issues kernels ahead of the device, so a rank's step takes at least its host time;
+0 on a CPU profile). Memory per rank (must be ≤ ``memory_budget``) is the
 safe bound
 
     M_r = Σ_{stages s on r} (static_s + k_s · activation_s)
@@ -75,8 +79,9 @@ class UnitCost:
     """One unit of the model (e.g. ``"tok_emb"``, ``"blocks.3"``, ``"head"``), per
     micro-batch: seconds of forward, of the whole backward and of its weight-grad part,
     activation bytes kept for backward, and static bytes (params, grads, optimizer);
-    per step: seconds of its data-parallel gradient synchronization (``step_comm_s``)
-    and of its optimizer step (``optimizer_s``)."""
+    per step: seconds of its data-parallel gradient synchronization (``step_comm_s``),
+    of its optimizer step (``optimizer_s``) and of its rank's host issuing its work,
+    every micro-batch's and the optimizer's (``host_s``; see the module docstring)."""
 
     name: str
     forward_s: float
@@ -86,6 +91,7 @@ class UnitCost:
     static_bytes: float = 0.0
     step_comm_s: float = 0.0
     optimizer_s: float = 0.0
+    host_s: float = 0.0
 
 
 @dataclass
@@ -96,13 +102,14 @@ class StageSplit:
         bounds: ``[start, end)`` unit indices per stage, in pipeline order.
         estimate: :func:`simulate`'s prediction for the split.
         objective_s: the split's ``F`` of the module docstring: the simulated step time
-            plus ``exposed_s``.
+            plus ``exposed_s``, or ``host_s`` when that is longer.
         stats: method, seconds spent, splits simulated, whether the answer is exact, ...
         exposed_s: the dp gradient synchronization no rank hides,
             ``max_r max(0, comm_r − overlap · bwd_r)``.
         formula_s: the split's closed-form ``T`` (module docstring).
         timeline: the schedule as compiled for the search (for the next split with the
             same schedule, pp, m and v), or None when it was not needed.
+        host_s: the busiest rank's host seconds per step, ``max_r host_r``.
     """
 
     bounds: list[tuple[int, int]]
@@ -112,6 +119,7 @@ class StageSplit:
     exposed_s: float = 0.0
     formula_s: float = 0.0
     timeline: Timeline | None = None
+    host_s: float = 0.0
 
 
 def after_backward(comm: list[float], bwd: list[float], opt: list[float],
@@ -134,14 +142,15 @@ class _Prefix:
     act: list[float]
     comm: list[float]
     opt: list[float]
+    host: list[float]
 
     @classmethod
     def of(cls, units: list[UnitCost]) -> "_Prefix":
         """Build the prefix sums."""
-        acc = [[0.0] for _ in range(8)]
+        acc = [[0.0] for _ in range(9)]
         for u in units:
             vals = (u.forward_s + u.backward_s, u.forward_s, u.backward_s, u.backward_weight_s,
-                    u.static_bytes, u.activation_bytes, u.step_comm_s, u.optimizer_s)
+                    u.static_bytes, u.activation_bytes, u.step_comm_s, u.optimizer_s, u.host_s)
             for a, x in zip(acc, vals):
                 a.append(a[-1] + x)
         return cls(*acc)
@@ -233,13 +242,20 @@ class _Problem:
 
     def exposed(self, bounds: list[tuple[int, int]]) -> float:
         """max_r (max(0, comm_r − overlap · bwd_r) + opt_r) (module docstring)."""
-        comm, bwd, opt = [0.0] * self.pp, [0.0] * self.pp, [0.0] * self.pp
         pre = self.pre
+        return after_backward(self.per_rank(pre.comm, bounds), self.per_rank(pre.b, bounds),
+                              self.per_rank(pre.opt, bounds), self.overlap)
+
+    def host(self, bounds: list[tuple[int, int]]) -> float:
+        """max_r host_r: the busiest rank's host seconds per step (module docstring)."""
+        return max(self.per_rank(self.pre.host, bounds))
+
+    def per_rank(self, prefix: list[float], bounds: list[tuple[int, int]]) -> list[float]:
+        """Each rank's sum of one unit cost (``prefix``: its prefix sums) over its stages."""
+        out = [0.0] * self.pp
         for s, (i, j) in enumerate(bounds):
-            comm[self.ranks[s]] += pre.comm[j] - pre.comm[i]
-            bwd[self.ranks[s]] += pre.b[j] - pre.b[i]
-            opt[self.ranks[s]] += pre.opt[j] - pre.opt[i]
-        return after_backward(comm, bwd, opt, self.overlap)
+            out[self.ranks[s]] += prefix[j] - prefix[i]
+        return out
 
     def durations(self, bounds: list[tuple[int, int]]) -> list[float]:
         """Every stage's F, B, I and W seconds, as :meth:`Timeline.durations` lays them out."""
@@ -251,10 +267,10 @@ class _Problem:
 
     def simulated(self, bounds: list[tuple[int, int]]) -> float:
         """F(split): the simulated step time (kept in ``makespans`` by split) plus the
-        exposed dp synchronization."""
+        exposed dp synchronization, or the busiest rank's host time when longer."""
         step = self.timeline.makespan(self.durations(bounds), self.p2p_s)
         self.makespans[tuple(bounds)] = step
-        return step + self.exposed(bounds)
+        return max(step + self.exposed(bounds), self.host(bounds))
 
     def formula(self, bounds: list[tuple[int, int]]) -> float:
         """T(split), the closed form of the module docstring (step 1)."""
@@ -293,9 +309,9 @@ def _finish(prob: _Problem, bounds: list[tuple[int, int]], stats: dict) -> Stage
             activation_bytes=prob.pre.act[j] - prob.pre.act[i],
             static_bytes=prob.pre.static[j] - prob.pre.static[i]))
     est = prob.timeline.estimate(chunks, prob.p2p_s, prob.makespans.get(tuple(bounds)))
-    exposed = prob.exposed(bounds)
-    return StageSplit(bounds, est, est.step_time_s + exposed, stats, exposed,
-                      prob.formula(bounds), prob.timeline)
+    exposed, host = prob.exposed(bounds), prob.host(bounds)
+    return StageSplit(bounds, est, max(est.step_time_s + exposed, host), stats, exposed,
+                      prob.formula(bounds), prob.timeline, host)
 
 
 def _no_fit(prob: _Problem) -> NoFeasiblePlanError:

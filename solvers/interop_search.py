@@ -36,10 +36,11 @@ weight-grad part per micro-batch; a hop between stages on different ranks costs 
 
   with b' = b − w (I) on zero-bubble schedules, else b.
 
-So F(split) ≥ L(split) = max(max_r Λ_r, max_s P_s) + max_r max(0, comm_r − overlap·bwd_r).
-A split can beat the best F found only if every stage s over [i, j) has
-``Λ-part of s + m·c(i, j) < F`` — an interval of ends again (``m·c`` grows faster in j
-than the prefix terms in i), so the *admitted* splits can be counted in O(S·n).
+So F(split) ≥ L(split) = max(max(max_r Λ_r, max_s P_s) + max_r max(0, comm_r − overlap·bwd_r),
+max_r host_r) (the last: each rank's host seconds, exact). A split can beat the best F
+found only if every stage s over [i, j) has ``Λ-part of s + m·c(i, j) < F`` and its own
+host seconds ``h(i, j) < F`` — an interval of ends again (``m·c`` grows faster in j than
+the prefix terms in i), so the *admitted* splits can be counted in O(S·n).
 """
 
 from __future__ import annotations
@@ -296,12 +297,8 @@ def lower_bound(prob: "_Problem", pb: PathBound, bounds: Bounds) -> float:
     f = [pre.f[j] - pre.f[i] for i, j in bounds]
     b = [pre.b[j] - pre.b[i] for i, j in bounds]
     w = [pre.w[j] - pre.w[i] for i, j in bounds]
-    load, comm, bwd = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    for s, r in enumerate(prob.ranks):
-        i, j = bounds[s]
-        load[r] += f[s] + b[s]
-        comm[r] += pre.comm[j] - pre.comm[i]
-        bwd[r] += b[s]
+    load = prob.per_rank(pre.c, bounds)
+    comm, bwd = prob.per_rank(pre.comm, bounds), prob.per_rank(pre.b, bounds)
     start = [0.0] * pp
     best = 0.0
     for r in range(pp):
@@ -317,12 +314,14 @@ def lower_bound(prob: "_Problem", pb: PathBound, bounds: Bounds) -> float:
         for u, nf, nb, ni, nw in counts:
             t += nf * f[u] + nb * b[u] + ni * (b[u] - w[u]) + nw * w[u]
         best = max(best, t)
-    return best + max(max(0.0, c - prob.overlap * x) for c, x in zip(comm, bwd))
+    return max(best + max(max(0.0, c - prob.overlap * x) for c, x in zip(comm, bwd)),
+               prob.host(bounds))
 
 
 def _admitted(prob: "_Problem", pb: PathBound, theta: float) -> list[list[int]]:
     """J_s(i): the last end of a stage s starting at i whose own memory fits and whose
-    rank term can stay below ``theta`` (module docstring); i+1 > J: none."""
+    rank term and host seconds can stay below ``theta`` (module docstring); i+1 > J:
+    none."""
     pre, n, S, m, p2p = prob.pre, prob.n, prob.stages, prob.m, prob.p2p_s
     mem_ends = _ends(prob, float("inf"), prob.budget)
     limit = theta * (1 + _REL) + 1e-300
@@ -336,7 +335,8 @@ def _admitted(prob: "_Problem", pb: PathBound, theta: float) -> list[list[int]]:
             lead = (pre.f[i] if a == s else 0.0) + (pre.b[i] if z == s else 0.0)
             room = (limit - fixed - lead) / m
             j = bisect.bisect_right(pre.c, pre.c[i] + room) - 1 if room >= 0 else i
-            row.append(min(j, mem_ends[s][i]))
+            by_host = bisect.bisect_left(pre.host, pre.host[i] + limit) - 1
+            row.append(min(j, mem_ends[s][i], by_host))
         out.append(row)
     return out
 

@@ -42,9 +42,13 @@ The step time adds the data-parallel gradient synchronization each rank cannot h
 it runs after the rank's last backward and overlaps only with it (Megatron-LM's
 overlapped gradient reduction), so the split weighs it with the schedule:
 
-    T = T_schedule + max_r (max(0, step_comm_r − overlap · backward_r) + optimizer_r)
+    T = max(T_schedule + max_r (max(0, step_comm_r − overlap · backward_r) + optimizer_r),
+            max_r host_r)
 
-(then the rank's optimizer step, which nothing hides).
+(then the rank's optimizer step, which nothing hides); on a GPU profile no rank
+finishes before its host has issued its stages' work, ``host_r`` seconds per step (the
+units' host seconds: :func:`rank_host_time`). The intra-op ILP sees the host seconds by
+their total over the ranks (:func:`pipeline_problem`), the split by each rank's.
 
 Three things the flat ILP objective cannot see are settled for the winning candidate
 by enumeration (:func:`refine_modes`): its recomputation modes, the memory model
@@ -119,8 +123,9 @@ def least_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stage
 def pipeline_problem(g: Graph, built: Built, pp: int, held: int) -> Problem:
     """A copy of ``built.problem`` whose memory is that of one pipeline rank (see the
     module docstring), the copies of tied parameters the stages hold included (on the
-    owner op: Σ_r M_r counts each copy once). Host seconds are left out: the problem
-    spans every stage, while each rank's host issues only its own."""
+    owner op: Σ_r M_r counts each copy once). Its host seconds bound the step by their
+    total alone (``host_phases`` False): the problem spans every stage, and each rank's
+    host issues only its own, so pp steps take at least the total."""
     copies: dict[tuple[int, int], float] = {}
     for copy in tied_copies(g, built):
         mult = built.problem.nodes[copy.owner].multiplicity
@@ -133,13 +138,10 @@ def pipeline_problem(g: Graph, built: Built, pp: int, held: int) -> Problem:
         for i, (sc, ns) in enumerate(zip(node.strategies, details)):
             act = ns.memory.get("activations", 0.0)
             static = sc.memory_bytes - act + copies.get((k, i), 0.0)
-            costs.append(replace(sc, memory_bytes=(static + act * held) / pp, host_s=0.0,
-                                 host_bwd_s=0.0, param_host_s=0.0, param_host_bwd_s=0.0,
-                                 host_step_s=0.0))
+            costs.append(replace(sc, memory_bytes=(static + act * held) / pp))
         nodes.append(NodeChoice(node.name, costs, node.multiplicity, node.gather_multiplicity))
-    groups = [replace(grp, activation_scale=held / pp, host_fwd_s=[], host_bwd_s=[])
-              for grp in built.problem.recompute]
-    return replace(built.problem, nodes=nodes, recompute=groups)
+    groups = [replace(grp, activation_scale=held / pp) for grp in built.problem.recompute]
+    return replace(built.problem, nodes=nodes, recompute=groups, host_phases=False)
 
 
 
@@ -387,7 +389,8 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2,
                           pp_link(built, pp))
     costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
-                      u.activation_bytes, u.static_bytes, u.step_comm_s, u.optimizer_s)
+                      u.activation_bytes, u.static_bytes, u.step_comm_s, u.optimizer_s,
+                      m * u.host_s + u.host_step_s)
              for u in units]
     start, redo = backward_transients(built.problem, sol.choice, sol.modes)
     last = stage_ranks(schedule, pp, virtual_stages)[-1]
@@ -403,10 +406,10 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
         return None
     timelines[key] = split.timeline
     ranks = [r + e for r, e in zip(split.estimate.peak_memory_bytes, extra)]
-    step = shared_cores_time(split.objective_s, split.estimate.busy_s, split.exposed_s, shared)
-    host = rank_host_time(units, split.bounds, stage_ranks(schedule, pp, virtual_stages), pp, m)
-    return PipelineOutcome(sol, units, split, max(step, host), max(ranks), p2p,
-                           split.exposed_s, max(extra), extra, max(0.0, host - step))
+    step = shared_cores_time(split.estimate.step_time_s + split.exposed_s,
+                             split.estimate.busy_s, split.exposed_s, shared)
+    return PipelineOutcome(sol, units, split, max(step, split.host_s), max(ranks), p2p,
+                           split.exposed_s, max(extra), extra, max(0.0, split.host_s - step))
 
 
 def shared_cores_time(objective_s: float, busy_s: list[float], exposed_s: float,

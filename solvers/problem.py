@@ -39,7 +39,10 @@ up to a phase, device from there on", which with δ = h_F + h_B − d_F − d_B 
 
 (the first forward issued slower than it runs; every pass host-bound; every pass up to
 the last forward; the whole step host-bound). With no host figures H = 0. The ILP
-models (**) with one non-negative variable and one constraint per term. ``step_param_comm`` is paid
+models (**) with one non-negative variable and one constraint per term. A problem
+with ``host_phases`` False keeps the last term alone, H = max(0, n·(h_F + h_B) + h_O −
+T(s)): the problem of a pipeline rank (:mod:`autopar.solvers.pipeline_search`), whose
+phases interleave over the stages, so only the totals bound pp times the step. ``step_param_comm`` is paid
 once per step (DDP's gradient all-reduce), ``micro_param_comm`` once per micro-batch
 (FSDP's all-gathers and reduce-scatters); ``overlap`` in [0, 1] is the fraction of
 compute that this communication may hide behind (1.0 = perfect overlap on separate
@@ -204,6 +207,7 @@ class Problem:
     fixed_memory: float = 0.0
     overlap: float = 1.0
     recompute: list[RecomputeGroup] = field(default_factory=list)
+    host_phases: bool = True
 
     @property
     def num_choices(self) -> int:
@@ -236,14 +240,17 @@ class Evaluation:
 
 
 def host_exposure(n: int, d_fwd: float, d_bwd: float, h_fwd: float, h_bwd: float,
-                  h_step: float, total: float) -> float:
+                  h_step: float, total: float, phases: bool = True) -> float:
     """H(s) of (**) in the module docstring: the seconds the host adds to a step of
     ``total`` device seconds, from the per-micro-batch forward and backward device and
-    host seconds and the optimizer's host seconds."""
+    host seconds and the optimizer's host seconds (``phases`` False: the whole-step
+    term alone)."""
+    whole = max(0.0, n * (h_fwd + h_bwd) + h_step - total)
+    if not phases:
+        return whole
     delta = h_fwd + h_bwd - d_fwd - d_bwd
     first = h_fwd - d_fwd
-    return max(0.0, first, n * delta, (n - 1) * delta + first,
-               n * (h_fwd + h_bwd) + h_step - total)
+    return max(whole, first, n * delta, (n - 1) * delta + first)
 
 
 def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> Evaluation:
@@ -300,7 +307,8 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
     hidden = 0.0
     if h_fwd or h_bwd or h_step:
         half = (comm + reshard) / 2
-        hidden = host_exposure(n, comp - bwd + half, bwd + half, h_fwd, h_bwd, h_step, total)
+        hidden = host_exposure(n, comp - bwd + half, bwd + half, h_fwd, h_bwd, h_step, total,
+                               p.host_phases)
     return Evaluation(total + hidden, n * comp, n * (comm + reshard), n * reshard, exposed,
                       step_pc + n * micro_pc, mem, feasible, n * extra, host, hidden,
                       n * (h_fwd + h_bwd) + h_step)

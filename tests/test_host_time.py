@@ -64,14 +64,20 @@ def _with_host(p: Problem, seed: int) -> Problem:
     return replace(p, nodes=nodes)
 
 
+@pytest.mark.parametrize("phases", [True, False])
 @pytest.mark.parametrize("seed", range(8))
-def test_ilp_with_host_time_equals_exhaustive(seed: int) -> None:
-    p = _with_host(random_problem(seed, budget_frac=10.0), seed)
+def test_ilp_with_host_time_equals_exhaustive(seed: int, phases: bool) -> None:
+    """Also with the whole-step host term alone (``host_phases`` False, a pipeline rank's
+    problem), where H = max(0, n·(h_F + h_B) + h_O − T)."""
+    p = replace(_with_host(random_problem(seed, budget_frac=10.0), seed), host_phases=phases)
     ref = solve_exhaustive(p)
     sol = solve_ilp(p)
     ev = evaluate(p, sol.choice)
     assert ev.step_time_s == pytest.approx(ref.objective_s, rel=1e-6, abs=1e-9)
     assert ev.exposed_host_s >= 0.0
+    if not phases:
+        device = ev.step_time_s - ev.exposed_host_s
+        assert ev.step_time_s == pytest.approx(max(device, ev.host_s), rel=1e-12)
 
 
 def _group_problem(seed: int) -> Problem:

@@ -17,14 +17,17 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 1), ("interleaved_1
              ("interleaved_zero_bubble", 1), ("interleaved_zero_bubble", 2), ("zbv", 2)]
 
 
-def _random_units(rng: random.Random, n: int, sync: float = 0.0) -> list[UnitCost]:
-    """``sync``: the largest dp gradient synchronization per unit (seconds per step)."""
+def _random_units(rng: random.Random, n: int, sync: float = 0.0,
+                  host: float = 0.0) -> list[UnitCost]:
+    """``sync``: the largest dp gradient synchronization per unit (seconds per step);
+    ``host``: the most host seconds per unit and step."""
     units = []
     for i in range(n):
         b = rng.uniform(0.2, 2.0)
         w = rng.uniform(0.0, 0.7 * b) if rng.random() < 0.5 else rng.uniform(0.0, 0.4 * b)
         units.append(UnitCost(f"u{i}", rng.uniform(0.1, 1.0), b, w, rng.uniform(0.0, 5.0),
-                              rng.uniform(0.0, 10.0), rng.uniform(0.0, sync)))
+                              rng.uniform(0.0, 10.0), rng.uniform(0.0, sync),
+                              host_s=rng.uniform(0.0, host)))
     return units
 
 
@@ -45,7 +48,7 @@ def test_split_equals_exhaustive(seed):
         m = rng.choice([pp, 2 * pp, pp + 1, 4])
         if pp * v > n or validate(schedule, pp, m, v):
             continue
-        units = _random_units(rng, n, sync=rng.choice([0.0, 4.0]))
+        units = _random_units(rng, n, sync=rng.choice([0.0, 4.0]), host=rng.choice([0.0, 16.0]))
         kw = dict(schedule=schedule, virtual_stages=v, p2p_s=rng.choice([0.0, 0.05, 0.5]),
                   memory_budget=rng.choice([float("inf"), rng.uniform(5.0, 60.0)]),
                   overlap=rng.choice([1.0, 0.5]))
@@ -89,7 +92,8 @@ def test_lower_bound_never_exceeds_the_simulation(seed):
         m = rng.choice([pp, 2 * pp, pp + 1, 3, 7])
         if pp * v > n or validate(schedule, pp, m, v):
             continue
-        prob = _problem(_random_units(rng, n, sync=rng.choice([0.0, 3.0])), pp, m, schedule, v,
+        prob = _problem(_random_units(rng, n, sync=rng.choice([0.0, 3.0]),
+                                      host=rng.choice([0.0, 16.0])), pp, m, schedule, v,
                         rng.choice([0.0, 0.1, 1.0]), float("inf"), rng.choice([1.0, 0.3]))
         pb = PathBound.of(prob)
         for _ in range(5):
@@ -141,6 +145,19 @@ def test_split_hides_the_dp_sync_behind_each_ranks_backward():
     assert got.objective_s == pytest.approx(ref.objective_s, rel=1e-12)
     assert got.exposed_s == pytest.approx(ref.exposed_s)
     assert got.objective_s == pytest.approx(got.estimate.step_time_s + got.exposed_s)
+
+
+def test_host_bound_split_balances_each_ranks_host():
+    """On a GPU each rank's host issues its own stages' work, so the step takes at least
+    the busiest rank's host seconds. Units equal on the device but with a heavy host
+    first unit: the device-balanced split (3 + 3) leaves rank 0 with 5 + 2 + 2 = 9 s of
+    host; the split 2 + 4 gives 7 and 8, and is the fastest."""
+    units = [UnitCost(f"u{i}", 0.1, 0.2, host_s=5.0 if i == 0 else 2.0) for i in range(6)]
+    got = split_stages(units, 2, 4)
+    ref = split_stages_exhaustive(units, 2, 4)
+    assert got.bounds == ref.bounds == [(0, 2), (2, 6)]
+    assert got.host_s == 8.0 and got.objective_s == 8.0
+    assert got.estimate.step_time_s + got.exposed_s < got.host_s
 
 
 def test_infeasible_budget_names_least_memory():

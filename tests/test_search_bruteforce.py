@@ -51,14 +51,16 @@ class Instance:
 
 
 def _model(kind: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    """``mlp``: 3 hidden layers of 4096; ``mlp6``: 6 of them; ``gpt``: 8 blocks of
+    """``mlp``: 3 hidden layers of 4096; ``mlp6``: 6 of them; ``mlp-wide``: 3 of 16384;
+    ``gpt``: 8 blocks of
     width 256 over 128 tokens; ``gpt-wide``: 4 blocks of width 512 over 64 tokens. All
     on the meta device, with one batch of 8."""
     with torch.device("meta"):
         if kind.startswith("mlp"):
             depth = 6 if kind == "mlp6" else 3
-            return MLP(in_dim=4096, hidden=4096, depth=depth, n_classes=16), \
-                (torch.randn(8, 4096),)
+            width = 16384 if kind == "mlp-wide" else 4096
+            return MLP(in_dim=width, hidden=width, depth=depth, n_classes=16), \
+                (torch.randn(8, width),)
         dim, layers, seq = (256, 8, 128) if kind == "gpt" else (512, 4, 64)
         model = GPT(GPTConfig(vocab_size=1024, max_seq_len=seq, dim=dim, n_layers=layers,
                               n_heads=8))
@@ -74,6 +76,8 @@ INSTANCES = {i.name: i for i in [
     Instance("mlp-1x4", "mlp", 1, 4),
     Instance("mlp-1x4-tight", "mlp", 1, 4, budget_frac=0.6),
     Instance("mlp-2x4", "mlp", 2, 4, inter_node_gbps=5.0),
+    # device-bound (the others are host-bound on the H100 profile): tensor parallel wins
+    Instance("mlp-wide-1x4", "mlp-wide", 1, 4, global_batch=16),
     Instance("gpt-1x2-offload", "gpt", 1, 2, budget_frac=0.2, space={"tp": 1}),
     Instance("gpt-1x2-0.4", "gpt", 1, 2, budget_frac=0.4, space={"tp": 1}),
     Instance("gpt-1x4-half", "gpt", 1, 4, budget_frac=0.5, space={"tp": 1, "zero": 0}),
