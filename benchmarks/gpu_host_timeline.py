@@ -4,9 +4,7 @@ For each model of ``gpu_runtime_step.py`` under one plan (default: micro-batch 4
 recomputation), one step is profiled with host and device activity. From the trace:
 the device's busy and idle time inside the step; the idle gaps charged to the host op
 that issued the kernel ending each gap (outermost and innermost op on the host
-thread); and the host calls that block (CUDA runtime calls of 100 µs or more). For the
-Llama, the step is also timed with its RoPE tables made once on the device instead of
-on the host each forward (the example computes them on the CPU and copies them).
+thread); and the host calls that block (CUDA runtime calls of 100 µs or more).
 
     python benchmarks/gpu_host_timeline.py --out host_timeline.json
 """
@@ -177,18 +175,6 @@ def main() -> int:
         if args.traces:
             with gzip.open(os.path.join(args.traces, f"{kind}.trace.json.gz"), "wt") as f:
                 json.dump(trace, f)
-        if kind == "llama":
-            from autopar.examples import llama
-            made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-            plain = llama.rope_tables
-
-            def once(*a: Any) -> tuple[torch.Tensor, torch.Tensor]:
-                if a not in made:
-                    made[a] = tuple(t.cuda() for t in plain(*a))
-                return made[a]
-            llama.rope_tables = once
-            entry["step_s_rope_on_device_once"] = _time(step)
-            llama.rope_tables = plain
         out["models"][kind] = entry
         print(kind, json.dumps({k: v for k, v in entry.items() if k != "timeline"}),
               json.dumps(entry["timeline"])[:1500], flush=True)

@@ -49,7 +49,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cost_models.comm import fit_alpha_beta
-from autopar.cost_models.profiler_host import HOST_KEYS, host_overhead, median_time
+from autopar.cost_models.profiler_host import (HOST_KEYS, host_overhead, median_time,
+                                               redistribute_overhead)
 
 SIZES = [2**k for k in (12, 16, 18, 20, 22)]
 """Bytes of the collective buffers (the full tensor: reduced, gathered or scattered)."""
@@ -177,6 +178,10 @@ def _worker(rank: int, world: int, port: int, q: Any) -> None:
     res["op_overhead_s"] = op_overhead()
     res["host_overhead_s"] = host_overhead("cpu", sync)
     if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        res["host_overhead_s"]["redistribute"] = redistribute_overhead(
+            init_device_mesh("cpu", (world,)), sync)
         res["collectives"] = collective_fits(world, sync)
         res["comm_overlap"] = comm_overlap(sync)
     q.put((rank, res))
@@ -199,8 +204,9 @@ def measure_processes(world: int) -> dict[str, Any]:
         p.join()
     out: dict[str, Any] = {k: statistics.median(got[r][k] for r in got)
                            for k in ("gemm_flops", "copy_bandwidth", "op_overhead_s")}
+    keys = HOST_KEYS + (("redistribute",) if world > 1 else ())
     out["host_overhead_s"] = {k: statistics.median(got[r]["host_overhead_s"][k] for r in got)
-                                 for k in HOST_KEYS}
+                                 for k in keys}
     if world > 1:
         out["collectives"] = got[0]["collectives"]
         out["comm_overlap"] = statistics.median(got[r]["comm_overlap"] for r in got)
@@ -240,7 +246,13 @@ def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]
         k: _n(v, f"{where}: host seconds {_HOST_WHAT[k.rsplit('_', 1)[0]]} adds per "
                  f"{'forward' if k.endswith('fwd') else 'backward'} on a one-process mesh "
                  "(cost_models/profiler_host.py), median over ranks")
-        for k, v in m["host_overhead_s"].items()}
+        for k, v in m["host_overhead_s"].items() if k != "redistribute"}
+    if "redistribute" in m["host_overhead_s"]:
+        entry["host_overhead_s"]["redistribute"] = _n(
+            m["host_overhead_s"]["redistribute"],
+            f"{where}: host seconds DTensor adds to a redistribution that runs a collective "
+            f"(all-reduce, all-gather, reduce-scatter of a tiny tensor on the {world}-process "
+            "mesh, less the plain collective; cost_models/profiler_host.py), median over ranks")
     if world > 1:
         for kind, fit in m["collectives"].items():
             entry[kind] = {

@@ -12,6 +12,12 @@ FSDP2's hooks and per-parameter bookkeeping are measured the same way, per param
 of a ``fully_shard`` unit (:func:`fsdp_overhead`). The figures, in seconds
 (:data:`HOST_KEYS`), go into the profile's ``host_overhead_s``
 (:attr:`autopar.cost_models.hardware.HardwareProfile.host_overhead_s`).
+
+A redistribution between placements that runs a collective (an all-gather of sequence
+shards, a reduce-scatter or all-reduce of partial sums) also goes through DTensor, and
+on a mesh of one process it runs none, so it is measured on the mesh of every process
+(:func:`redistribute_overhead`, key ``redistribute``): a tiny tensor's redistribution
+against the plain collective on the same tensor.
 """
 
 from __future__ import annotations
@@ -88,6 +94,34 @@ def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
     return {"linear_fwd": statistics.fmean(f for f, _ in lin),
             "linear_bwd": statistics.fmean(b for _, b in lin),
             "norm_fwd": norm[0], "norm_bwd": norm[1]}
+
+
+def redistribute_overhead(mesh: Any, sync: Callable[[], None]) -> float:
+    """Host seconds DTensor adds to one redistribution that runs a collective, on
+    ``mesh`` (one dimension, more than one process): the mean over partial sums to
+    replicated (all-reduce), sequence shards to replicated (all-gather) and partial sums
+    to sequence shards (reduce-scatter) of a tiny tensor's ``redistribute`` less the
+    plain collective on the same bytes; not negative."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    n = mesh.size()
+    group = mesh.get_group()
+    x = torch.randn(2, 4 * n, 8)
+    part = DTensor.from_local(x, mesh, [Partial()], run_check=False)
+    seq = DTensor.from_local(x[:, :4].contiguous(), mesh, [Shard(1)], run_check=False)
+    cases = [
+        (lambda: part.redistribute(mesh, [Replicate()]).to_local(),
+         lambda: dist.all_reduce(x.clone(), group=group)),
+        (lambda: seq.redistribute(mesh, [Replicate()]).to_local(),
+         lambda: dist.all_gather_into_tensor(torch.empty(2 * n, 4, 8), seq.to_local(),
+                                             group=group)),
+        (lambda: part.redistribute(mesh, [Shard(1)]).to_local(),
+         lambda: dist.reduce_scatter_tensor(torch.empty(x.numel() // n), x.reshape(-1),
+                                            group=group)),
+    ]
+    added = [median_time(dt, sync, _REPS, _CALLS // 4, warmup=5)
+             - median_time(plain, sync, _REPS, _CALLS // 4, warmup=5) for dt, plain in cases]
+    return max(0.0, statistics.fmean(added))
 
 
 def fsdp_overhead(mesh: Any, sync: Callable[[], None],

@@ -26,10 +26,13 @@ class LlamaConfig:
     rope_theta: float = 500000.0
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine tables of shape (seq_len, head_dim // 2)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    angles = torch.outer(torch.arange(seq_len).float(), freqs)
+def rope_tables(head_dim: int, seq_len: int, theta: float,
+                device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine tables of shape (seq_len, head_dim // 2), made on ``device`` (made
+    on the host and copied, they would stall the host at every forward until the device
+    caught up: a pageable host-to-device copy waits for the device)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
     return angles.cos(), angles.sin()
 
 
@@ -105,8 +108,8 @@ class Llama(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, t, self.cfg.rope_theta)
-        cos, sin = cos.to(idx.device), sin.to(idx.device)
+        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, t, self.cfg.rope_theta,
+                               idx.device)
         x = self.tok_emb(idx)
         for layer in self.layers:
             x = layer(x, cos, sin)

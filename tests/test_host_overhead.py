@@ -37,10 +37,53 @@ def test_wrappers_cost_host_time_on_a_mesh_of_one() -> None:
     assert got["linear_fwd"] + got["linear_bwd"] > 10e-6
 
 
+def _measure_redistribute() -> float:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.cost_models.profiler_host import redistribute_overhead
+    torch.set_num_threads(1)
+    return redistribute_overhead(init_device_mesh("cpu", (dist.get_world_size(),)),
+                                 dist.barrier)
+
+
+@pytest.mark.multirank
+def test_dtensor_redistribution_costs_host_time_on_two_processes() -> None:
+    """A tiny tensor's redistribution through DTensor takes longer than the plain
+    collective it runs (the figure is the difference, clamped at 0)."""
+    got = run_distributed(2, _measure_redistribute, timeout_s=300)
+    assert all(0.0 < v < 0.05 for v in got)
+
+
+def test_each_redistributing_collective_is_charged_the_dtensor_overhead() -> None:
+    """On a CPU profile a redistribution costs its collectives plus the measured
+    ``redistribute`` figure once per collective; a local slice (R to S) none; on a GPU
+    profile (the host runs ahead) nothing is added to the device's time."""
+    from autopar.strategies.build import _Builder
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=256, n_layers=1, n_heads=4))
+    an = analyze(capture(model, (torch.randint(0, 512, (8, 64), device="meta"),)))
+    base = _as_cpu(load_profile("h100-sxm"), {})
+
+    def convert(hw, src, dst) -> float:
+        st = Settings(Mesh(("dp", "tp"), (2, 2)), 4, 1, 0, "fp32", "adamw", 1e12, hw, 4)
+        return _Builder(an, st).convert(src, dst, 1e6)
+    fig = 1e-3
+    for src, dst, collectives in [(("R", "S(1)"), ("R", "R"), 1), (("R", "P"), ("R", "S(1)"), 1),
+                                  (("R", "P"), ("R", "R"), 1), (("S(0)", "P"), ("R", "R"), 2),
+                                  (("R", "R"), ("R", "S(1)"), 0)]:
+        plain = convert(base, src, dst)
+        charged = convert(_as_cpu(base, {"redistribute": fig}), src, dst)
+        assert charged - plain == pytest.approx(collectives * fig, abs=1e-12), (src, dst)
+    gpu = replace(load_profile("h100-sxm"), host_overhead_s={"redistribute": fig})
+    assert convert(gpu, ("R", "P"), ("R", "R")) == convert(base, ("R", "P"), ("R", "R"))
+
+
 def test_cpu_profile_reads_host_overhead_per_process_count() -> None:
     cpu = load_profile("cpu")
     two, four = cpu.for_processes(2), cpu.for_processes(4)
-    assert set(two.host_overhead_s) == set(HOST_KEYS)
+    assert set(two.host_overhead_s) == set(HOST_KEYS) | {"redistribute"}
     assert two.host_overhead_s != four.host_overhead_s  # each count its own measurement
     assert not two.host_runs_ahead  # on a CPU the host is the device
     h100 = load_profile("h100-sxm")

@@ -292,7 +292,12 @@ class _Builder:
 
     # ---- pricing ----------------------------------------------------------------
     def convert(self, src: Placements, dst: Placements, nbytes: float) -> float:
-        """Seconds to redistribute a tensor of ``nbytes`` (whole) from src to dst."""
+        """Seconds to redistribute a tensor of ``nbytes`` (whole) from src to dst: each
+        collective's time, plus, where the host is the device (a CPU profile), what
+        DTensor's redistribution adds to it (``host_overhead_s["redistribute"]``,
+        measured on the processes' mesh: :mod:`autopar.cost_models.profiler_host`)."""
+        hw = self.st.hw
+        over = 0.0 if hw.host_runs_ahead else hw.host_overhead_s.get("redistribute", 0.0)
         t = 0.0
         for a, (s, d) in enumerate(zip(src, dst)):
             if s == d:
@@ -303,13 +308,13 @@ class _Builder:
                     local /= self.mesh.sizes[b]
             n, link = self.mesh.sizes[a], self.links[a]
             if s.startswith("S(") and d == "R":
-                t += collective_time("all_gather", local, n, link)
+                t += over + collective_time("all_gather", local, n, link)
             elif s == "P" and d == "R":
-                t += collective_time("all_reduce", local, n, link)
+                t += over + collective_time("all_reduce", local, n, link)
             elif s == "P" and d.startswith("S("):
-                t += collective_time("reduce_scatter", local, n, link)
+                t += over + collective_time("reduce_scatter", local, n, link)
             elif s.startswith("S(") and d.startswith("S("):
-                t += collective_time("all_to_all", local / n, n, link)
+                t += over + collective_time("all_to_all", local / n, n, link)
             elif s.startswith("S(") and d == "P":
                 return INF
         return t
