@@ -18,6 +18,8 @@ Per N the profile stores, under ``per_process["N"]`` (see
   grad (ATen dispatch plus the autograd node a training step records);
 - the host seconds DTensor adds to a tensor-parallel Linear and a sequence-parallel
   norm, and FSDP2 per parameter of a unit (:mod:`autopar.cost_models.profiler_host`);
+- for N > 1, the seconds DTensor adds to a redistribution per collective kind
+  (:func:`autopar.cost_models.profiler_host.redistribute_overhead`);
 - for N > 1, the share of an all-reduce that GEMMs hide (``comm_overlap``;
   :func:`comm_overlap`);
 - for N > 1, gloo all-reduce, all-gather and reduce-scatter over loopback, each fitted
@@ -26,6 +28,9 @@ Per N the profile stores, under ``per_process["N"]`` (see
   (same processes, same loop) is subtracted: with the cores oversubscribed a
   collective waits for peers the scheduler has put aside, which an idle measurement
   misses.
+
+Every per-N figure is the median of ``--repeats`` rounds over N = 1, 2, 4 in turn
+(:func:`measure_repeated`; one round's figures move by up to 20% on a shared machine).
 
 The top-level fields keep N = 1 with all of the machine's threads (a single process
 planning or running alone). The only module of cost_models that uses
@@ -49,8 +54,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cost_models.comm import fit_alpha_beta
-from autopar.cost_models.profiler_host import (HOST_KEYS, host_overhead, median_time,
-                                               redistribute_overhead)
+from autopar.cost_models.profiler_host import (HOST_KEYS, REDISTRIBUTE_KEYS, host_overhead,
+                                               median_time, redistribute_overhead)
 
 SIZES = [2**k for k in (12, 16, 18, 20, 22)]
 """Bytes of the collective buffers (the full tensor: reduced, gathered or scattered)."""
@@ -180,8 +185,8 @@ def _worker(rank: int, world: int, port: int, q: Any) -> None:
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        res["host_overhead_s"]["redistribute"] = redistribute_overhead(
-            init_device_mesh("cpu", (world,)), sync)
+        res["host_overhead_s"].update(redistribute_overhead(
+            init_device_mesh("cpu", (world,)), sync))
         res["collectives"] = collective_fits(world, sync)
         res["comm_overlap"] = comm_overlap(sync)
     q.put((rank, res))
@@ -204,13 +209,32 @@ def measure_processes(world: int) -> dict[str, Any]:
         p.join()
     out: dict[str, Any] = {k: statistics.median(got[r][k] for r in got)
                            for k in ("gemm_flops", "copy_bandwidth", "op_overhead_s")}
-    keys = HOST_KEYS + (("redistribute",) if world > 1 else ())
+    keys = HOST_KEYS + (REDISTRIBUTE_KEYS if world > 1 else ())
     out["host_overhead_s"] = {k: statistics.median(got[r]["host_overhead_s"][k] for r in got)
                                  for k in keys}
     if world > 1:
         out["collectives"] = got[0]["collectives"]
         out["comm_overlap"] = statistics.median(got[r]["comm_overlap"] for r in got)
     return out
+
+
+def median_of(runs: list[Any]) -> Any:
+    """The element-wise median of repeated measurements of one shape (numbers, lists and
+    dicts of them, nested): each figure is the median of its repetitions."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in runs]) for k in first}
+    if isinstance(first, list):
+        return [median_of(list(col)) for col in zip(*runs)]
+    return statistics.median(runs)
+
+
+def measure_repeated(counts: tuple[int, ...], repeats: int) -> dict[int, dict[str, Any]]:
+    """:func:`measure_processes` for each process count, ``repeats`` rounds over the
+    counts in turn (so that a slow spell of the machine touches every count), and the
+    median of each figure over the rounds."""
+    rounds = [{w: measure_processes(w) for w in counts} for _ in range(repeats)]
+    return {w: median_of([r[w] for r in rounds]) for w in counts}
 
 
 def _cpu_name() -> str:
@@ -246,13 +270,15 @@ def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]
         k: _n(v, f"{where}: host seconds {_HOST_WHAT[k.rsplit('_', 1)[0]]} adds per "
                  f"{'forward' if k.endswith('fwd') else 'backward'} on a one-process mesh "
                  "(cost_models/profiler_host.py), median over ranks")
-        for k, v in m["host_overhead_s"].items() if k != "redistribute"}
-    if "redistribute" in m["host_overhead_s"]:
-        entry["host_overhead_s"]["redistribute"] = _n(
-            m["host_overhead_s"]["redistribute"],
-            f"{where}: host seconds DTensor adds to a redistribution that runs a collective "
-            f"(all-reduce, all-gather, reduce-scatter of a tiny tensor on the {world}-process "
-            "mesh, less the plain collective; cost_models/profiler_host.py), median over ranks")
+        for k, v in m["host_overhead_s"].items() if k not in REDISTRIBUTE_KEYS}
+    for k in REDISTRIBUTE_KEYS:
+        if k in m["host_overhead_s"]:
+            entry["host_overhead_s"][k] = _n(
+                m["host_overhead_s"][k],
+                f"{where}: seconds DTensor adds to a redistribution that runs an "
+                f"{k.removeprefix('redistribute_').replace('_', '-')} (a 64 KiB activation "
+                f"on the {world}-process mesh, less the plain gloo collective; "
+                "cost_models/profiler_host.py), median over ranks")
     if world > 1:
         for kind, fit in m["collectives"].items():
             entry[kind] = {
@@ -269,13 +295,18 @@ def main() -> None:
     """Measure and write the profile."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="cost_models/profiles/cpu.json")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of the per-process measurements; each figure is the median "
+                         "(default 3: one round's figures move by up to 20%%)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, not {args.repeats}")
     how = "measured by `python -m autopar.cost_models.measure_cpu`"
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     alone = lambda: None  # noqa: E731 - no peers to wait for
     flops, bw, over = gemm_flops(alone), copy_bandwidth(alone), op_overhead()
-    per = {w: measure_processes(w) for w in PROCESS_COUNTS}
+    per = measure_repeated(PROCESS_COUNTS, args.repeats)
     link = per[4]["collectives"]["all_reduce"]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     n = _n
@@ -307,7 +338,8 @@ def main() -> None:
                        "latency": n(link["latency"], "one machine: equal to intra_node")},
         "host_link": {"bandwidth": n(bw / 2, "host memory is device memory: the copy rate"),
                       "latency": n(0.0, "no transfer needed")},
-        "per_process": {str(w): per_process_entry(w, m, how) for w, m in per.items()},
+        "per_process": {str(w): per_process_entry(w, m, f"{how} (median of {args.repeats} "
+                                                     "rounds)") for w, m in per.items()},
     }
     with open(args.out, "w") as f:
         json.dump(prof, f, indent=1)

@@ -16,8 +16,8 @@ of a ``fully_shard`` unit (:func:`fsdp_overhead`). The figures, in seconds
 A redistribution between placements that runs a collective (an all-gather of sequence
 shards, a reduce-scatter or all-reduce of partial sums) also goes through DTensor, and
 on a mesh of one process it runs none, so it is measured on the mesh of every process
-(:func:`redistribute_overhead`, key ``redistribute``): a tiny tensor's redistribution
-against the plain collective on the same tensor.
+(:func:`redistribute_overhead`, one key per collective kind): an activation's
+redistribution against the plain collective on the same tensor.
 """
 
 from __future__ import annotations
@@ -96,32 +96,41 @@ def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
             "norm_fwd": norm[0], "norm_bwd": norm[1]}
 
 
-def redistribute_overhead(mesh: Any, sync: Callable[[], None]) -> float:
-    """Host seconds DTensor adds to one redistribution that runs a collective, on
-    ``mesh`` (one dimension, more than one process): the mean over partial sums to
-    replicated (all-reduce), sequence shards to replicated (all-gather) and partial sums
-    to sequence shards (reduce-scatter) of a tiny tensor's ``redistribute`` less the
-    plain collective on the same bytes; not negative."""
+REDISTRIBUTE_KEYS = ("redistribute_all_reduce", "redistribute_all_gather",
+                     "redistribute_reduce_scatter")
+"""The figures of :func:`redistribute_overhead`, one per collective kind."""
+
+
+def redistribute_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
+    """Seconds DTensor adds to one redistribution that runs a collective, on ``mesh``
+    (one dimension, more than one process), per kind (:data:`REDISTRIBUTE_KEYS`): partial
+    sums to replicated (all-reduce), sequence shards to replicated (all-gather: DTensor
+    gathers along dimension 0 and moves the pieces into place) and partial sums to
+    sequence shards (reduce-scatter), each on a 64 KiB activation of shape (8, 8, 256)
+    in fp32, less the plain collective on the same bytes; not negative."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     n = mesh.size()
     group = mesh.get_group()
-    x = torch.randn(2, 4 * n, 8)
+    x = torch.randn(8, 8, 256)
     part = DTensor.from_local(x, mesh, [Partial()], run_check=False)
-    seq = DTensor.from_local(x[:, :4].contiguous(), mesh, [Shard(1)], run_check=False)
-    cases = [
-        (lambda: part.redistribute(mesh, [Replicate()]).to_local(),
-         lambda: dist.all_reduce(x.clone(), group=group)),
-        (lambda: seq.redistribute(mesh, [Replicate()]).to_local(),
-         lambda: dist.all_gather_into_tensor(torch.empty(2 * n, 4, 8), seq.to_local(),
-                                             group=group)),
-        (lambda: part.redistribute(mesh, [Shard(1)]).to_local(),
-         lambda: dist.reduce_scatter_tensor(torch.empty(x.numel() // n), x.reshape(-1),
-                                            group=group)),
-    ]
-    added = [median_time(dt, sync, _REPS, _CALLS // 4, warmup=5)
-             - median_time(plain, sync, _REPS, _CALLS // 4, warmup=5) for dt, plain in cases]
-    return max(0.0, statistics.fmean(added))
+    seq = DTensor.from_local(x[:, : 8 // n].contiguous(), mesh, [Shard(1)], run_check=False)
+    cases = {
+        "redistribute_all_reduce": (
+            lambda: part.redistribute(mesh, [Replicate()]).to_local(),
+            lambda: dist.all_reduce(x.clone(), group=group)),
+        "redistribute_all_gather": (
+            lambda: seq.redistribute(mesh, [Replicate()]).to_local(),
+            lambda: dist.all_gather_into_tensor(torch.empty(8 * n, 8 // n, 256),
+                                                seq.to_local(), group=group)),
+        "redistribute_reduce_scatter": (
+            lambda: part.redistribute(mesh, [Shard(1)]).to_local(),
+            lambda: dist.reduce_scatter_tensor(torch.empty(x.numel() // n), x.reshape(-1),
+                                               group=group)),
+    }
+    return {k: max(0.0, median_time(dt, sync, 2 * _REPS + 1, _CALLS // 5, warmup=5)
+                   - median_time(plain, sync, 2 * _REPS + 1, _CALLS // 5, warmup=5))
+            for k, (dt, plain) in cases.items()}
 
 
 def fsdp_overhead(mesh: Any, sync: Callable[[], None],

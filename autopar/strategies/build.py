@@ -294,10 +294,12 @@ class _Builder:
     def convert(self, src: Placements, dst: Placements, nbytes: float) -> float:
         """Seconds to redistribute a tensor of ``nbytes`` (whole) from src to dst: each
         collective's time, plus, where the host is the device (a CPU profile), what
-        DTensor's redistribution adds to it (``host_overhead_s["redistribute"]``,
-        measured on the processes' mesh: :mod:`autopar.cost_models.profiler_host`)."""
+        DTensor's redistribution adds to a collective of its kind
+        (``host_overhead_s["redistribute_<kind>"]``, measured on the processes' mesh:
+        :func:`autopar.cost_models.profiler_host.redistribute_overhead`; an all-to-all
+        counts as an all-gather, which gloo runs in its place)."""
         hw = self.st.hw
-        over = 0.0 if hw.host_runs_ahead else hw.host_overhead_s.get("redistribute", 0.0)
+        over = {} if hw.host_runs_ahead else hw.host_overhead_s
         t = 0.0
         for a, (s, d) in enumerate(zip(src, dst)):
             if s == d:
@@ -308,15 +310,19 @@ class _Builder:
                     local /= self.mesh.sizes[b]
             n, link = self.mesh.sizes[a], self.links[a]
             if s.startswith("S(") and d == "R":
-                t += over + collective_time("all_gather", local, n, link)
+                kind, size = "all_gather", local
             elif s == "P" and d == "R":
-                t += over + collective_time("all_reduce", local, n, link)
+                kind, size = "all_reduce", local
             elif s == "P" and d.startswith("S("):
-                t += over + collective_time("reduce_scatter", local, n, link)
+                kind, size = "reduce_scatter", local
             elif s.startswith("S(") and d.startswith("S("):
-                t += over + collective_time("all_to_all", local / n, n, link)
+                kind, size = "all_to_all", local / n
             elif s.startswith("S(") and d == "P":
                 return INF
+            else:
+                continue  # a local slice or a partial view: no collective
+            dt = "all_gather" if kind == "all_to_all" else kind
+            t += collective_time(kind, size, n, link) + over.get(f"redistribute_{dt}", 0.0)
         return t
 
     def convert_both(self, src: Placements, dst: Placements, grad_src: Placements,
@@ -513,6 +519,20 @@ class _Builder:
             fwd, bwd = fwd + f, bwd + b
         return fwd, bwd
 
+    def _partial_grad_time(self, grad_bytes: float, axis: int) -> float:
+        """Seconds per micro-batch to all-reduce one parameter's gradient that comes out
+        partial over mesh axis ``axis`` (a replicated parameter used on shards). Where
+        FSDP2 lays the parameters out it reduces them with the other gradients, bucketed;
+        without it the runtime redistributes each such gradient on its own once per step
+        (``reduce_partial_gradients``): one all-reduce and one DTensor redistribution
+        per parameter, spread here over the step's micro-batches."""
+        st, n, link = self.st, self.mesh.sizes[axis], self.links[axis]
+        if fsdp_lays_out(st.precision, self.dp, st.offload):
+            return bucketed_time("all_reduce", grad_bytes, n, link)
+        over = 0.0 if st.hw.host_runs_ahead else \
+            st.hw.host_overhead_s.get("redistribute_all_reduce", 0.0)
+        return (collective_time("all_reduce", grad_bytes, n, link) + over) / st.num_microbatches
+
     def _param_costs(self, n: OpNode, ins, grads) -> tuple[float, float, float, float]:
         """(per-micro-batch dp comm, per-step dp comm, tp gradient comm, gathered bytes)."""
         micro = step = tp = gather = 0.0
@@ -527,8 +547,7 @@ class _Builder:
             local = node.out.numel / _degree(ins[pos], self.mesh)
             for a in self._free_axes():
                 if grads[pos][a] == "P":
-                    tp += bucketed_time("all_reduce", local * 4.0, self.mesh.sizes[a],
-                                          self.links[a])
+                    tp += self._partial_grad_time(local * 4.0, a)
             if dpa is None or self.mesh.sizes[dpa] == 1:
                 continue
             dpn, link = self.mesh.sizes[dpa], self.links[dpa]
