@@ -206,7 +206,7 @@ def run_profile(out: Path, *, quick: bool = False, resume: bool = False,
     if grid.host:
         stream.write("profile: host overheads (dispatch, checkpointing, FSDP2, DTensor, "
                      "optimizer)\n")
-        doc["host_overhead_s"] = measure_host(device)
+        doc["host_overhead_s"] = measure_host(device, grid.host_rounds)
     dump(doc, out)
     part.unlink(missing_ok=True)
     return doc

@@ -41,6 +41,7 @@ class Grid:
     comm_sizes: tuple[int, ...]                     # bytes
     launch: bool = True
     host: bool = True                               # host overheads (profiler_host)
+    host_rounds: int = 3                            # their median over this many rounds
     budget_s: float = 0.25                          # timed seconds per point (Timer)
 
     def tasks(self, device: torch.device) -> list[Task]:
@@ -121,7 +122,8 @@ def gpu_grid(quick: bool) -> Grid:
                     pointwise=((2**24, "bf16"), (2**28, "bf16")),
                     rows=((8192, 4096, "bf16"),), embedding=((8192, 128256, 4096, "bf16"),),
                     cross_entropy=((8192, 128256, "bf16"),),
-                    comm_sizes=tuple(2**k for k in range(16, 31, 4)), budget_s=0.1)
+                    comm_sizes=tuple(2**k for k in range(16, 31, 4)), budget_s=0.1,
+                    host_rounds=1)
     gemm = (squares((256, 512, 1024, 2048, 4096, 8192, 16384), ("bf16", "fp16"))
             + squares((256, 1024, 4096, 8192), ("fp32", "tf32"))
             + skinny((1, 16, 64, 256), (4096, 8192), ("bf16", "fp16", "fp32"))

@@ -67,7 +67,8 @@ def test_fit_table_applies_ring_factor():
 
 def test_tiny_cpu_run_writes_profile(tmp_path: Path, one_thread):
     out = tmp_path / "cpu.profile.json"
-    doc = run_profile(out, grid=replace(TINY, host=True), device=torch.device("cpu"))
+    doc = run_profile(out, grid=replace(TINY, host=True, host_rounds=1),
+                      device=torch.device("cpu"))
     assert doc is not None and out.exists() and not partial_path(out).exists()
     text = out.read_text()
     assert socket.gethostname() not in text
@@ -159,3 +160,13 @@ def test_collectives_on_two_gloo_ranks(tmp_path: Path):
     assert set(fits) == {f"{op}/2" for op in ("all_reduce", "all_gather", "reduce_scatter",
                                              "all_to_all", "send_recv")}
     assert all(f["beta_bytes_per_s"] > 0 for f in fits.values())
+
+
+def test_host_figures_are_the_median_of_their_rounds(monkeypatch) -> None:
+    """``measure_host`` keeps each figure's median over its rounds."""
+    from autopar.cost_models import profiler_host
+
+    rounds = iter([{"a": 1.0, "b": 9.0}, {"a": 5.0, "b": 7.0}, {"a": 2.0, "b": 8.0}])
+    monkeypatch.setattr(profiler_host, "host_overhead", lambda *a, **k: next(rounds))
+    got = profiler_host.measure_host(torch.device("cpu"), rounds=3)
+    assert got == {"a": 2.0, "b": 8.0}
