@@ -295,11 +295,8 @@ class _Builder:
         """Seconds to redistribute a tensor of ``nbytes`` (whole) from src to dst: each
         collective's time, plus, where the host is the device (a CPU profile), what
         DTensor's redistribution adds to a collective of its kind
-        (``host_overhead_s["redistribute_<kind>"]``, measured on the processes' mesh:
-        :func:`autopar.cost_models.profiler_host.redistribute_overhead`; an all-to-all
-        counts as an all-gather, which gloo runs in its place)."""
-        hw = self.st.hw
-        over = {} if hw.host_runs_ahead else hw.host_overhead_s
+        (:meth:`_redistribute_overhead`, measured on the processes' mesh:
+        :func:`autopar.cost_models.profiler_host.redistribute_overhead`)."""
         t = 0.0
         for a, (s, d) in enumerate(zip(src, dst)):
             if s == d:
@@ -321,9 +318,19 @@ class _Builder:
                 return INF
             else:
                 continue  # a local slice or a partial view: no collective
-            dt = "all_gather" if kind == "all_to_all" else kind
-            t += collective_time(kind, size, n, link) + over.get(f"redistribute_{dt}", 0.0)
+            t += collective_time(kind, size, n, link) + self._redistribute_overhead(kind)
         return t
+
+    def _redistribute_overhead(self, kind: str) -> float:
+        """Seconds DTensor adds to a redistribution running one collective of ``kind``
+        where the host is the device (CPU profiles; 0 on a GPU, where the host runs
+        ahead, or without the figure). An all-to-all counts as an all-gather, which gloo
+        runs in its place."""
+        hw = self.st.hw
+        if hw.host_runs_ahead:
+            return 0.0
+        dt = "all_gather" if kind == "all_to_all" else kind
+        return hw.host_overhead_s.get(f"redistribute_{dt}", 0.0)
 
     def convert_both(self, src: Placements, dst: Placements, grad_src: Placements,
                      nbytes: float, needs_grad: bool) -> float:
@@ -529,9 +536,9 @@ class _Builder:
         st, n, link = self.st, self.mesh.sizes[axis], self.links[axis]
         if fsdp_lays_out(st.precision, self.dp, st.offload):
             return bucketed_time("all_reduce", grad_bytes, n, link)
-        over = 0.0 if st.hw.host_runs_ahead else \
-            st.hw.host_overhead_s.get("redistribute_all_reduce", 0.0)
-        return (collective_time("all_reduce", grad_bytes, n, link) + over) / st.num_microbatches
+        one = collective_time("all_reduce", grad_bytes, n, link) + \
+            self._redistribute_overhead("all_reduce")
+        return one / st.num_microbatches
 
     def _param_costs(self, n: OpNode, ins, grads) -> tuple[float, float, float, float]:
         """(per-micro-batch dp comm, per-step dp comm, tp gradient comm, gathered bytes)."""
