@@ -36,3 +36,22 @@ def test_repriced_problem_equals_fresh_build(analysis, zero, micro, offload, opt
     assert repriced.problem == fresh.problem
     assert repriced.strategies == fresh.strategies
     assert repriced.names == fresh.names
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_repriced_partial_gradients_follow_the_micro_batch_count(analysis, micro):
+    """Without FSDP2 (fp32, dp = 1) a gradient partial over tp is reduced once per step,
+    priced per micro-batch as its share of the step: a problem repriced for another
+    micro-batch count equals a fresh build (recomputation groups included, which re-run
+    the output's conversion but not that reduction)."""
+    hw = Cluster("cpu", 1, 2).hardware()
+
+    def settings(m: int) -> Settings:
+        return Settings(Mesh(("dp", "tp"), (1, 2)), 2, m, 0, "fp32", "adamw", 5e9, hw, 2,
+                        sequence_parallel=True)
+
+    cache: dict = {}
+    build_problem(analysis, settings(3), cache)  # fills the cache
+    repriced = build_problem(analysis, settings(micro), cache)
+    fresh = build_problem(analysis, settings(micro))
+    assert repriced.problem == fresh.problem

@@ -368,14 +368,9 @@ class _Builder:
         host_f, host_b = self._op_host(n, ins)
         if not self.st.hw.host_runs_ahead:  # on a CPU the host is the device
             fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0
-        comm = 0.0
-        if out != raw:
-            grad_out = out
-            comm += self.convert_both(raw, out, grad_out, self.nbytes(self.meta(n.name)),
-                                      n.requires_grad)
         memory = self._memory(n, rule, ins, out)
         micro_pc, step_pc, tp_pc, gather = self._param_costs(n, ins, grads)
-        comm += tp_pc
+        comm = self._output_comm(n, raw, out) + tp_pc
         name = f"{layout_name(out, len(rule.out))} = " + " x ".join(
             layout_name(p, len(labs) if labs else 0) for p, labs in zip(ins, rule.ins))
         if out != raw:
@@ -389,6 +384,15 @@ class _Builder:
                           param_copy_bwd_s=copy_b, host_s=host_f + host_b, host_bwd_s=host_b,
                           param_host_s=ph, param_host_bwd_s=ph_bwd, host_step_s=h_step)
         return ns, sc
+
+    def _output_comm(self, n: OpNode, raw: Placements, out: Placements) -> float:
+        """Seconds per micro-batch to convert op ``n``'s output from the placement its
+        rule produces (``raw``) to the one it hands on (``out``), forward and, when
+        gradients flow, backward."""
+        if out == raw:
+            return 0.0
+        return self.convert_both(raw, out, out, self.nbytes(self.meta(n.name)),
+                                 n.requires_grad)
 
     def _op_host(self, n: OpNode, ins) -> tuple[float, float]:
         """(forward, backward) host seconds of op ``n`` under input placements ``ins``:
@@ -630,7 +634,9 @@ def _reprice(b: _Builder, base: Built) -> Built:
     """``base`` (built under the same :func:`layout_key`) with the terms that depend on
     the ZeRO stage, micro-batch count, offload and optimizer priced for ``b.st``:
     each strategy's parameter, gradient and optimizer memory, its parameter
-    communication and its host-side optimizer step."""
+    communication (the reduction of its partial gradients over tp included: once per
+    step without FSDP2, so its share of a micro-batch follows the count) and its
+    optimizer step."""
     nodes, details = [], []
     owner = b.an.param_owner
     for nc, ds, name in zip(base.problem.nodes, base.strategies, base.names):
@@ -644,12 +650,13 @@ def _reprice(b: _Builder, base: Built) -> Built:
         costs, strategies = [], []
         for sc, ns in zip(nc.strategies, ds):
             mem = b._memory(n, rule, ns.ins, ns.out, ns.memory.get("activations", 0.0))
-            micro, step, _, gather = b._param_costs(n, ns.ins, ns.grads)
+            micro, step, tp, gather = b._param_costs(n, ns.ins, ns.grads)
             copy_f, copy_b = b._param_copies(n, ns.ins)
             ph, ph_bwd, h_step = b._param_host(n, ns.ins)
             strategies.append(replace(ns, memory=mem))
             costs.append(replace(
-                sc, micro_param_comm_s=micro, step_param_comm_s=step,
+                sc, comm_s=b._output_comm(n, ns.raw_out, ns.out) + tp,
+                micro_param_comm_s=micro, step_param_comm_s=step,
                 memory_bytes=sum(mem.values()), gather_bytes=gather,
                 optimizer_s=b._optimizer_step(n, ns.ins),
                 param_copy_s=copy_f + copy_b, param_copy_bwd_s=copy_b,

@@ -88,14 +88,18 @@ def _kept(b: "_Builder", name: str, ns: "NodeStrategy", mode: str,
     return kept
 
 
-def _extra(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> float:
-    """Forward seconds re-run in backward under ``mode`` (module docstring)."""
+def _extra(b: "_Builder", name: str, ns: "NodeStrategy", sc: StrategyCost,
+           mode: str) -> float:
+    """Forward seconds re-run in backward under ``mode`` (module docstring): the op's
+    forward and the forward half of its output's conversion (not the reduction of its
+    parameters' gradients, which ``sc.comm_s`` also holds)."""
     if mode == "none":
         return 0.0
+    n = b.g.node(name)
     fwd = sc.compute_s - sc.bwd_compute_s
-    if mode == "selective" and op_name(b.g.node(name).target) in SELECTIVE_SAVE_OPS:
+    if mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS:
         fwd = 0.0
-    return fwd + sc.comm_s / 2
+    return fwd + b._output_comm(n, ns.raw_out, ns.out) / 2
 
 
 def _host(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> tuple[float, float]:
@@ -129,7 +133,7 @@ def recompute_groups(b: "_Builder", index: dict[str, int], details: list[list["N
             for ns, sc in zip(details[k], costs[k]):
                 base = _kept(b, name, ns, "none", inputs)
                 kept = [_kept(b, name, ns, m, inputs) for m in RECOMPUTE]
-                ex_k.append([_extra(b, name, sc, m) for m in RECOMPUTE])
+                ex_k.append([_extra(b, name, ns, sc, m) for m in RECOMPUTE])
                 de_k.append([x - base for x in kept])
                 tr_k.append([base - x for x in kept])
                 hosts = [_host(b, name, sc, m) if host else (0.0, 0.0) for m in RECOMPUTE]
