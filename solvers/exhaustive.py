@@ -41,17 +41,16 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from autopar.cost_models.comm import collective_time
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.solvers.ilp import Solution
 from autopar.solvers.interop import after_backward, stage_in_flight
-from autopar.solvers.pipeline_search import (boundary_bytes, loss_input_bytes, pp_link,
-                                             rank_host_time, shared_cores_time, tied_sync)
+from autopar.solvers.pipeline_search import (boundary_p2p, rank_host_time, rank_transients,
+                                             shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
 from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
 from autopar.solvers.search import Candidate, candidate_settings, offload_candidates
-from autopar.solvers.units import Unit, backward_transients, unit_costs, unit_of_nodes
+from autopar.solvers.units import Unit, unit_costs, unit_of_nodes
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, build_problem
 
@@ -146,13 +145,10 @@ class _Assigned:
 def _assigned(g: Graph, built: Built, choice: list[int], modes: list[int], *, pp: int,
               schedule: str, virtual_stages: int) -> _Assigned:
     """Units, stage-to-stage transfer time and per-rank transients of one assignment."""
-    units = unit_costs(g, built, choice, modes, tied_sync(built, pp))
-    p2p = collective_time("send_recv", boundary_bytes(g, built, choice), 2, pp_link(built, pp))
-    start, redo = backward_transients(built.problem, choice, modes)
-    last = stage_ranks(schedule, pp, virtual_stages)[-1]
-    loss = loss_input_bytes(g, built, choice)
-    extra = [redo + (start + loss if r == last else 0.0) for r in range(pp)]
-    return _Assigned(units, p2p, extra)
+    return _Assigned(unit_costs(g, built, choice, modes, tied_sync(built, pp)),
+                     boundary_p2p(g, built, choice, pp),
+                     rank_transients(g, built, choice, modes, pp=pp, schedule=schedule,
+                                     virtual_stages=virtual_stages))
 
 
 @dataclass(frozen=True)

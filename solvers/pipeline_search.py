@@ -47,7 +47,7 @@ overlapped gradient reduction), so the split weighs it with the schedule:
 
 (then the rank's optimizer step, which nothing hides); on a GPU profile no rank
 finishes before its host has issued its stages' work, ``host_r`` seconds per step (the
-units' host seconds: :func:`rank_host_time`). The intra-op ILP sees the host seconds by
+units' host seconds: :attr:`~autopar.solvers.interop.StageSplit.host_s`). The intra-op ILP sees the host seconds by
 their total over the ranks (:func:`pipeline_problem`), the split by each rank's.
 
 Three things the flat ILP objective cannot see are settled for the winning candidate
@@ -83,7 +83,7 @@ class PipelineOutcome:
     the slowest rank's last backward: its unhidden gradient synchronization, then its
     optimizer step (:func:`autopar.solvers.interop.after_backward`).
     ``exposed_host_s``: what the busiest rank's host time adds to the schedule's
-    (:func:`rank_host_time`)."""
+    (:attr:`~autopar.solvers.interop.StageSplit.host_s`)."""
 
     solution: Solution
     units: list[Unit]
@@ -101,7 +101,9 @@ def rank_host_time(units: list[Unit], bounds: list[tuple[int, int]], ranks: list
                    pp: int, num_microbatches: int) -> float:
     """The busiest pipeline rank's host seconds per step (GPU profiles: each rank's host
     issues its own stages' ops, n micro-batches of them, and its optimizer step). The
-    step takes at least this long; the schedule's device time is the other bound."""
+    step takes at least this long; the schedule's device time is the other bound. The
+    search reads it from the split (``StageSplit.host_s``); this sum over the units is
+    the brute-force reference's (:mod:`autopar.solvers.exhaustive`)."""
     host = [0.0] * pp
     for (a, b), r in zip(bounds, ranks):
         host[r] += sum(num_microbatches * u.host_s + u.host_step_s for u in units[a:b])
@@ -292,6 +294,22 @@ def pp_link(built: Built, pp: int) -> LinkSpec:
     return group_link(full.sizes, 0, st.gpus_per_node, st.hw)
 
 
+def boundary_p2p(g: Graph, built: Built, choice: list[int], pp: int) -> float:
+    """Seconds of one stage-to-stage transfer of the block output under ``choice``
+    (:func:`boundary_bytes` over the pp link)."""
+    return collective_time("send_recv", boundary_bytes(g, built, choice), 2, pp_link(built, pp))
+
+
+def rank_transients(g: Graph, built: Built, choice: list[int], modes: list[int], *, pp: int,
+                    schedule: str, virtual_stages: int) -> list[float]:
+    """``extra_r`` of the module docstring per rank: the block being recomputed, and on
+    the last stage's rank the loss gradient and the logits as well."""
+    start, redo = backward_transients(built.problem, choice, modes)
+    last = stage_ranks(schedule, pp, virtual_stages)[-1]
+    loss = loss_input_bytes(g, built, choice)
+    return [redo + (start + loss if r == last else 0.0) for r in range(pp)]
+
+
 def tied_sync(built: Built, pp: int) -> Callable[[float], float]:
     """Seconds to sum a tied parameter's gradient copies of ``nbytes`` over the pipeline
     ranks holding them: one all-reduce of two ranks over the pp link (the owner's stage
@@ -386,16 +404,13 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
     if m * sum(u.forward_s + u.backward_s for u in units) / pp >= bound:
         return None
     shared = st.hw.oversubscription
-    p2p = collective_time("send_recv", boundary_bytes(g, built, sol.choice), 2,
-                          pp_link(built, pp))
+    p2p = boundary_p2p(g, built, sol.choice, pp)
     costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
                       u.activation_bytes, u.static_bytes, u.step_comm_s, u.optimizer_s,
                       m * u.host_s + u.host_step_s)
              for u in units]
-    start, redo = backward_transients(built.problem, sol.choice, sol.modes)
-    last = stage_ranks(schedule, pp, virtual_stages)[-1]
-    extra = [redo + (start + loss_input_bytes(g, built, sol.choice) if r == last else 0.0)
-             for r in range(pp)]
+    extra = rank_transients(g, built, sol.choice, sol.modes, pp=pp, schedule=schedule,
+                            virtual_stages=virtual_stages)
     timelines = {} if timelines is None else timelines
     key = (schedule, pp, m, virtual_stages)
     split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
