@@ -55,7 +55,7 @@ import torch.multiprocessing as mp
 
 from autopar.cost_models.comm import fit_alpha_beta
 from autopar.cost_models.profiler_host import (HOST_KEYS, REDISTRIBUTE_KEYS, host_overhead,
-                                               median_time, redistribute_overhead)
+                                               median_of, median_time, redistribute_overhead)
 
 SIZES = [2**k for k in (12, 16, 18, 20, 22)]
 """Bytes of the collective buffers (the full tensor: reduced, gathered or scattered)."""
@@ -216,17 +216,6 @@ def measure_processes(world: int) -> dict[str, Any]:
         out["collectives"] = got[0]["collectives"]
         out["comm_overlap"] = statistics.median(got[r]["comm_overlap"] for r in got)
     return out
-
-
-def median_of(runs: list[Any]) -> Any:
-    """The element-wise median of repeated measurements of one shape (numbers, lists and
-    dicts of them, nested): each figure is the median of its repetitions."""
-    first = runs[0]
-    if isinstance(first, dict):
-        return {k: median_of([r[k] for r in runs]) for k in first}
-    if isinstance(first, list):
-        return [median_of(list(col)) for col in zip(*runs)]
-    return statistics.median(runs)
 
 
 def measure_repeated(counts: tuple[int, ...], repeats: int) -> dict[int, dict[str, Any]]:

@@ -56,6 +56,17 @@ def median_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int = 7,
     return statistics.median(times)
 
 
+def median_of(runs: list[Any]) -> Any:
+    """The element-wise median of repeated measurements of one shape (numbers, lists and
+    dicts of them, nested): each figure is the median of its repetitions."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in runs]) for k in first}
+    if isinstance(first, list):
+        return [median_of(list(col)) for col in zip(*runs)]
+    return statistics.median(runs)
+
+
 def _fwd_and_step(module: nn.Module, x: torch.Tensor,
                   sync: Callable[[], None]) -> tuple[float, float]:
     """(forward, forward + backward) seconds of one call of ``module`` on ``x``."""
@@ -196,8 +207,8 @@ def measure_host(device: torch.device, rounds: int = 1) -> dict[str, float]:
                                 rank=0, world_size=1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     try:
-        runs = [host_overhead(device.type, sync, dispatch=True) for _ in range(max(1, rounds))]
-        return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        return median_of([host_overhead(device.type, sync, dispatch=True)
+                          for _ in range(max(1, rounds))])
     finally:
         if own:
             dist.destroy_process_group()
