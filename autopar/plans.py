@@ -269,6 +269,15 @@ class Plan:
         return plan_summary(self)
 
 
+def fsdp_unit(blocks: list[str], fqn: str) -> str:
+    """The ``fully_shard`` unit that owns parameter ``fqn``: the block containing it,
+    or ``""`` (the root)."""
+    for block in blocks:
+        if fqn.startswith(block + "."):
+            return block
+    return ""
+
+
 def _check_plan(plan: Plan) -> None:
     """Validate the types and consistency of a parsed plan."""
     from autopar.sharding import check_placement

@@ -26,8 +26,10 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"
 
 BUCKET_BYTES = 25 * 2**20
 """Gradient bucket size: DistributedDataParallel's default ``bucket_cap_mb=25`` (PyTorch
-docs). Parameter collectives are issued per bucket (DDP) or per block (FSDP2, whose
-blocks hold tens of MiB in the models planned), not per tensor."""
+docs), the default of :func:`bucketed_time`. Parameter collectives are issued per bucket
+(DDP) or per ``fully_shard`` unit (FSDP2: one collective per unit and kind), not per
+tensor; the planner prices FSDP2's with the unit as the bucket
+(:func:`autopar.strategies.build.unit_bucket`)."""
 
 
 def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:

@@ -49,22 +49,13 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     fully_shard)
 
 from autopar.errors import LoweringError
-from autopar.plans import Plan
+from autopar.plans import Plan, fsdp_unit
 
 __all__ = ["PRECISION_DTYPES", "fsdp_unit", "check_tied_units", "mixed_precision_policy",
            "offload_policy", "apply_data_parallel"]
 
 PRECISION_DTYPES = MappingProxyType(
     {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
-
-
-def fsdp_unit(blocks: list[str], fqn: str) -> str:
-    """The ``fully_shard`` unit that owns parameter ``fqn``: the block containing it,
-    or ``""`` (the root)."""
-    for block in blocks:
-        if fqn.startswith(block + "."):
-            return block
-    return ""
 
 
 def check_tied_units(plan: Plan, groups: list[list[str]]) -> None:

@@ -46,7 +46,8 @@ from autopar.cost_models.memory import (activation_bytes_per_element, fsdp_lays_
 from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.errors import NoFeasiblePlanError
-from autopar.graph import OpNode, TensorMeta
+from autopar.graph import Graph, OpNode, TensorMeta
+from autopar.plans import fsdp_unit
 from autopar.sharding import Mesh, layout_name, shard_count
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
 from autopar.strategies.analysis import GraphAnalysis
@@ -130,6 +131,7 @@ class _Builder:
                                   st.offload)
         self.dtype = st.precision
         self._metas: dict[str, TensorMeta | None] = {}
+        self.unit_share = unit_shares(self.g)
         self.saved_owner = saved_owner if saved_owner is not None else self._saved_owner()
 
     # ---- shapes ---------------------------------------------------------------
@@ -530,16 +532,18 @@ class _Builder:
             fwd, bwd = fwd + f, bwd + b
         return fwd, bwd
 
-    def _partial_grad_time(self, grad_bytes: float, axis: int) -> float:
+    def _partial_grad_time(self, grad_bytes: float, axis: int, share: float) -> float:
         """Seconds per micro-batch to all-reduce one parameter's gradient that comes out
         partial over mesh axis ``axis`` (a replicated parameter used on shards). Where
-        FSDP2 lays the parameters out it reduces them with the other gradients, bucketed;
+        FSDP2 lays the parameters out it reduces them with the other gradients of its
+        unit, of which the parameter holds ``share`` (:func:`unit_bucket`);
         without it the runtime redistributes each such gradient on its own once per step
         (``reduce_partial_gradients``): one all-reduce and one DTensor redistribution
         per parameter, spread here over the step's micro-batches."""
         st, n, link = self.st, self.mesh.sizes[axis], self.links[axis]
         if fsdp_lays_out(st.precision, self.dp, st.offload):
-            return bucketed_time("all_reduce", grad_bytes, n, link)
+            return bucketed_time("all_reduce", grad_bytes, n, link,
+                                 unit_bucket(grad_bytes, share))
         one = collective_time("all_reduce", grad_bytes, n, link) + \
             self._redistribute_overhead("all_reduce")
         return one / st.num_microbatches
@@ -556,25 +560,27 @@ class _Builder:
             if info is not None and not info.trainable:
                 continue
             local = node.out.numel / _degree(ins[pos], self.mesh)
+            share = self.unit_share.get(node.target, 1.0)
             for a in self._free_axes():
                 if grads[pos][a] == "P":
-                    tp += self._partial_grad_time(local * 4.0, a)
+                    tp += self._partial_grad_time(local * 4.0, a, share)
             if dpa is None or self.mesh.sizes[dpa] == 1:
                 continue
             dpn, link = self.mesh.sizes[dpa], self.links[dpa]
             grad_bytes = local * 4.0  # gradients are reduced in fp32 (MixedPrecisionPolicy)
             w = local * self.pbytes.gathered if self.pbytes.gathered else local * 4.0
+            wb, gb = unit_bucket(w, share), unit_bucket(grad_bytes, share)
             if self.st.zero == 3:
-                micro += 2 * bucketed_time("all_gather", w, dpn, link)
-                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link)
+                micro += 2 * bucketed_time("all_gather", w, dpn, link, wb)
+                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link, gb)
                 gather += w
                 if self.st.offload:
                     micro += offload_transfer_time(local / dpn, self.st.hw)
             elif self.st.zero in (1, 2):
-                micro += bucketed_time("all_gather", w, dpn, link)
-                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link)
+                micro += bucketed_time("all_gather", w, dpn, link, wb)
+                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link, gb)
             else:
-                step += bucketed_time("all_reduce", grad_bytes, dpn, link)
+                step += bucketed_time("all_reduce", grad_bytes, dpn, link, gb)
         return micro, step, tp, gather
 
     def _saved_owner(self) -> dict[tuple[str, int], str]:
@@ -589,6 +595,27 @@ class _Builder:
                 if key is not None:
                     owner.setdefault(key, n.name)
         return owner
+
+
+def unit_shares(g: Graph) -> dict[str, float]:
+    """Each trainable parameter's share of the elements of its ``fully_shard`` unit
+    (its repeated block, or the root: every parameter outside the blocks; a tied
+    parameter counted once). FSDP2 issues one collective per unit and kind, so the
+    unit is the bucket a parameter's collectives share (:func:`unit_bucket`)."""
+    blocks = [lay.path for lay in g.layers]
+    unit = {name: fsdp_unit(blocks, name) for name, p in g.params.items() if p.trainable}
+    size: dict[str, float] = {}
+    for name, u in unit.items():
+        size[u] = size.get(u, 0.0) + g.params[name].meta.numel
+    return {name: g.params[name].meta.numel / size[u] if size[u] else 1.0
+            for name, u in unit.items()}
+
+
+def unit_bucket(nbytes: float, share: float) -> float:
+    """The bytes of the bucket (the ``fully_shard`` unit) a parameter of ``nbytes``
+    holding ``share`` of its unit falls in (:func:`~autopar.cost_models.comm.bucketed_time`
+    then charges it ``share`` of one collective's latency)."""
+    return nbytes / share if share > 0 else nbytes
 
 
 def _degree(pl: Placements, mesh: Mesh) -> int:
@@ -756,7 +783,14 @@ def _edges(b: _Builder, counts: dict[tuple[int, int, int], int], details,
                 if any(out[a] != need[a] for a in fixed):
                     continue
                 if all(out[a] == need[a] for a in free + fixed):
-                    pairs.append((ii, jj, 0.0))
+                    # no forward collective, but a gradient that comes back partial over
+                    # a tensor-parallel axis (a column-wise Linear's replicated input) is
+                    # all-reduced at the module boundary; partial over data parallelism,
+                    # it is a parameter's, reduced with the parameter gradients
+                    back = tuple(grad[a] if a in free else "R" if p == "P" else p
+                                 for a, p in enumerate(out))
+                    pairs.append((ii, jj, b.convert_both(out, need, back, nbytes,
+                                                         un.requires_grad)))
                 elif module_consumer:
                     c = b.convert_both(out, need, grad, nbytes, un.requires_grad)
                     if c != INF:

@@ -1,0 +1,82 @@
+"""What the planner charges for the collectives a lowered plan runs: the all-reduce of a
+column-wise Linear's input gradient, and FSDP2's one collective per unit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.capture import capture
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.hardware import load_profile
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.sharding import Mesh
+from autopar.strategies.analysis import analyze
+from autopar.strategies.build import Settings, build_problem, unit_shares
+
+
+def _gpt_graph(n_layers: int = 2):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=256, n_layers=n_layers,
+                              n_heads=4))
+    return capture(model, (torch.randint(0, 512, (8, 64), device="meta"),))
+
+
+def _built(mesh: tuple[int, int], zero: int = 0, n_layers: int = 2):
+    st = Settings(Mesh(("dp", "tp"), mesh), 8 // mesh[0], 1, zero, "fp32", "adamw", 1e12,
+                  load_profile("h100-sxm"), 8)
+    return build_problem(analyze(_gpt_graph(n_layers)), st)
+
+
+def _edge(built, u: str, v: str):
+    iu, iv = built.names.index(u), built.names.index(v)
+    return next(e for e in built.problem.edges if (e.u, e.v) == (iu, iv))
+
+
+def test_a_column_wise_linears_replicated_input_gets_its_gradient_all_reduced() -> None:
+    """No forward collective feeds a column-wise Linear its replicated input, but the
+    input's gradient comes back partial over tp and DTensor all-reduces it at the module
+    boundary, once per consuming Linear (the backward half of Megatron's f/g pair)."""
+    built = _built((1, 2))
+    e = _edge(built, "layer_norm", "linear")  # ln1 -> the attention's q projection
+    link = load_profile("h100-sxm").intra_node
+    nbytes = 8 * 64 * 256 * 4.0
+    seen = set()
+    for (i, j), cost in e.cost.items():
+        out = built.strategies[e.u][i].out
+        need, grad = built.strategies[e.v][j].ins[0], built.strategies[e.v][j].grads[0]
+        if out == need == ("R", "R"):
+            expect = collective_time("all_reduce", nbytes, 2, link) if grad[1] == "P" else 0.0
+            assert cost == pytest.approx(expect, rel=1e-12), (out, need, grad)
+            seen.add(grad[1])
+    assert seen == {"P", "R"}  # both the sharded and the replicated weight were priced
+
+
+def test_a_gradient_partial_over_data_parallelism_is_not_an_activation_collective() -> None:
+    """The position embedding's output is the same on every dp rank and meets
+    batch-sharded activations: its gradient is partial over dp, and FSDP2 reduces it
+    with the parameter gradients, so the edge itself costs nothing."""
+    built = _built((2, 1))
+    e = _edge(built, "embedding_1", "add")
+    assert e.cost and all(c == 0.0 for c in e.cost.values())
+
+
+def test_fsdp_collectives_cost_one_latency_per_unit() -> None:
+    """FSDP2 issues one gradient all-reduce per ``fully_shard`` unit (each block, and
+    the root for the rest): the parameters' charges add up to exactly one collective of
+    each unit's bytes."""
+    n_layers = 2
+    g = _gpt_graph(n_layers)
+    shares = unit_shares(g)
+    for unit in ("blocks.0.", "blocks.1."):
+        assert sum(v for k, v in shares.items() if k.startswith(unit)) == pytest.approx(1.0)
+    assert sum(v for k, v in shares.items() if not k.startswith("blocks.")) == pytest.approx(1.0)
+    built = _built((2, 1), n_layers=n_layers)
+    charged = sum(n.multiplicity * min(s.step_param_comm_s for s in n.strategies)
+                  for n in built.problem.nodes)
+    link = load_profile("h100-sxm").intra_node
+    block = sum(p.meta.numel for k, p in g.params.items() if k.startswith("blocks.0."))
+    root = sum(p.meta.numel for k, p in g.params.items() if not k.startswith("blocks."))
+    expect = n_layers * collective_time("all_reduce", 4.0 * block, 2, link) + \
+        collective_time("all_reduce", 4.0 * root, 2, link)
+    assert charged == pytest.approx(expect, rel=1e-9)
