@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autopar.cluster import Cluster
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, LoweringError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -121,6 +121,24 @@ def _check_pipeline_space(space: dict, num_blocks: int) -> None:
                           f"them); choose pp <= {num_blocks + 2}")
 
 
+def _untraceable_for_pipelining(model, graph, space: dict) -> str | None:
+    """Why pipeline parallelism is left out of a search that may choose it, or None:
+    the pipelined runtime cuts the model by tracing its forward with torch.fx, each
+    block one call (:func:`autopar.runtime.pipeline_split.trace_units`); a forward fx
+    cannot trace (data-dependent control flow outside the blocks, as in Hugging Face
+    models) could be planned but not run. A pp the caller gave is left to the runtime,
+    which says the same when it lowers."""
+    if space.get("pp") is not None or not graph.layers:
+        return None
+    from autopar.runtime.pipeline_split import trace_units
+
+    try:
+        trace_units(model, [lay.path for lay in graph.layers])
+    except LoweringError as e:
+        return f"pipeline parallelism left out of the search: {e}"
+    return None
+
+
 def _recompute_modes(value) -> tuple[str, ...] | None:
     """A forced recomputation mode (one of RECOMPUTE) as the tuple the search takes."""
     from autopar.plans import RECOMPUTE
@@ -168,7 +186,9 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     _check_heads(graph, tp or 1)
     an = analyze(graph)
     _check_pipeline_space(space, len(graph.layers))
-    cands = candidates(world, gb, dp=space.get("dp"), tp=tp, pp=space.get("pp"),
+    pp_note = _untraceable_for_pipelining(model, graph, space)
+    cands = candidates(world, gb, dp=space.get("dp"), tp=tp,
+                       pp=1 if pp_note else space.get("pp"),
                        microbatch_size=space.get("microbatch_size"), zero=space.get("zero"),
                        schedule=space.get("schedule"),
                        virtual_stages=space.get("virtual_stages"),
@@ -201,6 +221,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     plan.runners_up = [runner_up(plan, make(r.built, r.solution, r.candidate, r.pipeline))
                        for r in res.runners_up]
     plan.solver["memory_budget_bytes"] = budget
+    if pp_note:
+        plan.notes.append(pp_note)
     if "gap" in plan.solver:
         plan.notes.append(f"the search stopped at its time limit of {space['time_limit_s']} s; "
                           f"no plan it did not try can be more than "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.cli import main
@@ -59,3 +60,35 @@ def test_cli_top_lists_runners_up(capsys):
     out = capsys.readouterr().out
     assert "runners-up (why each is slower than the plan)" in out
     assert out.count("ZeRO-") >= 2
+
+
+class _LengthChecked(torch.nn.Module):
+    """The tiny GPT behind a forward that checks its input's length in Python, as
+    Hugging Face models do: torch.export captures it, torch.fx cannot trace it."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > 4096:
+            raise ValueError("sequence too long")
+        return self.inner(idx)
+
+
+def test_a_forward_fx_cannot_trace_is_planned_without_pipelining(gpt):
+    """The pipelined runtime cuts a model by tracing its forward with torch.fx; where
+    that fails, a free search leaves pipelining out and says why, instead of returning
+    a plan the runtime cannot run. A pp the caller asks for is left to the runtime."""
+    model, x = gpt
+    plain = autopar.plan(model, x, cluster=CLUSTER, global_batch=16, top_k=10_000)
+    assert not any("pipeline parallelism left out" in n for n in plain.notes)
+    assert any(r["mesh"].get("pp", 1) > 1 for r in plain.runners_up)
+    checked = autopar.plan(_LengthChecked(model), x, cluster=CLUSTER, global_batch=16,
+                           top_k=10_000)
+    assert checked.mesh.get("pp", 1) == 1
+    assert all(r["mesh"].get("pp", 1) == 1 for r in checked.runners_up)
+    note = next(n for n in checked.notes if "pipeline parallelism left out" in n)
+    assert "could not trace _LengthChecked.forward with torch.fx" in note
+    forced = autopar.plan(_LengthChecked(model), x, cluster=CLUSTER, global_batch=16, pp=2)
+    assert forced.mesh["pp"] == 2
