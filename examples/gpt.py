@@ -85,8 +85,14 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
-        with torch.no_grad():  # GPT-2's embedding init (std 0.02); N(0, 1) of a tied
-            self.tok_emb.weight.normal_(0.0, 0.02)  # head would give huge first logits
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's embedding initialization (std 0.02) over nn.Embedding's N(0, 1), which
+        through a tied head would give huge first logits. A meta model laid out by
+        autopar runs it after its submodules' own (:mod:`autopar.runtime.materialize`)."""
+        with torch.no_grad():
+            self.tok_emb.weight.normal_(0.0, 0.02)
             self.pos_emb.weight.normal_(0.0, 0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

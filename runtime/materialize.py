@@ -3,10 +3,14 @@ allocates only its own shards.
 
 The tensor- and data-parallel passes run on the meta model (they only record
 placements); then ``to_empty(device=...)`` allocates every parameter's local shard,
-and each submodule's ``reset_parameters()`` initializes it. A meta model therefore
-gets a fresh initialization, not the weights of any earlier instance. A parameter
-shared by several modules (tied embeddings) is initialized once, by its first owner,
-as when a model ties its weights after construction.
+and each module's ``reset_parameters()`` initializes it, children before parents, so
+that a model's own ``reset_parameters()`` (GPT's std-0.02 embeddings in
+:mod:`autopar.examples.gpt`) has the last word over its submodules' defaults. A meta
+model therefore gets a fresh initialization, not the weights of any earlier instance;
+an initialization written only in a constructor is not replayed, so put it in
+``reset_parameters()``. A parameter shared by several modules (tied embeddings) is
+initialized by its first owner in module order, as when a model ties its weights after
+construction.
 
 On CPU meshes DTensor random initialization runs on each rank's local generator, so
 seed every rank alike (``torch.manual_seed``) before ``apply_plan`` to get identical
@@ -20,7 +24,8 @@ from torch import nn
 
 from autopar.errors import LoweringError
 
-__all__ = ["is_meta_model", "check_materializable", "materialize", "materialize_stage"]
+__all__ = ["is_meta_model", "check_materializable", "tied_aliases", "materialize",
+           "materialize_stage"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -49,21 +54,42 @@ def check_materializable(model: nn.Module) -> None:
                                 "one, or build the model on a real device before apply_plan")
 
 
+def tied_aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, name, first module, its name) for every parameter slot that holds a
+    parameter an earlier slot (in module order) holds too."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    out = []
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                out.append((m, name) + first[id(p)])
+            else:
+                first[id(p)] = (m, name)
+    return out
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate the local shards of a laid-out meta model on ``device`` and initialize
-    them with each submodule's ``reset_parameters()``."""
+    them with each module's ``reset_parameters()``, children before parents (module
+    docstring). Tied parameters stay tied (``to_empty`` alone would give each module its
+    own copy where no wrapper keeps them as one)."""
+    ties = tied_aliases(model)
     model.to_empty(device=device)
-    done: set[int] = set()
+    for module, name, first, first_name in ties:
+        module._parameters[name] = first._parameters[first_name]
+    modules = list(model.modules())
+    owner: dict[int, nn.Module] = {}
+    for m in modules:
+        for p in m.parameters(recurse=False):
+            owner.setdefault(id(p), m)
     with torch.no_grad():
-        for m in model.modules():
+        for m in reversed(modules):  # every module after all of its descendants
             reset = getattr(m, "reset_parameters", None)
-            if not callable(reset):
-                continue
             own = [id(p) for p in m.parameters(recurse=False)]
-            if own and all(i in done for i in own):
-                continue  # only tied parameters, already initialized by their first owner
-            reset()
-            done.update(own)
+            if callable(reset) and not (own and all(owner[i] is not m for i in own)):
+                reset()  # skipped: a module holding only parameters tied to an earlier one
 
 
 def materialize_stage(stage: nn.Module, device: torch.device) -> None:

@@ -311,3 +311,23 @@ def test_rowwise_linear_on_a_replicated_input_is_rejected() -> None:
         "module 'blocks.0.mlp.fc2' (Linear, style 'rowwise') computes on its input split along "
         "the last dim, but desired_input_layout is 'R'; plan desired_input_layout 'S(-1)' for "
         "a rowwise Linear")
+
+
+def test_a_meta_model_keeps_its_ties_and_its_own_initialization() -> None:
+    """materialize() re-ties what ``to_empty`` would untie (the GPT's head and token
+    embedding), runs children's reset_parameters() before their parents' (the GPT's own,
+    std-0.02 embeddings, has the last word over nn.Embedding's N(0, 1)), and so a meta
+    GPT starts near ln(vocab), as one built on a real device does."""
+    from autopar.runtime.materialize import materialize
+
+    cfg = GPTConfig(vocab_size=512, max_seq_len=64, dim=64, n_layers=2, n_heads=4)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    materialize(model, torch.device("cpu"))
+    assert model.head.weight is model.tok_emb.weight
+    assert len(list(model.parameters())) == len(list(GPT(cfg).parameters()))
+    assert model.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    x = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    assert abs(loss.item() - math.log(512)) < 0.5
