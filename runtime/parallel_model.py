@@ -102,22 +102,27 @@ class ParallelModel(nn.Module):
         the same one), splits it into ``plan.num_microbatches`` micro-batches, and
         accumulates the gradients of ``loss / num_microbatches``; gradients are averaged
         over ``dp``, so they equal those of the mean loss over the global batch. The
-        caller then runs ``optimizer.step()`` and ``optimizer.zero_grad()``.
+        caller then runs ``optimizer.step()`` and ``optimizer.zero_grad()``. The rank's
+        slice goes to the device once, at the start (:func:`to_device`).
         """
         xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         self._check_batch(xs, targets)
         if self.pipeline is not None:
             return self.pipeline.step(xs, targets)
         n, mb, dp = self.plan.num_microbatches, self.plan.microbatch_size, self.plan.degree("dp")
-        start = self.mesh.get_local_rank("dp") * n * mb
+        mine = slice(self.mesh.get_local_rank("dp") * n * mb,
+                     (self.mesh.get_local_rank("dp") + 1) * n * mb)
+        xs = tuple(to_device(x[mine], self.device) if isinstance(x, torch.Tensor) else x
+                   for x in xs)
+        targets = to_device(targets[mine], self.device)
         fsdp = isinstance(self.module, FSDPModule)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in range(n):
             if fsdp and self.plan.zero < 3:  # reduce gradients once, after the last micro-batch
                 self.module.set_requires_gradient_sync(i == n - 1)
-            part = slice(start + i * mb, start + (i + 1) * mb)
-            local = [x[part].to(self.device) if isinstance(x, torch.Tensor) else x for x in xs]
-            loss = self._loss(self(*local), targets[part].to(self.device)) / n
+            part = slice(i * mb, (i + 1) * mb)
+            local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
+            loss = self._loss(self(*local), targets[part]) / n
             loss.backward()
             total += loss.detach().float()
         if not fsdp:
@@ -159,6 +164,18 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
                              loss_fn=loss_fn, device=dev, pipeline=runtime)
     meshes = lower(model, plan, dev)
     return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``. A CPU tensor bound for a GPU goes through pinned memory
+    without blocking: a pageable copy makes the host wait until the device has run
+    everything queued before it, and the host then issues the rest of the step while
+    the device idles."""
+    if x.device == device:
+        return x
+    if x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def _loss(loss_fn: LossFn | None, output: Any, targets: torch.Tensor) -> torch.Tensor:
