@@ -1,14 +1,19 @@
 """The text of the emitted training program, as ``string.Template`` pieces.
 
 :mod:`autopar.runtime.codegen` fills these with a plan's values; every piece of
-program text lives here, so the shape of the emitted program is read in one place.
+program text lives here, so the shape of the emitted program is read in one place,
+except the materialization of a meta model, which is the runtime's own code
+(:mod:`autopar.runtime.materialize`) copied in, so that the two cannot drift apart.
 Each section is a top-level definition of the program; :data:`PROGRAM` puts them in
 order. ``$name`` marks a value, ``$$`` a literal dollar sign.
 """
 
 from __future__ import annotations
 
+import inspect
 from string import Template
+
+from autopar.runtime import materialize as _materialize
 
 __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "REPLICATE_STYLE", "APPLY_TP",
            "BLOCK_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS", "MATERIALIZE",
@@ -153,34 +158,10 @@ NUM_CLASSES = $num_classes  # synthetic token ids and targets are drawn below th
 PREDICTED_STEP_S = $step_s$extra''')
 """The plan's values the program reads at run time."""
 
-MATERIALIZE = Template('''\
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate only this rank's shards, then initialize them with each module's
-    reset_parameters(), children before parents (a model's own has the last word; a
-    tied weight by its first owner in module order, and tied again after to_empty)."""
-    first: dict[int, tuple[nn.Module, str]] = {}
-    ties = []
-    for m in model.modules():
-        for name, p in m._parameters.items():
-            if p is not None and id(p) in first:
-                ties.append((m, name) + first[id(p)])
-            elif p is not None:
-                first[id(p)] = (m, name)
-    model.to_empty(device=device)
-    for module, name, owner_module, owner_name in ties:
-        module._parameters[name] = owner_module._parameters[owner_name]
-    modules = list(model.modules())
-    owner: dict[int, nn.Module] = {}
-    for m in modules:
-        for p in m.parameters(recurse=False):
-            owner.setdefault(id(p), m)
-    with torch.no_grad():
-        for m in reversed(modules):
-            own = [id(p) for p in m.parameters(recurse=False)]
-            if callable(getattr(m, "reset_parameters", None)) and not (
-                    own and all(owner[i] is not m for i in own)):
-                m.reset_parameters()''')
-"""``to_empty`` + ``reset_parameters`` of a laid-out meta model."""
+MATERIALIZE = Template(inspect.getsource(_materialize.tied_aliases) + "\n\n"
+                       + inspect.getsource(_materialize.materialize))
+"""``to_empty`` + ``reset_parameters`` of a laid-out meta model: the runtime's own
+functions (:mod:`autopar.runtime.materialize`), copied into the program."""
 
 PARTIAL_GRADS = Template('''\
 def reduce_partial_gradients(model: nn.Module) -> None:

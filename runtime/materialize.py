@@ -72,9 +72,10 @@ def tied_aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate the local shards of a laid-out meta model on ``device`` and initialize
-    them with each module's ``reset_parameters()``, children before parents (module
-    docstring). Tied parameters stay tied (``to_empty`` alone would give each module its
-    own copy where no wrapper keeps them as one)."""
+    them with each module's ``reset_parameters()``, children before parents, so that a
+    model's own has the last word over its submodules' defaults. A tied parameter is
+    initialized by its first owner in module order and stays tied (``to_empty`` alone
+    would give each module its own copy where no wrapper keeps them as one)."""
     ties = tied_aliases(model)
     model.to_empty(device=device)
     for module, name, first, first_name in ties:

@@ -160,32 +160,44 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate only this rank's shards, then initialize them with each module's
-    reset_parameters(), children before parents (a model's own has the last word; a
-    tied weight by its first owner in module order, and tied again after to_empty)."""
+def tied_aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, name, first module, its name) for every parameter slot that holds a
+    parameter an earlier slot (in module order) holds too."""
     first: dict[int, tuple[nn.Module, str]] = {}
-    ties = []
+    out = []
     for m in model.modules():
         for name, p in m._parameters.items():
-            if p is not None and id(p) in first:
-                ties.append((m, name) + first[id(p)])
-            elif p is not None:
+            if p is None:
+                continue
+            if id(p) in first:
+                out.append((m, name) + first[id(p)])
+            else:
                 first[id(p)] = (m, name)
+    return out
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the local shards of a laid-out meta model on ``device`` and initialize
+    them with each module's ``reset_parameters()``, children before parents, so that a
+    model's own has the last word over its submodules' defaults. A tied parameter is
+    initialized by its first owner in module order and stays tied (``to_empty`` alone
+    would give each module its own copy where no wrapper keeps them as one)."""
+    ties = tied_aliases(model)
     model.to_empty(device=device)
-    for module, name, owner_module, owner_name in ties:
-        module._parameters[name] = owner_module._parameters[owner_name]
+    for module, name, first, first_name in ties:
+        module._parameters[name] = first._parameters[first_name]
     modules = list(model.modules())
     owner: dict[int, nn.Module] = {}
     for m in modules:
         for p in m.parameters(recurse=False):
             owner.setdefault(id(p), m)
     with torch.no_grad():
-        for m in reversed(modules):
+        for m in reversed(modules):  # every module after all of its descendants
+            reset = getattr(m, "reset_parameters", None)
             own = [id(p) for p in m.parameters(recurse=False)]
-            if callable(getattr(m, "reset_parameters", None)) and not (
-                    own and all(owner[i] is not m for i in own)):
-                m.reset_parameters()
+            if callable(reset) and not (own and all(owner[i] is not m for i in own)):
+                reset()  # skipped: a module holding only parameters tied to an earlier one
+
 
 
 def load_batch(path: str | None, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
