@@ -11,8 +11,8 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.hardware import load_profile
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
-from autopar.strategies.analysis import analyze
-from autopar.strategies.build import Settings, build_problem, unit_shares
+from autopar.strategies.analysis import analyze, unit_shares
+from autopar.strategies.build import Settings, build_problem
 
 
 def _gpt_graph(n_layers: int = 2):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from autopar.errors import UnsupportedOpError
 from autopar.graph import Graph, OpNode, TensorMeta
+from autopar.plans import fsdp_unit
 from autopar.strategies.rules import OpRule, constant_rule, rule_for
 
 # Module classes whose forward is a single operator that PyTorch's parallel styles
@@ -36,6 +37,7 @@ class GraphAnalysis:
     saved_by: dict[tuple[str, int], bool] = field(default_factory=dict)
     multiplicity: dict[str, int] = field(default_factory=dict)
     constants: set[str] = field(default_factory=set)
+    unit_share: dict[str, float] = field(default_factory=dict)
 
 
 def _place(labels, label: str | None) -> str:
@@ -90,7 +92,22 @@ def analyze(graph: Graph) -> GraphAnalysis:
         c = graph.canonical.get(n.name, n.name)
         mult[c] = mult.get(c, 0) + 1
     return GraphAnalysis(graph, rules, in_metas, batch_label, batch_dim, module_ops, owner,
-                         consumers, saved, mult, constants)
+                         consumers, saved, mult, constants, unit_shares(graph))
+
+
+def unit_shares(g: Graph) -> dict[str, float]:
+    """Each trainable parameter's share of the elements of its ``fully_shard`` unit
+    (its repeated block, or the root: every parameter outside the blocks; a tied
+    parameter counted once). FSDP2 issues one collective per unit and kind, so the
+    unit is the bucket a parameter's collectives share
+    (:func:`autopar.strategies.build.unit_bucket`)."""
+    blocks = [lay.path for lay in g.layers]
+    unit = {name: fsdp_unit(blocks, name) for name, p in g.params.items() if p.trainable}
+    size: dict[str, float] = {}
+    for name, u in unit.items():
+        size[u] = size.get(u, 0.0) + g.params[name].meta.numel
+    return {name: g.params[name].meta.numel / size[u] if size[u] else 1.0
+            for name, u in unit.items()}
 
 
 def constant_ops(graph: Graph) -> set[str]:

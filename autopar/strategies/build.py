@@ -46,8 +46,7 @@ from autopar.cost_models.memory import (activation_bytes_per_element, fsdp_lays_
 from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.errors import NoFeasiblePlanError
-from autopar.graph import Graph, OpNode, TensorMeta
-from autopar.plans import fsdp_unit
+from autopar.graph import OpNode, TensorMeta
 from autopar.sharding import Mesh, layout_name, shard_count
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
 from autopar.strategies.analysis import GraphAnalysis
@@ -131,7 +130,7 @@ class _Builder:
                                   st.offload)
         self.dtype = st.precision
         self._metas: dict[str, TensorMeta | None] = {}
-        self.unit_share = unit_shares(self.g)
+        self.unit_share = an.unit_share
         self.saved_owner = saved_owner if saved_owner is not None else self._saved_owner()
 
     # ---- shapes ---------------------------------------------------------------
@@ -597,23 +596,10 @@ class _Builder:
         return owner
 
 
-def unit_shares(g: Graph) -> dict[str, float]:
-    """Each trainable parameter's share of the elements of its ``fully_shard`` unit
-    (its repeated block, or the root: every parameter outside the blocks; a tied
-    parameter counted once). FSDP2 issues one collective per unit and kind, so the
-    unit is the bucket a parameter's collectives share (:func:`unit_bucket`)."""
-    blocks = [lay.path for lay in g.layers]
-    unit = {name: fsdp_unit(blocks, name) for name, p in g.params.items() if p.trainable}
-    size: dict[str, float] = {}
-    for name, u in unit.items():
-        size[u] = size.get(u, 0.0) + g.params[name].meta.numel
-    return {name: g.params[name].meta.numel / size[u] if size[u] else 1.0
-            for name, u in unit.items()}
-
-
 def unit_bucket(nbytes: float, share: float) -> float:
     """The bytes of the bucket (the ``fully_shard`` unit) a parameter of ``nbytes``
-    holding ``share`` of its unit falls in (:func:`~autopar.cost_models.comm.bucketed_time`
+    holding ``share`` of its unit falls in (:func:`~autopar.strategies.analysis.unit_shares`;
+    :func:`~autopar.cost_models.comm.bucketed_time`
     then charges it ``share`` of one collective's latency)."""
     return nbytes / share if share > 0 else nbytes
 
