@@ -24,14 +24,6 @@ from autopar.errors import ConfigError
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
-BUCKET_BYTES = 25 * 2**20
-"""Gradient bucket size: DistributedDataParallel's default ``bucket_cap_mb=25`` (PyTorch
-docs), the default of :func:`bucketed_time`. Parameter collectives are issued per bucket
-(DDP) or per ``fully_shard`` unit (FSDP2: one collective per unit and kind), not per
-tensor; the planner prices FSDP2's with the unit as the bucket
-(:func:`autopar.strategies.build.unit_bucket`)."""
-
-
 def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
     """Seconds for one collective (see module docstring)."""
     if kind not in KINDS:
@@ -48,15 +40,17 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -
 
 
 def bucketed_time(kind: str, nbytes: float, group_size: int, link: LinkSpec,
-                  bucket_bytes: float = BUCKET_BYTES) -> float:
-    """One parameter's share of a bucketed collective: its bandwidth term in full, and
-    the latency term of one collective times its share of a bucket,
-    ``min(1, nbytes / bucket_bytes)`` (a tensor larger than a bucket goes alone), so the
-    shares of the tensors in one bucket add up to one collective."""
+                  share: float) -> float:
+    """One parameter's part of a collective it shares with others: its bandwidth term in
+    full, and the latency term of one collective times ``share``, the parameter's share
+    of the collective's tensors, so the parts of the tensors in one collective add up to
+    one collective. Parameter collectives are issued per bucket, not per tensor: FSDP2
+    issues one per ``fully_shard`` unit and kind
+    (:func:`autopar.strategies.analysis.unit_shares`)."""
     link = link.for_kind(kind)
     bandwidth_only = collective_time(kind, nbytes, group_size, LinkSpec(link.bandwidth, 0.0))
     latency = collective_time(kind, nbytes, group_size, link) - bandwidth_only
-    return bandwidth_only + latency * min(1.0, nbytes / bucket_bytes)
+    return bandwidth_only + latency * min(1.0, share)
 
 
 def group_link(mesh_sizes: tuple[int, ...], axis: int, gpus_per_node: int,

@@ -100,7 +100,7 @@ def unit_shares(g: Graph) -> dict[str, float]:
     (its repeated block, or the root: every parameter outside the blocks; a tied
     parameter counted once). FSDP2 issues one collective per unit and kind, so the
     unit is the bucket a parameter's collectives share
-    (:func:`autopar.strategies.build.unit_bucket`)."""
+    (:func:`autopar.cost_models.comm.bucketed_time`)."""
     blocks = [lay.path for lay in g.layers]
     unit = {name: fsdp_unit(blocks, name) for name, p in g.params.items() if p.trainable}
     size: dict[str, float] = {}

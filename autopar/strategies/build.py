@@ -535,14 +535,13 @@ class _Builder:
         """Seconds per micro-batch to all-reduce one parameter's gradient that comes out
         partial over mesh axis ``axis`` (a replicated parameter used on shards). Where
         FSDP2 lays the parameters out it reduces them with the other gradients of its
-        unit, of which the parameter holds ``share`` (:func:`unit_bucket`);
+        unit, of which the parameter holds ``share``;
         without it the runtime redistributes each such gradient on its own once per step
         (``reduce_partial_gradients``): one all-reduce and one DTensor redistribution
         per parameter, spread here over the step's micro-batches."""
         st, n, link = self.st, self.mesh.sizes[axis], self.links[axis]
         if fsdp_lays_out(st.precision, self.dp, st.offload):
-            return bucketed_time("all_reduce", grad_bytes, n, link,
-                                 unit_bucket(grad_bytes, share))
+            return bucketed_time("all_reduce", grad_bytes, n, link, share)
         one = collective_time("all_reduce", grad_bytes, n, link) + \
             self._redistribute_overhead("all_reduce")
         return one / st.num_microbatches
@@ -568,18 +567,17 @@ class _Builder:
             dpn, link = self.mesh.sizes[dpa], self.links[dpa]
             grad_bytes = local * 4.0  # gradients are reduced in fp32 (MixedPrecisionPolicy)
             w = local * self.pbytes.gathered if self.pbytes.gathered else local * 4.0
-            wb, gb = unit_bucket(w, share), unit_bucket(grad_bytes, share)
             if self.st.zero == 3:
-                micro += 2 * bucketed_time("all_gather", w, dpn, link, wb)
-                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link, gb)
+                micro += 2 * bucketed_time("all_gather", w, dpn, link, share)
+                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link, share)
                 gather += w
                 if self.st.offload:
                     micro += offload_transfer_time(local / dpn, self.st.hw)
             elif self.st.zero in (1, 2):
-                micro += bucketed_time("all_gather", w, dpn, link, wb)
-                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link, gb)
+                micro += bucketed_time("all_gather", w, dpn, link, share)
+                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link, share)
             else:
-                step += bucketed_time("all_reduce", grad_bytes, dpn, link, gb)
+                step += bucketed_time("all_reduce", grad_bytes, dpn, link, share)
         return micro, step, tp, gather
 
     def _saved_owner(self) -> dict[tuple[str, int], str]:
@@ -594,14 +592,6 @@ class _Builder:
                 if key is not None:
                     owner.setdefault(key, n.name)
         return owner
-
-
-def unit_bucket(nbytes: float, share: float) -> float:
-    """The bytes of the bucket (the ``fully_shard`` unit) a parameter of ``nbytes``
-    holding ``share`` of its unit falls in (:func:`~autopar.strategies.analysis.unit_shares`;
-    :func:`~autopar.cost_models.comm.bucketed_time`
-    then charges it ``share`` of one collective's latency)."""
-    return nbytes / share if share > 0 else nbytes
 
 
 def _degree(pl: Placements, mesh: Mesh) -> int:
