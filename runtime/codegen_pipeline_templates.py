@@ -194,12 +194,13 @@ def train_step(schedule: Any, stages: dict[int, nn.Module],$tied_arg mesh: Devic
                targets: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Run the schedule on this rank's dp slice of the global batch (tp ranks of a dp
     group take the same one); return the global mean loss. Every rank passes the
-    inputs (stages recompute input-only values); the last stage computes the losses."""
+    inputs, on the device (stages recompute input-only values); the last stage computes
+    the losses."""
     start = mesh.get_local_rank("dp") * NUM_MICROBATCHES * MICROBATCH_SIZE
     part = slice(start, start + NUM_MICROBATCHES * MICROBATCH_SIZE)
     losses: list[torch.Tensor] = []
-    schedule.step(target=targets[part].to(device), losses=losses,
-                  **{name: x[part].to(device) for name, x in zip(input_names, inputs)})
+    schedule.step(target=targets[part], losses=losses,
+                  **{name: x[part] for name, x in zip(input_names, inputs)})
 $after    total = torch.zeros((), device=device)
     if losses:  # the last stage's mean, handed to every pp rank
         total += torch.stack([loss.detach().float() for loss in losses]).mean()

@@ -199,15 +199,16 @@ def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
 TRAIN_STEP = Template('''\
 def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, ...],
                targets: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Forward and backward of the global batch; returns the global mean loss. This
+    """Forward and backward of the global batch (on the device); returns the global
+    mean loss. This
     rank takes its dp slice (tp ranks of a dp group take the same one) in
     NUM_MICROBATCHES micro-batches and accumulates their gradients."""
     start = mesh.get_local_rank("dp") * NUM_MICROBATCHES * MICROBATCH_SIZE
     total = torch.zeros((), device=device)
     for i in range(NUM_MICROBATCHES):
 $sync        part = slice(start + i * MICROBATCH_SIZE, start + (i + 1) * MICROBATCH_SIZE)
-        output = model(*(x[part].to(device) for x in inputs))
-        loss = loss_fn(output, targets[part].to(device)) / NUM_MICROBATCHES
+        output = model(*(x[part] for x in inputs))
+        loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
         loss.backward()
         total += loss.detach().float()
 $after    return total''')

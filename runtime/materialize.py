@@ -80,16 +80,12 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     model.to_empty(device=device)
     for module, name, first, first_name in ties:
         module._parameters[name] = first._parameters[first_name]
-    modules = list(model.modules())
-    owner: dict[int, nn.Module] = {}
-    for m in modules:
-        for p in m.parameters(recurse=False):
-            owner.setdefault(id(p), m)
+    aliases = {(id(module), name) for module, name, _, _ in ties}
     with torch.no_grad():
-        for m in reversed(modules):  # every module after all of its descendants
+        for m in reversed(list(model.modules())):  # every module after its descendants
             reset = getattr(m, "reset_parameters", None)
-            own = [id(p) for p in m.parameters(recurse=False)]
-            if callable(reset) and not (own and all(owner[i] is not m for i in own)):
+            own = [name for name, p in m._parameters.items() if p is not None]
+            if callable(reset) and not (own and all((id(m), n) in aliases for n in own)):
                 reset()  # skipped: a module holding only parameters tied to an earlier one
 
 

@@ -110,8 +110,8 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             return self.pipeline.step(xs, targets)
         n, mb, dp = self.plan.num_microbatches, self.plan.microbatch_size, self.plan.degree("dp")
-        mine = slice(self.mesh.get_local_rank("dp") * n * mb,
-                     (self.mesh.get_local_rank("dp") + 1) * n * mb)
+        rank = self.mesh.get_local_rank("dp")
+        mine = slice(rank * n * mb, (rank + 1) * n * mb)
         xs = tuple(to_device(x[mine], self.device) if isinstance(x, torch.Tensor) else x
                    for x in xs)
         targets = to_device(targets[mine], self.device)

@@ -186,16 +186,12 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     model.to_empty(device=device)
     for module, name, first, first_name in ties:
         module._parameters[name] = first._parameters[first_name]
-    modules = list(model.modules())
-    owner: dict[int, nn.Module] = {}
-    for m in modules:
-        for p in m.parameters(recurse=False):
-            owner.setdefault(id(p), m)
+    aliases = {(id(module), name) for module, name, _, _ in ties}
     with torch.no_grad():
-        for m in reversed(modules):  # every module after all of its descendants
+        for m in reversed(list(model.modules())):  # every module after its descendants
             reset = getattr(m, "reset_parameters", None)
-            own = [id(p) for p in m.parameters(recurse=False)]
-            if callable(reset) and not (own and all(owner[i] is not m for i in own)):
+            own = [name for name, p in m._parameters.items() if p is not None]
+            if callable(reset) and not (own and all((id(m), n) in aliases for n in own)):
                 reset()  # skipped: a module holding only parameters tied to an earlier one
 
 
@@ -224,15 +220,16 @@ def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
 
 def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, ...],
                targets: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Forward and backward of the global batch; returns the global mean loss. This
+    """Forward and backward of the global batch (on the device); returns the global
+    mean loss. This
     rank takes its dp slice (tp ranks of a dp group take the same one) in
     NUM_MICROBATCHES micro-batches and accumulates their gradients."""
     start = mesh.get_local_rank("dp") * NUM_MICROBATCHES * MICROBATCH_SIZE
     total = torch.zeros((), device=device)
     for i in range(NUM_MICROBATCHES):
         part = slice(start + i * MICROBATCH_SIZE, start + (i + 1) * MICROBATCH_SIZE)
-        output = model(*(x[part].to(device) for x in inputs))
-        loss = loss_fn(output, targets[part].to(device)) / NUM_MICROBATCHES
+        output = model(*(x[part] for x in inputs))
+        loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
         loss.backward()
         total += loss.detach().float()
     dist.all_reduce(total, group=mesh.get_group("dp"))
