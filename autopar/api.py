@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cluster import Cluster
-from autopar.errors import ConfigError, LoweringError
+from autopar.errors import AutoparError, ConfigError, LoweringError
+
+if TYPE_CHECKING:
+    import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -71,6 +74,41 @@ def detect_cluster() -> Cluster:
             "a100-80g" if "a100" in name else "h100-sxm")
     per_node = local if local > 0 and world % local == 0 else world
     return Cluster(gpu=gpu, nodes=world // per_node, gpus_per_node=per_node)
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _join_torchrun_job() -> None:
+    """Initialize the default process group from torchrun's environment when none exists.
+
+    torchrun sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; the
+    backend is NCCL when CUDA is available (each rank on the GPU ``LOCAL_RANK``), gloo
+    otherwise. An existing process group is kept as it is.
+
+    Raises:
+        ConfigError: no process group exists and the process was not started by torchrun.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ConfigError("this build of torch has no torch.distributed; install one that has "
+                          "it to run a plan")
+    if dist.is_initialized():
+        return
+    missing = [k for k in TORCHRUN_ENV if not os.environ.get(k)]
+    if missing:
+        raise ConfigError(f"parallelize() must run inside a distributed job, but no process "
+                          f"group exists and {', '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set: start the script "
+                          f"with torchrun (e.g. torchrun --nproc-per-node 4 train.py), or call "
+                          f"torch.distributed.init_process_group first")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
 
 
 def _batch_of(example_inputs: Any) -> int:
@@ -159,7 +197,7 @@ def _offload(value, zero) -> bool | None:
 
 def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | None,
                 loss_fn, precision: str, optimizer: str, memory_budget, space: dict,
-                name: str | None = None):
+                name: str | None = None, example_targets: torch.Tensor | None = None):
     from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
     from autopar.solvers.search import candidates, search
@@ -182,7 +220,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     tp = space.get("tp")
     if tp is not None and (tp < 1 or world % tp):
         raise ConfigError(f"tp={tp} does not divide the {world} devices of the cluster")
-    graph = capture(model, example_inputs, loss_fn=loss_fn, name=name)
+    graph = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
+                    name=name)
     _check_heads(graph, tp or 1)
     an = analyze(graph)
     _check_pipeline_space(space, len(graph.layers))
@@ -232,11 +271,16 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
 
 def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch: int | None = None,
          loss_fn: Callable | None = None, precision: str = "bf16", optimizer: str = "adamw",
-         memory_budget: float | None = None, **space) -> "Plan":
+         memory_budget: float | None = None, example_targets: torch.Tensor | None = None,
+         **space) -> "Plan":
     """Find the fastest plan for ``model`` on ``cluster`` that fits in memory.
 
     ``example_inputs`` is one global batch (real or ``meta`` tensors); ``global_batch``
-    overrides its size. ``space`` narrows the search: ``dp``, ``tp``,
+    overrides its size. ``loss_fn(output, targets)`` defaults to cross-entropy over the
+    output's last dim; ``example_targets`` (the targets of that batch) may be left out,
+    and a custom loss is then tried with int64 class targets of the output's leading
+    shape, then with float targets shaped like the output (see
+    :func:`autopar.capture.capture`). ``space`` narrows the search: ``dp``, ``tp``,
     ``pp``, ``microbatch_size``, ``zero`` (0-3), ``sequence_parallel`` (True/False),
     ``schedule`` (one of :data:`autopar.plans.SCHEDULES`), ``virtual_stages``,
     ``recompute`` (force "none", "selective" or "full" on every block; by default the
@@ -252,7 +296,8 @@ def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch:
     cluster = cluster or detect_cluster()
     p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=global_batch,
                        loss_fn=loss_fn, precision=precision, optimizer=optimizer,
-                       memory_budget=memory_budget, space=space)
+                       memory_budget=memory_budget, space=space,
+                       example_targets=example_targets)
     return p
 
 
@@ -262,11 +307,13 @@ make_plan = plan  # parallelize() takes a keyword named ``plan``
 def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None,
              global_batch: int | None = None, loss_fn: Callable | None = None,
              precision: str = "bf16", optimizer: str = "adamw",
-             memory_budget: float | None = None) -> "Plan":
+             memory_budget: float | None = None,
+             example_targets: torch.Tensor | None = None) -> "Plan":
     """Score a hand-written configuration with the same cost model as :func:`plan`.
 
     The intra-op layout within the given degrees is still chosen by the solver (so
-    ``tp=8`` gives the best 8-way tensor-parallel layout).
+    ``tp=8`` gives the best 8-way tensor-parallel layout). ``loss_fn`` and
+    ``example_targets`` are those of :func:`plan`.
     """
     if not isinstance(spec, Spec):
         raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
@@ -299,36 +346,42 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
         space["virtual_stages"] = spec.virtual_stages
     p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=gb, loss_fn=loss_fn,
                        precision=precision, optimizer=optimizer, memory_budget=memory_budget,
-                       space=space)
+                       space=space, example_targets=example_targets)
     p.notes.append(f"scored hand-written configuration {spec}")
     return p
 
 
 def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
                 cluster: Cluster | None = None, loss_fn: Callable | None = None,
-                **plan_kwargs) -> "ParallelModel":
+                example_targets: torch.Tensor | None = None, **plan_kwargs) -> "ParallelModel":
     """Plan (unless ``plan`` is given) and apply the plan inside a running job.
 
-    Must run on every rank of a job started by torchrun or ``init_process_group``.
-    Rank 0 plans and broadcasts the plan, so every rank applies the same one.
+    Must run on every rank of a job started by torchrun (the default process group is
+    then initialized from torchrun's environment when none exists: NCCL on GPUs, gloo
+    on CPUs) or by ``init_process_group``. Rank 0 plans and broadcasts the plan, so
+    every rank applies the same one; an error in planning is raised on every rank.
+    ``loss_fn``, ``example_targets`` and ``plan_kwargs`` are those of :func:`plan`.
     """
     import torch.distributed as dist
 
     from autopar.plans import Plan
     from autopar.runtime import apply_plan
 
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError("parallelize() must run inside a distributed job: start it with "
-                          "torchrun, or call torch.distributed.init_process_group first")
+    _join_torchrun_job()
     if plan is None:
         if example_inputs is None:
             raise ConfigError("parallelize() needs example_inputs (one global batch) or a plan")
         cluster = cluster or detect_cluster()
-        text = [None]
+        text: list = [None]
         if dist.get_rank() == 0:
-            text[0] = make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn,
-                                **plan_kwargs).to_json()
+            try:
+                text[0] = make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn,
+                                    example_targets=example_targets, **plan_kwargs).to_json()
+            except AutoparError as e:  # sent on, so no rank waits for a plan that never comes
+                text[0] = e
         dist.broadcast_object_list(text, src=0)
+        if isinstance(text[0], AutoparError):
+            raise text[0]
         plan = Plan.from_json(text[0])
     elif not isinstance(plan, Plan):
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")

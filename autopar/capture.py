@@ -23,6 +23,7 @@ import operator
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -67,24 +68,33 @@ def first_tensor(output: Any) -> torch.Tensor:
 class LossWrapper(nn.Module):
     """``forward(*inputs[, targets]) = loss_fn(model(*inputs), targets)``.
 
-    Without targets among the arguments it makes them in the graph: int64 zeros of
-    shape ``logits.shape[:-1]`` for the default loss, ``zeros_like(output)`` for a
-    custom one; capture turns that creation op into a graph input.
+    Without targets among the arguments it makes them in the graph (capture turns that
+    creation op into a graph input): int64 zeros of shape ``logits.shape[:-1]`` (class
+    targets) for the default loss; for a custom one, class targets when ``made`` is
+    "class" and ``zeros_like(output)`` when it is "like". When that loss raises, the
+    exception gets a note with the made targets' shape (read by :func:`_loss_failure`).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None, has_targets: bool) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, has_targets: bool,
+                 made: str = "class") -> None:
         super().__init__()
         setattr(self, WRAPPED, model)
         self.loss_fn = loss_fn
         self.has_targets = has_targets
+        self.made = made
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         inputs, targets = (args[:-1], args[-1]) if self.has_targets else (args, None)
         out = getattr(self, WRAPPED)(*inputs)
         if self.loss_fn is not None:
-            if targets is None:
-                targets = torch.zeros_like(first_tensor(out))
-            return self.loss_fn(out, targets)
+            if targets is not None:
+                return self.loss_fn(out, targets)
+            targets = made_targets(first_tensor(out), self.made)
+            try:
+                return self.loss_fn(out, targets)
+            except Exception as e:
+                e.add_note(f"{_TARGETS_NOTE}{tuple(targets.shape)}")
+                raise
         logits = first_tensor(out)
         if logits.dim() < 2 or not logits.is_floating_point():
             raise CaptureError(
@@ -92,8 +102,31 @@ class LossWrapper(nn.Module):
                 f"returned {tuple(logits.shape)} {str(logits.dtype).removeprefix('torch.')}; "
                 "pass loss_fn (and example_targets) for this model")
         if targets is None:
-            targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+            targets = made_targets(logits, "class")
         return default_loss(logits, targets)
+
+
+def made_targets(logits: torch.Tensor, made: str) -> torch.Tensor:
+    """Targets made up for a capture without example targets: int64 zeros of shape
+    ``logits.shape[:-1]`` (``made="class"``) or ``zeros_like(logits)`` ("like")."""
+    if made == "class":
+        return torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return torch.zeros_like(logits)
+
+
+# the targets a custom loss is tried with when none are given, in order, and their names
+MADE_TARGETS = (("class", "int64 class targets"), ("like", "float targets shaped like the output"))
+_TARGETS_NOTE = "autopar made up targets of shape "
+
+
+class _LossFailure(CaptureError):
+    """The export failed inside the loss function: ``reason`` is the exception in one
+    line, ``targets`` " of shape (..)" of the made-up targets ('' when unknown)."""
+
+    def __init__(self, message: str, reason: str, targets: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.targets = targets
 
 
 def capture(model: nn.Module, example_inputs: torch.Tensor | tuple | list, *,
@@ -107,34 +140,80 @@ def capture(model: nn.Module, example_inputs: torch.Tensor | tuple | list, *,
             dim 0 is the batch.
         loss_fn: ``loss_fn(output, targets) -> scalar``; default: cross-entropy over the
             output's last dim with int64 targets of shape ``output.shape[:-1]``.
-        example_targets: the targets; default: zeros as described for ``loss_fn``
-            (``zeros_like(output)`` with a custom loss). They are a graph input.
+        example_targets: the targets, one per sample (dim 0 is the batch). Without them
+            the default loss gets int64 zeros of shape ``output.shape[:-1]``; a custom
+            loss is tried with those (class targets) and then with
+            ``zeros_like(output)``, the second export only when the first fails in the
+            loss. They are a graph input.
         name: ``Graph.model_name`` (default: the model's class name).
         fast: capture long lists of identical blocks from their first two blocks.
 
     Raises:
         CaptureError: the model or inputs are not what capture needs, or torch.export
-            cannot trace the forward (the message names the module, the line and why).
+            cannot trace the forward (the message names the module, the line and why),
+            or a custom loss fails with every kind of made-up targets.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}; "
                            "wrap the function in an nn.Module whose forward calls it")
     inputs = _as_tuple(example_inputs)
-    if example_targets is not None and not isinstance(example_targets, torch.Tensor):
-        raise CaptureError(f"example_targets must be a tensor, got "
-                           f"{type(example_targets).__name__}")
+    _check_targets(example_targets, inputs)
     inputs = _batch_of_two(inputs)
     if example_targets is not None:
         example_targets = _batch_of_two((example_targets,))[0]
     args = inputs + ((example_targets,) if example_targets is not None else ())
-    wrapper = LossWrapper(model, loss_fn, example_targets is not None)
     label = name or type(model).__name__
+    guessing = loss_fn is not None and example_targets is None
+    failures: list[tuple[str, _LossFailure]] = []
     with _training_mode(model):
-        g = _fast_capture(model, wrapper, args, inputs, label) if fast else None
-        if g is None:
-            g = to_graph(_export(wrapper, args, model), model, inputs, label)
-            detect_layers(g)
+        for made, what in MADE_TARGETS if guessing else MADE_TARGETS[:1]:
+            wrapper = LossWrapper(model, loss_fn, example_targets is not None, made)
+            try:
+                with _broadcast_targets_fail(guessing and made == "class"):
+                    return _capture_with(model, wrapper, args, inputs, label, fast)
+            except _LossFailure as e:
+                if not guessing:
+                    raise CaptureError(str(e)) from None
+                failures.append((what, e))
+    tried = "; ".join(f"with {what}{e.targets} it raised {e.reason}" for what, e in failures)
+    raise CaptureError(f"cannot capture the loss function without example targets: {tried}. "
+                       "Hint: pass example_targets, one global batch of the targets loss_fn "
+                       "takes (e.g. example_targets=targets beside example_inputs)")
+
+
+def _capture_with(model: nn.Module, wrapper: LossWrapper, args: tuple,
+                  inputs: tuple[torch.Tensor, ...], label: str, fast: bool) -> Graph:
+    """The Graph of ``wrapper``: the fast path when it works, else the full export."""
+    g = _fast_capture(model, wrapper, args, inputs, label) if fast else None
+    if g is None:
+        g = to_graph(_export(wrapper, args, model), model, inputs, label)
+        detect_layers(g)
     return g
+
+
+@contextlib.contextmanager
+def _broadcast_targets_fail(enabled: bool) -> Iterator[None]:
+    """While made-up class targets are tried, torch's warning that a loss broadcasts its
+    targets against the output (``F.mse_loss`` of (B, 1) and (B,)) is an error: such
+    targets would capture a different computation, so float targets are tried next."""
+    with warnings.catch_warnings():
+        if enabled:
+            warnings.filterwarnings("error", message="Using a target size", category=UserWarning)
+        yield
+
+
+def _check_targets(example_targets: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+    """``example_targets``: None, or a tensor with the inputs' batch size in dim 0."""
+    if example_targets is None:
+        return
+    batch = int(inputs[0].shape[0])
+    if not isinstance(example_targets, torch.Tensor) or example_targets.dim() == 0 or \
+            example_targets.shape[0] != batch:
+        got = (f"a tensor of shape {tuple(example_targets.shape)}"
+               if isinstance(example_targets, torch.Tensor) else type(example_targets).__name__)
+        raise CaptureError(f"example_targets must be a tensor whose dim 0 is the batch of "
+                           f"example_inputs ({batch} samples), got {got}; pass the targets of "
+                           "the same example batch, as loss_fn(output, targets) takes them")
 
 
 def _fast_capture(model: nn.Module, wrapper: LossWrapper, args: tuple,
@@ -148,7 +227,11 @@ def _fast_capture(model: nn.Module, wrapper: LossWrapper, args: tuple,
         try:
             with _quiet():
                 ep = torch.export.export(wrapper, args, strict=False)
-        except Exception:  # noqa: BLE001 — any failure: the full export reports it
+        except CaptureError:
+            return None
+        except Exception as e:  # noqa: BLE001 — any other failure: the full export reports it
+            if _failure_site(e, model, wrapper)[2]:  # the loss fails however deep the model
+                raise _loss_failure(e, model, wrapper) from None
             return None
     if used_len or any(s.kind.name == "CONSTANT_TENSOR" for s in ep.graph_signature.input_specs
                        for p, _, _ in lists
@@ -235,8 +318,18 @@ def _export(wrapper: LossWrapper, args: tuple, model: nn.Module) -> Any:
     except CaptureError as e:
         raise CaptureError(str(e)) from None
     except Exception as e:  # noqa: BLE001 — every failure becomes one clear message
+        if _failure_site(e, model, wrapper)[2]:
+            raise _loss_failure(e, model, wrapper) from None
         msg = explain_failure(e, model, wrapper)
     raise CaptureError(msg) from None
+
+
+def _loss_failure(e: BaseException, model: nn.Module, wrapper: LossWrapper) -> _LossFailure:
+    """The error of an export that failed inside the loss function."""
+    notes = [n for n in getattr(e, "__notes__", []) if n.startswith(_TARGETS_NOTE)]
+    shape = f" of shape {notes[-1].removeprefix(_TARGETS_NOTE)}" if notes else ""
+    return _LossFailure(explain_failure(e, model, wrapper),
+                        f"{type(e).__name__}: {_first_line(e)}", shape)
 
 
 # --- the error message -------------------------------------------------------------------
@@ -248,6 +341,21 @@ _HERE = os.path.abspath(__file__)
 def explain_failure(e: BaseException, model: nn.Module, wrapper: nn.Module | None = None) -> str:
     """One line saying where the capture failed (module and source line), why, and what
     to try, from an exception raised while exporting ``model``."""
+    what, line, _ = _failure_site(e, model, wrapper)
+    return f"cannot capture {what}{line}: {type(e).__name__}: {_first_line(e)}. " \
+           f"Hint: {_hint(e, model)}."
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of the exception's message (at most 300 characters)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:300].rstrip(". ") if text else "no message"
+
+
+def _failure_site(e: BaseException, model: nn.Module,
+                  wrapper: nn.Module | None) -> tuple[str, str, bool]:
+    """(what failed: a module, the loss function or the model; " at file:line (`code`)"
+    of the innermost user frame; whether it failed in the loss function)."""
     names = {id(m): n for n, m in model.named_modules()}
     module: nn.Module | None = None
     path: str | None = None
@@ -266,14 +374,10 @@ def explain_failure(e: BaseException, model: nn.Module, wrapper: nn.Module | Non
             line = f" at {os.path.basename(fname)}:{lineno} (`{code}`)" if code else \
                 f" at {os.path.basename(fname)}:{lineno}"
     if in_loss and module is None:
-        what = "the loss function"
-    elif module is not None:
-        what = f"module '{path or '<root>'}' ({type(module).__name__})"
-    else:
-        what = f"the model ({type(model).__name__})"
-    text = str(e).strip()
-    first = text.splitlines()[0][:300].rstrip(". ") if text else "no message"
-    return f"cannot capture {what}{line}: {type(e).__name__}: {first}. Hint: {_hint(e, model)}."
+        return "the loss function", line, True
+    if module is not None:
+        return f"module '{path or '<root>'}' ({type(module).__name__})", line, False
+    return f"the model ({type(model).__name__})", line, False
 
 
 def _hint(e: BaseException, model: nn.Module) -> str:

@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 from autopar.errors import AutoparError, ConfigError
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from autopar.cluster import Cluster
 
 
@@ -82,7 +85,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the best plan for a model on a cluster")
-    p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory")
+    p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory "
+                   "(returning a model, (model, inputs) or (model, inputs, targets))")
     _add_cluster_args(p)
     _add_workload_args(p.add_argument_group("workload"))
     f = p.add_argument_group("search space (each option fixes one choice)")
@@ -116,12 +120,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _load_model(spec: str, seq_len: int | None):
+def _load_model(spec: str, seq_len: int | None
+                ) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """(model, example inputs, example targets or None) of a zoo name or a
+    ``path/to/file.py:factory`` (whose factory may also return the targets)."""
     from autopar.examples import zoo
 
     if ":" in spec and spec.split(":")[0].endswith(".py"):
-        return zoo.load(spec)
-    return zoo.get(spec, batch_size=2, seq_len=seq_len)
+        return zoo.load_with_targets(spec)
+    return (*zoo.get(spec, batch_size=2, seq_len=seq_len), None)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -130,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     cluster = _cluster_from_args(args)
-    model, inputs = _load_model(args.model, args.seq_len)
+    model, inputs, targets = _load_model(args.model, args.seq_len)
     space = {k: v for k, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp),
                                ("zero", args.zero), ("microbatch_size", args.microbatch),
                                ("schedule", args.schedule),
@@ -138,8 +145,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                ("time_limit_s", args.time_limit)) if v is not None}
     plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
                         precision=args.precision, optimizer=args.optimizer,
-                        memory_budget=args.memory_budget, top_k=args.top,
-                        progress=_progress_line(sys.stderr), **space)
+                        memory_budget=args.memory_budget, example_targets=targets,
+                        top_k=args.top, progress=_progress_line(sys.stderr), **space)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if ":" not in args.model:
@@ -182,7 +189,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     cluster = _cluster_from_args(args)
-    model, inputs = _load_model(args.model, args.seq_len)
+    model, inputs, targets = _load_model(args.model, args.seq_len)
     spec = autopar.Spec(dp=args.dp, tp=args.tp, pp=args.pp, microbatch_size=args.microbatch,
                         schedule=args.schedule,
                         virtual_stages=args.virtual_stages or (2 if args.schedule == "zbv" else 1),
@@ -190,7 +197,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                         sequence_parallel=args.sequence_parallel)
     result = autopar.compare(model, inputs, spec, cluster=cluster,
                              global_batch=args.global_batch, precision=args.precision,
-                             optimizer=args.optimizer, memory_budget=args.memory_budget)
+                             optimizer=args.optimizer, memory_budget=args.memory_budget,
+                             example_targets=targets)
     name = args.model if ":" not in args.model else result.planned.model
     print(f"autopar compare for {name} on {cluster.nodes} node(s) x {cluster.gpus_per_node} "
           f"{args.gpu}, global batch {result.planned.global_batch}\n")

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.api import Spec, detect_cluster, estimate, plan
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.plans import Plan
 from autopar.summary import STEP_TERMS, fmt_bytes, fmt_time, term_differences, term_label
+
+if TYPE_CHECKING:
+    import torch
+
 
 @dataclass(frozen=True)
 class Row:
@@ -213,7 +217,8 @@ def _layout(spec: Spec, planned: Plan) -> list[tuple[str, Callable[[Plan], str],
 def compare(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None,
             global_batch: int | None = None, loss_fn: Callable | None = None,
             precision: str = "bf16", optimizer: str = "adamw",
-            memory_budget: float | None = None, **space: Any) -> Comparison:
+            memory_budget: float | None = None, example_targets: torch.Tensor | None = None,
+            **space: Any) -> Comparison:
     """Plan ``model`` and score the hand-written ``spec`` beside the plan.
 
     The arguments are those of :func:`autopar.plan` (``space`` narrows its search) and
@@ -226,7 +231,7 @@ def compare(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None
         raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
     common = dict(cluster=cluster or detect_cluster(), global_batch=global_batch,
                   loss_fn=loss_fn, precision=precision, optimizer=optimizer,
-                  memory_budget=memory_budget)
+                  memory_budget=memory_budget, example_targets=example_targets)
     planned = plan(model, example_inputs, **common, **space)
     budget = float(planned.solver.get("memory_budget_bytes", memory_budget or math.inf))
     try:

@@ -144,12 +144,23 @@ def get(name: str, *, batch_size: int = 1, seq_len: int | None = None,
 
 def load(spec: str, *, batch_size: int = 1, seq_len: int | None = None,
          **kwargs: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Load ``path/to/file.py:factory`` and call ``factory(**kwargs)``: the model and
+    its example inputs, as :func:`load_with_targets` gives them."""
+    model, inputs, _ = load_with_targets(spec, batch_size=batch_size, seq_len=seq_len,
+                                         **kwargs)
+    return model, inputs
+
+
+def load_with_targets(spec: str, *, batch_size: int = 1, seq_len: int | None = None,
+                      **kwargs: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...],
+                                              torch.Tensor | None]:
     """Load ``path/to/file.py:factory`` and call ``factory(**kwargs)``.
 
-    The factory returns ``(model, example_inputs)``, or a model alone: then the inputs
-    are token ids of shape (batch_size, seq_len) for the model's first nn.Embedding,
-    seq_len defaulting to the model config's maximum length (``max_seq_len``,
-    ``n_positions`` or ``max_position_embeddings``).
+    The factory returns ``(model, example_inputs, example_targets)``,
+    ``(model, example_inputs)`` or a model alone: then the inputs are token ids of
+    shape (batch_size, seq_len) for the model's first nn.Embedding, seq_len defaulting
+    to the model config's maximum length (``max_seq_len``, ``n_positions`` or
+    ``max_position_embeddings``). The targets are None when the factory gives none.
     """
     path, sep, attr = spec.rpartition(":")
     if not sep or not path or not attr:
@@ -180,14 +191,17 @@ def load(spec: str, *, batch_size: int = 1, seq_len: int | None = None,
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"{spec}() raised {type(e).__name__}: {e}") from None
     if isinstance(result, nn.Module):
-        return result, _guess_inputs(result, spec, batch_size, seq_len)
-    if isinstance(result, (tuple, list)) and len(result) == 2 and \
+        return result, _guess_inputs(result, spec, batch_size, seq_len), None
+    if isinstance(result, (tuple, list)) and len(result) in (2, 3) and \
             isinstance(result[0], nn.Module):
         inputs = tuple(result[1]) if isinstance(result[1], (tuple, list)) else (result[1],)
-        if inputs and all(isinstance(t, torch.Tensor) for t in inputs):
-            return result[0], inputs
-    raise ConfigError(f"{spec} must return a model or (model, example_inputs) with tensor "
-                      f"inputs, got {_kind(result)}")
+        targets = result[2] if len(result) == 3 else None
+        if inputs and all(isinstance(t, torch.Tensor) for t in inputs) and \
+                (targets is None or isinstance(targets, torch.Tensor)):
+            return result[0], inputs, targets
+    raise ConfigError(f"{spec} must return a model, (model, example_inputs) or (model, "
+                      f"example_inputs, example_targets) with tensor inputs and targets, got "
+                      f"{_kind(result)}")
 
 
 def _kind(v: Any) -> str:
