@@ -35,7 +35,8 @@ from autopar.runtime.codegen_pipeline import pipeline_text
 from autopar.runtime.lower import check_plan
 from autopar.runtime.mesh import needs_fsdp
 from autopar.runtime.pipeline import ZERO_BUBBLE_SCHEDULES
-from autopar.runtime.tensor_parallel import tied_parameter_groups
+from autopar.runtime.dtensor_layout import any_index
+from autopar.runtime.tensor_parallel import tied_parameter_groups, tp_layout
 
 __all__ = ["ModelFacts", "model_facts", "emit_program"]
 
@@ -142,129 +143,71 @@ def _arity(module: nn.Module, path: str) -> int:
                and p.default is p.empty)
 
 
-def style_expr(mp: ModulePlan, module: nn.Module) -> str | None:
-    """The parallel style realizing ``mp`` on ``module`` as program text, as
-    :func:`autopar.runtime.tensor_parallel.module_styles` builds it; None when the
-    module needs none."""
-    src, want, out = mp.input_layout, mp.desired_input_layout, mp.output_layout
-    if not any(True for _ in module.parameters(recurse=False)):
-        if src == want:
-            return None
-        rest = ", None" * (_arity(module, mp.path) - 1) or ","
-        return (f"PrepareModuleInput(input_layouts=({_layout(src)}{rest}), desired_input_layouts"
-                f"=({_layout(want)}{rest}), use_local_output=True)")
-    if mp.style == "colwise":
-        return "ColwiseParallel(" + _layouts(("input_layouts", src, "R"),
-                                             ("output_layouts", out, "S(-1)")) + ")"
-    if mp.style == "rowwise":
-        return "RowwiseParallel(" + _layouts(("input_layouts", src, "S(-1)"),
-                                             ("output_layouts", out, "R")) + ")"
-    if mp.style == "sequence_parallel" and src == want == out:
-        dim = want[2:-1]
-        return "SequenceParallel(" + ("" if dim == "1" else f"sequence_dim={dim}, ") + \
-            "use_local_output=True)"
-    return "ReplicateParallel(" + _layouts(("input_layout", src, "R"),
-                                           ("desired_input_layout", want, "R"),
-                                           ("output_layout", out, "R")) + ")"
+def _placement_expr(p: str) -> str:
+    """A placement as program text: ``Replicate()``, ``Shard(d)`` or ``Partial()``."""
+    return "Partial()" if p == "P" else _layout(p)
 
 
-def _layouts(*pairs: tuple[str, str, str]) -> str:
-    """Layout keyword arguments that differ from their defaults: (name, value, default)."""
-    return ", ".join(f"{k}={_layout(v)}" for k, v, d in pairs if v != d)
-
-
-def _entry(key: str, expr: str, comment: str, indent: str) -> str:
-    """One ``"path": Style(...),  # comment`` dict entry, wrapped to 99 columns."""
-    line = f'{indent}"{key}": {expr},  # {comment}'
-    if len(line) <= 99:
-        return line
-    head, _, args = expr.partition("(")
-    lines, cur = [f"{indent}# {key}: {comment}"], f'{indent}"{key}": {head}('
-    for arg in _split_args(args[:-1]):
-        if len(cur) + len(arg) + 2 > 99:
-            lines.append(cur.rstrip())
-            cur = indent + " " * 8
-        cur += arg + ", "
-    lines.append(cur[:-2] + "),")
-    return "\n".join(lines)
-
-
-def _split_args(text: str) -> list[str]:
-    """Top-level comma-separated arguments of a call's argument text."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
+def _per_block(table: dict[str, str], names: list[str]) -> dict[str, str]:
+    """``table`` with the entries that hold alike for every block written once, under
+    the name with ``*`` for the block index (:func:`~autopar.runtime.dtensor_layout.
+    any_index`, which the program's ``lookup`` reads back); ``names`` are all the
+    names of that kind the model has, in order."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(any_index(name), []).append(name)
+    out: dict[str, str] = {}
+    for key, members in groups.items():
+        values = {table.get(n) for n in members}
+        if len(members) > 1 and len(values) == 1 and None not in values:
+            out[key] = table[members[0]]
         else:
-            cur += ch
-    return out + ([cur.strip()] if cur.strip() else [])
+            out.update((n, table[n]) for n in members if n in table)
+    return out
 
 
-def _under(path: str, block: str) -> bool:
-    return path.startswith(block + ".")
+def _table(table: dict[str, str], comment: dict[str, str], indent: str) -> str:
+    """A dict literal of placements, one ``"key": Placement,  # comment`` a line."""
+    if not table:
+        return "{}"
+    lines = "\n".join(f'{indent}    "{k}": {_placement_expr(v)},  # {comment[k]}'
+                      for k, v in table.items())
+    return "{\n" + lines + "\n" + indent + "}"
 
 
-def _tp_section(plan: Plan, facts: ModelFacts,
-                pipelined: bool = False) -> tuple[str, set[str]]:
-    """``apply_tp`` and the style names it uses (on one stage when ``pipelined``)."""
+def _module_comment(mp: ModulePlan, model: nn.Module) -> str:
+    """A module's planned style and predicted forward + backward time."""
+    kind = type(model.get_submodule(mp.path)).__name__
+    style = "" if mp.style == "replicate" else f"{mp.style} "
+    return f"{style}{kind}, {_seconds(mp.time_s)}"
+
+
+def _tp_section(plan: Plan, facts: ModelFacts) -> str:
+    """``apply_tp``: the tables of :func:`~autopar.runtime.tensor_parallel.tp_layout`,
+    written once for all blocks where they agree, applied by the runtime's own
+    functions (:mod:`autopar.runtime.dtensor_layout`, copied into the program)."""
     model = facts.model
-    depth_first = sorted(plan.modules, key=lambda p: -len(p.split(".")) if p else 0)
-    styles: dict[str, tuple[str, float]] = {}
-    for path in depth_first:
-        expr = style_expr(plan.modules[path], model.get_submodule(path))
-        if expr is not None:
-            styles[path] = (expr, plan.modules[path].time_s)
-    groups: dict[tuple, list[str]] = {}
-    in_block: set[str] = set()
-    for block in plan.blocks:
-        own = [(p[len(block) + 1:], e) for p, (e, _) in styles.items() if _under(p, block)]
-        in_block.update(p for p in styles if _under(p, block))
-        groups.setdefault(tuple(own), []).append(block)
-    parts = []
-    for entries, blocks in groups.items():
-        if not entries:
-            continue
-        cost = sum(styles[f"{blocks[0]}.{rel}"][1] for rel, _ in entries)
-        lines = "\n".join(_entry(rel, e, _seconds(styles[f"{blocks[0]}.{rel}"][1]), " " * 12)
-                          for rel, e in entries)
-        parts.append(T.BLOCK_TP.substitute(blocks=_blocks_expr(model, blocks, pipelined),
-                                           cost=_seconds(cost), entries=lines))
-    root = [(p, e, t) for p, (e, t) in styles.items() if p not in in_block]
-    if root:
-        lines = "\n".join(_entry(p, e, _seconds(t), " " * 8) for p, e, t in root)
-        if pipelined:
-            parts.append(f"    parallelize_module(model, tp_mesh, local_plan(model, {{\n{lines}"
-                         "\n    }))")
-        else:
-            parts.append(f"    parallelize_module(model, tp_mesh, {{\n{lines}\n    }})")
-    parts += _retie_lines(plan, facts.tied) if pipelined else [
-        "\n".join(f"    {_attr(n)} = {_attr(names[0])}  # tied: one parameter again"
-                  for n in names[1:]) for names in facts.tied]
-    sp = " and sequence" if any(e.startswith("SequenceParallel") for e, _ in styles.values()) \
-        else ""
-    used = {e.partition("(")[0] for e, _ in styles.values()}
-    return T.APPLY_TP.substitute(sp_text=sp, tp=plan.degree("tp"), body="\n".join(parts)), used
+    layout = tp_layout(plan, model)
+    params = _per_block(layout.params, [n for n, _ in model.named_parameters(
+        remove_duplicate=False)])
+    paths = [p for p, _ in model.named_modules(remove_duplicate=False)]
+    inputs, outputs = _per_block(layout.inputs, paths), _per_block(layout.outputs, paths)
+    generic = {any_index(p): mp for p, mp in reversed(layout.modules.items())}
+    mp_of = {**generic, **layout.modules}
 
+    def comment(key: str, module_key: str, prefix: str = "") -> str:
+        mp = mp_of.get(module_key)
+        return prefix + (_module_comment(mp, model) if mp else "")
 
-def _retie_lines(plan: Plan, tied: list[list[str]]) -> list[str]:
-    """Re-tying, in a pipelined program, of the names of a tied parameter that one
-    stage holds together (names on other stages hold copies, see untie_across_stages)."""
-    assert plan.pipeline is not None
-    parts = []
-    for names in tied:
-        for st in plan.pipeline.stages:
-            here = [n for n in names if any(n.startswith(u + ".") for u in st.units)]
-            if len(here) > 1:
-                owner = here[0].rpartition(".")[0]
-                parts.append(f'    if local_modules(model, ("{owner}",)):  # tied on stage '
-                             f"{st.index}: one parameter again\n" + "\n".join(
-                                 f"        {_attr(n)} = {_attr(here[0])}" for n in here[1:]))
-    return parts
+    param_notes = {k: comment(k, k.rpartition(".")[0]) for k in params}
+    input_notes = {k: comment(k, k, f"from {_placement_expr(mp_of[k].input_layout)}: ")
+                   for k in inputs}
+    output_notes = {k: comment(k, k) for k in outputs}
+    sp = " and sequence" if plan.sequence_parallel else ""
+    return T.APPLY_TP.substitute(
+        sp_text=sp, tp=plan.degree("tp"),
+        params=_table(params, param_notes, " " * 4), inputs=_table(inputs, input_notes, " " * 4),
+        outputs=_table(outputs, output_notes, " " * 4))
 
 
 def _ac_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str:
@@ -367,9 +310,11 @@ _IMPORTS = MappingProxyType({  # name used in the program -> the import that pro
     "Path": "from pathlib import Path", "Any": "from typing import Any",
     "torch": "import torch", "dist": "import torch.distributed as dist",
     "dcp": "import torch.distributed.checkpoint as dcp", "F": "import torch.nn.functional as F",
-    "nn": "from torch import nn", "fx": "from torch import fx",
+    "nn": "from torch import nn", "fx": "from torch import fx", "contextlib": "import contextlib",
+    "re": "import re", "operator": "import operator",
 })
 _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
+    "Iterator": "collections.abc", "Mapping": "collections.abc",
     "get_state_dict": "torch.distributed.checkpoint.state_dict",
     "set_state_dict": "torch.distributed.checkpoint.state_dict",
     "DeviceMesh": "torch.distributed.device_mesh",
@@ -378,6 +323,8 @@ _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "fully_shard": "torch.distributed.fsdp", "DTensor": "torch.distributed.tensor",
     "Placement": "torch.distributed.tensor", "Replicate": "torch.distributed.tensor",
     "Shard": "torch.distributed.tensor", "distribute_module": "torch.distributed.tensor",
+    "Partial": "torch.distributed.tensor", "distribute_tensor": "torch.distributed.tensor",
+    "register_sharding": "torch.distributed.tensor.experimental",
     "ColwiseParallel": "torch.distributed.tensor.parallel",
     "ParallelStyle": "torch.distributed.tensor.parallel",
     "PrepareModuleInput": "torch.distributed.tensor.parallel",
@@ -392,6 +339,9 @@ _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "ScheduleZBVZeroBubble": "torch.distributed.pipelining",
     "CheckpointPolicy": "torch.utils.checkpoint", "checkpoint": "torch.utils.checkpoint",
     "create_selective_checkpoint_contexts": "torch.utils.checkpoint",
+    "ConstantArgument": "torch.export.graph_signature",
+    "InputKind": "torch.export.graph_signature", "OutputKind": "torch.export.graph_signature",
+    "TensorArgument": "torch.export.graph_signature",
 })
 
 
@@ -421,7 +371,7 @@ def _imports(code: str) -> str:
         line = f"from {mod} import {', '.join(modules[mod])}"
         if len(line) > 99:
             line = f"from {mod} import (\n    " + ",\n    ".join(modules[mod]) + ",\n)"
-        froms.append(line)
+        (froms if mod.startswith("torch") else std).append(line)
     std = sorted(std, key=lambda s: (s.startswith("from"), s))
     return "\n".join(std) + "\n\n" + "\n".join(plain + froms)
 
@@ -464,10 +414,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     extra = ""
     target = "stage" if pipelined else "model"
     if plan.degree("tp") > 1:
-        tp_text, styles = _tp_section(plan, facts, pipelined)
-        if "ReplicateParallel" in styles:
-            sections.append(T.REPLICATE_STYLE.template)
-        sections.append(tp_text)
+        sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts)]
         layout.append(f'apply_tp({target}, mesh["tp"])')
     if any(m != "none" for m in plan.recompute.values()):
         if "selective" in plan.recompute.values():
@@ -490,7 +437,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
     sections += [T.DATA.substitute(synthetic_what=what), T.LOSS.template]
     if pipelined:
-        pipe = pipeline_text(plan, model_facts(model_spec).model, layout, partial, dp_mean)
+        pipe = pipeline_text(plan, model_facts(model_spec), layout, partial, dp_mean)
         extra = pipe.constants + extra
         *split, materialize_stage, schedule = pipe.sections
         sections[2:2] = split  # the splitter first, as main runs it first
@@ -504,7 +451,8 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         if fsdp_mesh and plan.zero < 3 and plan.num_microbatches > 1:
             sync = ("        model.set_requires_gradient_sync(i == NUM_MICROBATCHES - 1)  "
                     "# reduce once\n")
-        sections.append(T.TRAIN_STEP.substitute(sync=sync, after=after))
+        fb = T.FORWARD_BACKWARD_TP if plan.degree("tp") > 1 else T.FORWARD_BACKWARD
+        sections.append(T.TRAIN_STEP.substitute(sync=sync, after=after, forward_backward=fb))
         build = T.BUILD.substitute(layout="".join(f"    {line}\n" for line in layout))
         step_args = "model, mesh, inputs, targets, device"
     # a pipelined rank's optimizer groups name its own stages: a key per pp rank,

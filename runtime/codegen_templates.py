@@ -13,11 +13,13 @@ from __future__ import annotations
 import inspect
 from string import Template
 
+from autopar.runtime import dtensor_layout as _layout
 from autopar.runtime import materialize as _materialize
 
-__all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "REPLICATE_STYLE", "APPLY_TP",
-           "BLOCK_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS", "MATERIALIZE",
-           "PARTIAL_GRADS", "DATA", "LOSS", "TRAIN_STEP", "CHECKPOINT", "BUILD", "MAIN"]
+__all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "APPLY_TP",
+           "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS", "MATERIALIZE",
+           "PARTIAL_GRADS", "DATA", "LOSS", "TRAIN_STEP", "FORWARD_BACKWARD",
+           "FORWARD_BACKWARD_TP", "CHECKPOINT", "BUILD", "MAIN"]
 
 PROGRAM = Template('''\
 $header
@@ -64,56 +66,26 @@ def build_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, $shape,${sep}mesh_dim_names=$names)''')
 """``init_device_mesh`` with the plan's axes."""
 
-REPLICATE_STYLE = Template('''\
-def as_layout(x: Any, mesh: DeviceMesh, src: Placement, dst: Placement) -> Any:
-    """Read a local tensor as ``src`` on ``mesh`` and redistribute it to ``dst``."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (src,), run_check=False)
-    return x if x.placements == (dst,) else x.redistribute(placements=(dst,))
-
-
-class ReplicateParallel(ParallelStyle):
-    """Parameters replicated over tp, computing on DTensors: the first input is read as
-    ``input_layout`` and redistributed to ``desired_input_layout``, the output is
-    redistributed to ``output_layout`` and handed on as a local tensor. (The stock
-    styles have no replicated-parameter style with layout changes.)"""
-
-    def __init__(self, input_layout: Placement = Replicate(),
-                 desired_input_layout: Placement = Replicate(),
-                 output_layout: Placement = Replicate()) -> None:
-        super().__init__()
-        self.layouts = (input_layout, desired_input_layout, output_layout)
-
-    def _inputs(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        src, dst, _ = self.layouts
-        rest = tuple(as_layout(x, mesh, Replicate(), Replicate()) for x in inputs[1:])
-        return (as_layout(inputs[0], mesh, src, dst),) + rest
-
-    def _outputs(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
-        out = self.layouts[2]
-        if isinstance(output, DTensor):
-            return output.redistribute(placements=(out,)).to_local()
-        return output
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, None, self._inputs, self._outputs)''')
-"""The one custom parallel style, emitted only when a plan needs it."""
+DTENSOR_LAYOUT = Template("\n\n".join(inspect.getsource(f) for f in (
+    _layout.any_index, _layout.lookup, _layout.plain_as_replicated, _layout.place_parameters,
+    _layout._Relayout, _layout._redistribute, _layout._first_tensor, _layout._input_hook, _layout._output_hook,
+    _layout.relayout_modules, _layout._to_dtensor, _layout._to_local, _layout.distribute_io,
+    _layout._attention_strategies, _layout.register_cpu_attention_sharding)))
+"""DTensors from input to output: the runtime's own functions
+(:mod:`autopar.runtime.dtensor_layout`), copied into the program."""
 
 APPLY_TP = Template('''\
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Tensor$sp_text parallelism over tp=$tp: one parallel style per module, innermost
-    modules first; each comment is the module's predicted forward + backward time."""
-$body''')
-"""Tensor parallelism: per-block plans, the root plan, re-tying shared weights."""
-
-BLOCK_TP = Template('''\
-    for block in $blocks:  # $cost per block
-        parallelize_module(block, tp_mesh, {
-$entries
-        })''')
-"""One ``parallelize_module`` per block of a group of blocks with the same layer plan."""
+    """Tensor$sp_text parallelism over tp=$tp. Every parameter becomes a DTensor (split as
+    listed, "*" standing for any block index; the rest replicated); activations stay
+    DTensors through the model's own code, so its shapes are global; the listed modules'
+    first input and output are redistributed where the plan changes layout. Comments
+    give each module's style and predicted forward + backward time per step."""
+    register_cpu_attention_sharding()
+    place_parameters(model, tp_mesh, $params)
+    relayout_modules(model, inputs=$inputs, outputs=$outputs)
+    distribute_io(model, tp_mesh)''')
+"""Tensor parallelism: the plan's tables applied by the runtime's functions."""
 
 SELECTIVE_POLICY = Template('''\
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -207,12 +179,24 @@ def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, .
     total = torch.zeros((), device=device)
     for i in range(NUM_MICROBATCHES):
 $sync        part = slice(start + i * MICROBATCH_SIZE, start + (i + 1) * MICROBATCH_SIZE)
+$forward_backward        total += loss.detach().float()
+$after    return total''')
+"""One training step without a pipeline."""
+
+FORWARD_BACKWARD = '''\
         output = model(*(x[part] for x in inputs))
         loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
         loss.backward()
-        total += loss.detach().float()
-$after    return total''')
-"""One training step without a pipeline."""
+'''
+"""A micro-batch's forward and backward."""
+
+FORWARD_BACKWARD_TP = '''\
+        with plain_as_replicated():  # tensors the forward makes meet DTensors as replicated
+            output = model(*(x[part] for x in inputs))
+            loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
+            loss.backward()
+'''
+"""A micro-batch's forward and backward under tensor parallelism."""
 
 CHECKPOINT = Template('''\
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,

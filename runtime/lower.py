@@ -38,7 +38,8 @@ from autopar.runtime.pipeline import (LossFn, PipelineRuntime, build_pipeline_sc
                                       split_for_plan, tied_process_groups)
 from autopar.runtime.recompute import apply_ac, check_recompute
 from autopar.runtime.tensor_parallel import (apply_tensor_parallel, check_module_plan,
-                                             style_placements, tied_parameter_groups)
+                                             check_param_placement, tied_parameter_groups,
+                                             tp_placement)
 
 __all__ = ["check_process_group", "check_plan", "default_device", "lower", "lower_pipeline"]
 
@@ -94,8 +95,8 @@ def _allowed_dp(plan: Plan) -> set[str]:
 
 
 def _check_params(model: nn.Module, plan: Plan, groups: list[list[str]]) -> None:
-    """Each parameter's planned placements must be what its module's style (tp) and
-    ``plan.zero`` (dp) produce; tied parameters must get one placement."""
+    """Every parameter has placements: on tp replicated or a split of one of its dims,
+    on dp what ``plan.zero`` produces; tied parameters get one placement."""
     axes = list(plan.stage_mesh)
     allowed_dp = _allowed_dp(plan)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -104,13 +105,9 @@ def _check_params(model: nn.Module, plan: Plan, groups: list[list[str]]) -> None
         raise LoweringError(f"plan.params names parameter '{unknown[0]}', which the model does "
                             f"not have; was the plan made for another model (plan.model = "
                             f"'{plan.model}')? Re-plan for this model")
-    tp_of: dict[str, tuple[str, str, str]] = {}
-    for fqn, _ in model.named_parameters(remove_duplicate=False):
+    for fqn, param in model.named_parameters(remove_duplicate=False):
         path, _, local = fqn.rpartition(".")
         mp = plan.modules.get(path)
-        style = mp.style if mp else "replicate"
-        want = style_placements(model.get_submodule(path), style)[local]
-        tp_of[fqn] = (want, style, path)
         planned = plan.params.get(fqn)
         if planned is None:
             raise LoweringError(f"the plan gives no placements for parameter '{fqn}'; plan.params "
@@ -119,46 +116,31 @@ def _check_params(model: nn.Module, plan: Plan, groups: list[list[str]]) -> None
             raise LoweringError(f"the plan disagrees with itself on '{fqn}': plan.params has "
                                 f"{planned} but modules['{path}'].params has {mp.params[local]}; "
                                 f"make the two agree (re-plan)")
+        check_param_placement(fqn, param, tp_placement(plan, planned))
         got = dict(zip(axes, planned))
-        if got.get("tp", "R") != want:
-            raise LoweringError(
-                f"parameter '{fqn}' is planned as {planned} on {tuple(axes)}, but the style "
-                f"'{style}' of module '{path}' ({type(model.get_submodule(path)).__name__}) "
-                f"places it as '{want}' on tp; make plan.params and the module's style agree")
         if got.get("dp", "R") not in allowed_dp:
             raise LoweringError(
                 f"parameter '{fqn}' is planned as {planned} on {tuple(axes)}, but zero="
                 f"{plan.zero} over dp={plan.degree('dp')} places it as "
                 f"{' or '.join(repr(p) for p in sorted(allowed_dp))} on dp; make plan.params "
                 f"agree with plan.zero")
-    for names in groups:
-        if len({tp_of[n][0] for n in names}) > 1:
-            how = " and ".join(f"'{tp_of[n][0]}' ({tp_of[n][2]}, {tp_of[n][1]})" for n in names)
+    for group in groups:
+        tps = {tp_placement(plan, plan.params[n]) for n in group}
+        if len(tps) > 1:
             raise LoweringError(
-                f"parameters {' and '.join(repr(n) for n in names)} are one tied tensor, but "
-                f"the styles give it different tp placements: {how}; give the modules styles "
-                f"that place it alike (an Embedding 'rowwise' with a Linear 'colwise', an "
-                f"Embedding 'colwise' with a Linear 'rowwise', or both 'replicate')")
+                f"parameters {' and '.join(repr(n) for n in group)} are one tied tensor, but "
+                f"the plan places them differently on tp ({', '.join(sorted(tps))}); give "
+                f"them one placement (re-plan)")
 
 
 def check_plan(model: nn.Module, plan: Plan) -> list[list[str]]:
     """Check that ``plan`` can be lowered onto ``model``; return the tied parameter
     groups. Raises LoweringError naming what is wrong and what to try."""
     _check_shape(plan)
-    tp = plan.degree("tp")
     for path in plan.blocks:
         _module(model, path, plan, "plan.blocks")
     for path, mp in plan.modules.items():
-        module = _module(model, path, plan, "plan.modules")
-        parent = model.get_submodule(path.rpartition(".")[0]) if path else None
-        check_module_plan(path, module, mp, tp, parent)
-    if tp > 1:
-        for path, m in model.named_modules():
-            if path not in plan.modules and any(True for _ in m.parameters(recurse=False)):
-                raise LoweringError(f"module '{path}' ({type(m).__name__}) owns parameters but "
-                                    f"the plan has no entry for it in plan.modules; with tp="
-                                    f"{tp} every such module needs a style (re-plan for this "
-                                    f"model)")
+        check_module_plan(path, _module(model, path, plan, "plan.modules"), mp)
     check_recompute(plan)
     groups = tied_parameter_groups(model)
     _check_params(model, plan, groups)

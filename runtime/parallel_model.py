@@ -16,6 +16,7 @@ from autopar.errors import ConfigError
 from autopar.plans import Plan
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
+from autopar.runtime.dtensor_layout import plain_as_replicated
 from autopar.runtime.tensor_parallel import reduce_partial_gradients
 
 __all__ = ["ParallelModel", "apply_plan"]
@@ -70,7 +71,8 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             raise ConfigError("a pipelined model runs only through step(inputs, targets); "
                               "each rank holds only its own stages")
-        return self.module(*inputs, **kwargs)
+        with plain_as_replicated():
+            return self.module(*inputs, **kwargs)
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         return _loss(self.loss_fn, output, targets)
@@ -122,8 +124,9 @@ class ParallelModel(nn.Module):
                 self.module.set_requires_gradient_sync(i == n - 1)
             part = slice(i * mb, (i + 1) * mb)
             local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
-            loss = self._loss(self(*local), targets[part]) / n
-            loss.backward()
+            with plain_as_replicated():  # plain tensors the forward makes meet DTensors
+                loss = self._loss(self(*local), targets[part]) / n
+                loss.backward()
             total += loss.detach().float()
         if not fsdp:
             reduce_partial_gradients(self.module)

@@ -1,264 +1,114 @@
-"""Tensor and sequence parallelism: each :class:`~autopar.plans.ModulePlan` becomes
-PyTorch parallel styles applied with ``parallelize_module`` on the ``tp`` mesh.
+"""Tensor and sequence parallelism of a Plan, read from the plan's placements alone.
 
-* colwise Linear: ``ColwiseParallel(input_layouts=in, output_layouts=out)``;
-  weight and bias ``S(0)`` on tp;
-* colwise Embedding: ``ColwiseParallel(...)``; weight ``S(1)``;
-* rowwise Linear: ``RowwiseParallel(input_layouts=in, output_layouts=out)``; weight
-  ``S(1)``, bias ``R``;
-* rowwise Embedding: ``RowwiseParallel(...)``; weight ``S(0)`` (vocabulary-parallel);
-* sequence_parallel: ``SequenceParallel(sequence_dim=d)`` for desired ``S(d)``, with a
-  ``PrepareModuleInput`` before it / ``PrepareModuleOutput`` after it when the input /
-  output layout differs from ``S(d)``; parameters ``R``;
-* replicate: :class:`ReplicateParallel`; parameters ``R``;
-* replicate, for a module without parameters of its own: :class:`PrepareFirstInput`
-  when its input and desired layouts differ.
-
-Every style reads its module's input as a local tensor with the plan's
-``input_layout``, redistributes it to ``desired_input_layout`` and hands its output on
-as a local tensor with ``output_layout``; between modules the model runs on plain
-local tensors, as in torchtitan. A ModulePlan for a module without parameters of
-its own (style "replicate") only converts its first input, e.g. gathering the
-sequence before an attention module that reads the sequence length from its input;
-its output is whatever its submodules hand on. A parameter shared by several
-modules (tied embeddings) gets one placement from its first owner and is re-tied
-after the styles are applied, so it stays one parameter with one gradient.
+:func:`tp_layout` turns a plan into three tables — each sharded parameter's ``tp``
+placement, and the modules whose first input or output the plan re-lays out — and
+:func:`apply_tensor_parallel` applies them with :mod:`autopar.runtime.dtensor_layout`
+(parameters as DTensors whatever module owns them, activations DTensors through the
+user's code, layout changes at module boundaries). The emitted program
+(:mod:`autopar.runtime.codegen`) prints the same tables and carries the same
+functions, so both lay a model out alike.
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Any
+from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle,
-                                               PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.errors import LoweringError
 from autopar.plans import ModulePlan, Plan
+from autopar.runtime.dtensor_layout import (distribute_io, place_parameters,
+                                            register_cpu_attention_sharding, relayout_modules)
 from autopar.sharding import parse_placement
 
-__all__ = ["ReplicateParallel", "PrepareFirstInput", "style_placements", "module_styles",
-           "check_module_plan", "tied_parameter_groups", "apply_tensor_parallel",
-           "reduce_partial_gradients"]
-
-_SHARDED = MappingProxyType({  # (module kind, style) -> tp placement of the split parameters
-    ("Linear", "colwise"): {"weight": "S(0)", "bias": "S(0)"},
-    ("Linear", "rowwise"): {"weight": "S(1)", "bias": "R"},
-    ("Embedding", "colwise"): {"weight": "S(1)"},
-    ("Embedding", "rowwise"): {"weight": "S(0)"},
-})
+__all__ = ["TPLayout", "tp_layout", "check_module_plan", "tied_parameter_groups",
+           "apply_tensor_parallel", "reduce_partial_gradients", "tp_placement"]
 
 
-def _as_layout(x: Any, mesh: DeviceMesh, src: Placement, dst: Placement) -> Any:
-    """Read ``x`` (a local tensor, or already a DTensor) as ``src`` and redistribute it
-    to ``dst``; anything that is not a tensor passes through."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (src,), run_check=False)
-    return x if x.placements == (dst,) else x.redistribute(placements=(dst,))
+@dataclass
+class TPLayout:
+    """What tensor parallelism does to one model (or one pipeline stage).
 
-
-class ReplicateParallel(ParallelStyle):
-    """Parameters (and buffers) replicated over the tp mesh, computing on DTensors.
-
-    The first input is read as ``input_layout`` and redistributed to
-    ``desired_input_layout`` (other tensor inputs are read as replicated); the output
-    is redistributed to ``output_layout`` and, with ``use_local_output``, handed on as
-    a local tensor. A replicated parameter used on a split activation gets a partial
-    gradient, which is reduced to its replicated placement after backward.
+    Attributes:
+        params: parameter name -> its ``tp`` placement, for the sharded ones (every
+            other parameter is replicated over ``tp``).
+        inputs: module path -> the layout its first input is redistributed to.
+        outputs: module path -> the layout its output is redistributed to.
+        modules: module path -> its ModulePlan (for comments: style, predicted time).
     """
 
-    def __init__(self, *, input_layout: Placement = Replicate(),
-                 desired_input_layout: Placement = Replicate(),
-                 output_layout: Placement = Replicate(), use_local_output: bool = True) -> None:
-        super().__init__()
-        self.input_layout = input_layout
-        self.desired_input_layout = desired_input_layout
-        self.output_layout = output_layout
-        self.use_local_output = use_local_output
-
-    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        first = (_as_layout(inputs[0], mesh, self.input_layout, self.desired_input_layout),) \
-            if inputs else ()
-        return first + tuple(_as_layout(x, mesh, Replicate(), Replicate()) for x in inputs[1:])
-
-    def _prepare_output(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-        def convert(o: Any) -> Any:
-            if not isinstance(o, DTensor):
-                return o
-            if o.placements != (self.output_layout,):
-                o = o.redistribute(placements=(self.output_layout,))
-            return o.to_local() if self.use_local_output else o
-
-        if isinstance(outputs, tuple):
-            return tuple(convert(o) for o in outputs)
-        return convert(outputs)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, None, self._prepare_input,
-                                 self._prepare_output)
-
-    def __repr__(self) -> str:
-        return (f"ReplicateParallel(input_layout={self.input_layout}, desired_input_layout="
-                f"{self.desired_input_layout}, output_layout={self.output_layout})")
+    params: dict[str, str] = field(default_factory=dict)
+    inputs: dict[str, str] = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)
+    modules: dict[str, ModulePlan] = field(default_factory=dict)
 
 
-class PrepareFirstInput(ParallelStyle):
-    """A layout conversion at a module without parameters of its own, e.g. an
-    attention module under sequence parallelism, whose code reads the sequence length
-    from its input (torchtitan puts a ``PrepareModuleInput`` there). The first
-    positional input is read as ``input_layout``, redistributed to
-    ``desired_input_layout`` and handed in as a local tensor; other inputs (rotary
-    tables, masks) and the output pass through, whatever their number."""
-
-    def __init__(self, *, input_layout: Placement, desired_input_layout: Placement) -> None:
-        super().__init__()
-        self.input_layout = input_layout
-        self.desired_input_layout = desired_input_layout
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def hook(_: nn.Module, inputs: tuple) -> tuple:
-            if not inputs or not isinstance(inputs[0], torch.Tensor):
-                return inputs
-            x = _as_layout(inputs[0], device_mesh, self.input_layout, self.desired_input_layout)
-            return (x.to_local(),) + tuple(inputs[1:])
-
-        module.register_forward_pre_hook(hook)
-        return module
-
-    def __repr__(self) -> str:
-        return (f"PrepareFirstInput(input_layout={self.input_layout}, desired_input_layout="
-                f"{self.desired_input_layout})")
+def tp_placement(plan: Plan, placements: list[str]) -> str:
+    """The ``tp`` component of a parameter's per-axis placements in ``plan``."""
+    axes = list(plan.stage_mesh)
+    return dict(zip(axes, placements)).get("tp", "R")
 
 
-def _kind(module: nn.Module) -> str | None:
-    if isinstance(module, nn.Linear):
-        return "Linear"
-    if isinstance(module, nn.Embedding):
-        return "Embedding"
-    return None
+def _relaid(mp: ModulePlan) -> bool:
+    """Whether the module's output may need a layout change: a split or partial
+    result, or a computation on a split input."""
+    return mp.style != "replicate" or mp.output_layout != "R" or mp.desired_input_layout != "R"
 
 
-def style_placements(module: nn.Module, style: str) -> dict[str, str]:
-    """The tp-axis placement ``style`` gives each of ``module``'s own parameters."""
-    table = _SHARDED.get((_kind(module) or "", style), {})
-    return {name: table.get(name, "R") for name, _ in module.named_parameters(recurse=False)}
-
-
-def _owns_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
-
-
-def module_styles(mp: ModulePlan, module: nn.Module) -> list[ParallelStyle]:
-    """The torch parallel styles realizing ``mp`` on ``module``, in the order to apply
-    them (the plan is assumed checked by :func:`check_module_plan`)."""
-    src, want, out = (parse_placement(p) for p in (mp.input_layout, mp.desired_input_layout,
-                                                   mp.output_layout))
-    if not _owns_parameters(module):
-        return [] if src == want else [PrepareFirstInput(input_layout=src,
-                                                         desired_input_layout=want)]
-    if mp.style == "colwise":
-        return [ColwiseParallel(input_layouts=src, output_layouts=out, use_local_output=True)]
-    if mp.style == "rowwise":
-        return [RowwiseParallel(input_layouts=src, output_layouts=out, use_local_output=True)]
-    if mp.style == "sequence_parallel":
-        styles: list[ParallelStyle] = []
-        if src != want:
-            styles.append(PrepareModuleInput(input_layouts=(src,), desired_input_layouts=(want,),
-                                             use_local_output=True))
-        styles.append(SequenceParallel(sequence_dim=want.dim, use_local_output=out == want))
-        if out != want:
-            styles.append(PrepareModuleOutput(output_layouts=(want,),
-                                              desired_output_layouts=(out,), use_local_output=True))
-        return styles
-    return [ReplicateParallel(input_layout=src, desired_input_layout=want, output_layout=out)]
-
-
-def _fail(path: str, module: nn.Module, style: str, what: str, fix: str) -> LoweringError:
-    kind = type(module).__name__
-    return LoweringError(f"module '{path}' ({kind}, style '{style}') {what}; {fix}")
-
-
-def check_module_plan(path: str, module: nn.Module, mp: ModulePlan, tp: int,
-                      parent: nn.Module | None) -> None:
-    """Raise LoweringError when the styles cannot realize ``mp`` on ``module`` at
-    tensor-parallel degree ``tp``: layouts a style cannot take or produce, a style the
-    module type lacks, or a split dim (or head count) that ``tp`` does not divide."""
-    style = mp.style
-    for field in ("input_layout", "desired_input_layout", "output_layout"):
-        value = getattr(mp, field)
-        if value == "P":
-            raise _fail(path, module, style, f"has {field} 'P'",
-                        "a partial sum cannot pass between modules as a local tensor: plan 'R' "
-                        "or 'S(d)' there (reduce inside the module)")
-        parse_placement(value)
-    kind = _kind(module)
-    want = mp.desired_input_layout
-    if not _owns_parameters(module):
-        if style != "replicate":
-            raise _fail(path, module, style, "owns no parameters of its own",
-                        "plan the style 'replicate' (a conversion of its first input's layout) "
-                        "for it, and styles for its submodules")
-        return
-    if style in ("colwise", "rowwise"):
-        if kind is None:
-            raise _fail(path, module, style, "is neither nn.Linear nor nn.Embedding",
-                        "colwise/rowwise apply to Linear and Embedding only; use 'replicate' "
-                        "or 'sequence_parallel'")
-        needs_split = style == "rowwise" and kind == "Linear"
-        last_dim = want.startswith("S(") and (want == "S(-1)" or int(want[2:-1]) >= 2)
-        if needs_split and not last_dim:
-            raise _fail(path, module, style, f"computes on its input split along the last dim, "
-                        f"but desired_input_layout is '{want}'", "plan desired_input_layout "
-                        "'S(-1)' for a rowwise Linear")
-        if not needs_split and want != "R":
-            raise _fail(path, module, style, f"computes on a replicated input, but "
-                        f"desired_input_layout is '{want}'", f"plan desired_input_layout 'R' "
-                        f"for a {style} {kind}")
-    elif style == "sequence_parallel":
-        if not want.startswith("S("):
-            raise _fail(path, module, style, f"computes on a sequence-split input, but "
-                        f"desired_input_layout is '{want}'", "plan 'S(1)' (the sequence dim) or "
-                        "the style 'replicate'")
-        if any(m is not module and any(True for _ in m.parameters(recurse=False))
-               for m in module.modules()):
-            raise _fail(path, module, style, "has submodules with parameters",
-                        "plan sequence_parallel on the leaf modules (the norms) instead")
-    if tp > 1:
-        _check_divisible(path, module, mp, tp, parent)
-
-
-def _check_divisible(path: str, module: nn.Module, mp: ModulePlan, tp: int,
-                     parent: nn.Module | None) -> None:
-    for name, placement in style_placements(module, mp.style).items():
-        if placement == "R":
+def tp_layout(plan: Plan, model: nn.Module) -> TPLayout:
+    """The tables :func:`apply_tensor_parallel` applies to ``model`` (the whole model,
+    or a pipeline stage holding part of it: entries for what it lacks are left out)."""
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    paths = {p for p, _ in model.named_modules(remove_duplicate=False)}
+    out = TPLayout()
+    for fqn, placements in plan.params.items():
+        p = tp_placement(plan, placements)
+        if fqn in names and p != "R":
+            out.params[fqn] = p
+    for path, mp in plan.modules.items():
+        if path not in paths or not path:
             continue
-        dim = int(placement[2:-1])
-        size = getattr(module, name).shape[dim]
-        if size % tp:
-            raise _fail(path, module, mp.style, f"splits {name} dim {dim} of size {size} over "
-                        f"tp={tp}, which does not divide it", f"choose a tp that divides {size}, "
-                        f"or the style 'replicate' for '{path}'")
-    head_dim = getattr(parent, "head_dim", None)
-    if isinstance(module, nn.Linear) and mp.style in ("colwise", "rowwise") and \
-            isinstance(head_dim, int) and head_dim > 0:
-        features = module.out_features if mp.style == "colwise" else module.in_features
-        heads = features // head_dim
-        if features % head_dim == 0 and heads % tp:
-            side = "output" if mp.style == "colwise" else "input"
-            owner = path.rpartition(".")[0]
-            raise _fail(path, module, mp.style, f"splits its {features} {side} features, "
-                        f"{heads} heads of size {head_dim}, over tp={tp}, which does not divide "
-                        f"{heads} heads", f"choose a tp that divides {heads}, or give the "
-                        f"projections of '{owner}' the style 'replicate'")
+        out.modules[path] = mp
+        if mp.input_layout != mp.desired_input_layout:
+            out.inputs[path] = mp.desired_input_layout
+        if _relaid(mp):
+            out.outputs[path] = mp.output_layout
+    return out
+
+
+def check_module_plan(path: str, module: nn.Module, mp: ModulePlan) -> None:
+    """Raise LoweringError when ``mp`` names a layout that is not a placement, or a
+    parameter ``module`` does not own."""
+    for name in ("input_layout", "desired_input_layout", "output_layout"):
+        try:
+            parse_placement(getattr(mp, name))
+        except Exception as e:  # noqa: BLE001 — the plan's text, reported with its module
+            raise LoweringError(f"module '{path}' ({type(module).__name__}) has {name} "
+                                f"{getattr(mp, name)!r}, which is not a placement ({e}); "
+                                f"re-plan for this model") from None
+    own = {n for n, _ in module.named_parameters(recurse=False)}
+    for local in mp.params:
+        if local not in own:
+            raise LoweringError(f"modules['{path}'].params names '{local}', which module "
+                                f"'{path}' ({type(module).__name__}) does not own; was the "
+                                f"plan made for another model? Re-plan for this model")
+
+
+def check_param_placement(fqn: str, param: nn.Parameter, placement: str) -> None:
+    """A parameter's ``tp`` placement must be replicated or a split of one of its dims."""
+    if placement == "R":
+        return
+    if not placement.startswith("S("):
+        raise LoweringError(f"parameter '{fqn}' is planned as '{placement}' on tp; a "
+                            f"parameter is either replicated ('R') or split ('S(d)'): re-plan")
+    dim = int(placement[2:-1])
+    if not -param.dim() <= dim < param.dim():
+        raise LoweringError(f"parameter '{fqn}' of shape {tuple(param.shape)} is planned as "
+                            f"'{placement}' on tp, but it has no dim {dim}; was the plan made "
+                            f"for another model? Re-plan for this model")
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
@@ -270,32 +120,22 @@ def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def _retie(model: nn.Module, groups: list[list[str]]) -> None:
-    """Point every alias of a tied parameter at its first owner's (distributed) one."""
-    for names in groups:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner_path, _, local = name.rpartition(".")
-            owner = model.get_submodule(owner_path)
-            current = getattr(owner, local)
-            if getattr(current, "placements", None) != getattr(first, "placements", None):
-                raise LoweringError(f"tied parameters '{names[0]}' and '{name}' were given "
-                                    f"different placements ({getattr(first, 'placements', None)} "
-                                    f"and {getattr(current, 'placements', None)}); give their "
-                                    "modules styles that place the tensor alike")
-            owner.register_parameter(local, first)
+def _placements(table: dict[str, str]) -> dict[str, Placement]:
+    return {k: parse_placement(v) for k, v in table.items()}
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
-    """Apply every ModulePlan's styles with ``parallelize_module`` on ``tp_mesh``
-    (innermost modules first, so a parent's style never touches a planned child),
-    then re-tie shared parameters."""
-    groups = tied_parameter_groups(model)
-    for path in sorted(plan.modules, key=lambda p: -len(p.split(".")) if p else 0):
-        module = model.get_submodule(path)
-        for style in module_styles(plan.modules[path], module):
-            parallelize_module(module, tp_mesh, style)
-    _retie(model, groups)
+def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *,
+                          root: bool = True) -> TPLayout:
+    """Lay ``model`` out over ``tp_mesh`` as ``plan`` says (see the module docstring)
+    and return the tables applied. ``root`` False leaves the model's inputs and output
+    as they come (a pipeline stage, whose schedule hands DTensors on)."""
+    layout = tp_layout(plan, model)
+    register_cpu_attention_sharding()
+    place_parameters(model, tp_mesh, _placements(layout.params))
+    relayout_modules(model, _placements(layout.inputs), _placements(layout.outputs))
+    if root:
+        distribute_io(model, tp_mesh)
+    return layout
 
 
 def reduce_partial_gradients(module: nn.Module) -> None:

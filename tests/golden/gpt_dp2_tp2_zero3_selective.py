@@ -9,10 +9,13 @@ Predicted by the plan (h100-sxm, 1 node(s) x 4): 12.5 ms per step, 8.0 MiB per d
 """
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import os
+import re
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +27,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import register_sharding
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -72,63 +70,203 @@ def build_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def as_layout(x: Any, mesh: DeviceMesh, src: Placement, dst: Placement) -> Any:
-    """Read a local tensor as ``src`` on ``mesh`` and redistribute it to ``dst``."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (src,), run_check=False)
-    return x if x.placements == (dst,) else x.redistribute(placements=(dst,))
+def any_index(name: str) -> str:
+    """``name`` with every numeric path component written ``*`` (``"h.3.attn.c_attn"``
+    -> ``"h.*.attn.c_attn"``): the key of an entry that holds for every block."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
 
 
-class ReplicateParallel(ParallelStyle):
-    """Parameters replicated over tp, computing on DTensors: the first input is read as
-    ``input_layout`` and redistributed to ``desired_input_layout``, the output is
-    redistributed to ``output_layout`` and handed on as a local tensor. (The stock
-    styles have no replicated-parameter style with layout changes.)"""
+def lookup(table: Mapping[str, Any], name: str) -> Any:
+    """``table[name]``, else the entry for every block (:func:`any_index`), else None."""
+    found = table.get(name)
+    return found if found is not None else table.get(any_index(name))
 
-    def __init__(self, input_layout: Placement = Replicate(),
-                 desired_input_layout: Placement = Replicate(),
-                 output_layout: Placement = Replicate()) -> None:
-        super().__init__()
-        self.layouts = (input_layout, desired_input_layout, output_layout)
 
-    def _inputs(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        src, dst, _ = self.layouts
-        rest = tuple(as_layout(x, mesh, Replicate(), Replicate()) for x in inputs[1:])
-        return (as_layout(inputs[0], mesh, src, dst),) + rest
+@contextlib.contextmanager
+def plain_as_replicated() -> Iterator[None]:
+    """Read plain tensors that meet DTensors as replicated (``torch.arange(T)``, a
+    mask, a buffer), forward and backward. Unlike torch's ``implicit_replication``,
+    which it equals otherwise, it nests: leaving it restores the setting it found.
+    (The flag is DTensor's dispatcher's, a private attribute in torch 2.11 to 2.13.)"""
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
 
-    def _outputs(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
-        out = self.layouts[2]
-        if isinstance(output, DTensor):
-            return output.redistribute(placements=(out,)).to_local()
-        return output
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, None, self._inputs, self._outputs)
+def place_parameters(model: nn.Module, mesh: DeviceMesh,
+                     sharded: Mapping[str, Placement]) -> None:
+    """Make every parameter of ``model`` a DTensor on ``mesh``: the ones named in
+    ``sharded`` (names relative to ``model``, ``*`` for any block index, see
+    :func:`lookup`) with their placement, the others replicated. A tensor shared by
+    several modules (tied weights) is distributed once and stays one parameter under
+    all its names."""
+    done: dict[int, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        path, _, local = name.rpartition(".")
+        new = done.get(id(param))
+        if new is None:
+            if isinstance(param, DTensor):
+                continue
+            placement = lookup(sharded, name) or Replicate()
+            dt = distribute_tensor(param.data, mesh, [placement],
+                                   src_data_rank=None if param.is_meta else 0)
+            new = nn.Parameter(dt, requires_grad=param.requires_grad)
+            done[id(param)] = new
+        model.get_submodule(path).register_parameter(local, new)
+
+
+class _Relayout(torch.autograd.Function):
+    """``x.redistribute`` whose backward hands a partial sum's gradient back
+    replicated (its true adjoint), where DTensor's own backward would convert it to the
+    source's partial type and cannot for a vocabulary-parallel embedding's masked one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, placement: Placement) -> DTensor:  # noqa: D102
+        ctx.source = x.placements
+        return x.redistribute(placements=(placement,))
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:  # noqa: D102
+        want = tuple(Replicate() if p.is_partial() else p for p in ctx.source)
+        return (grad if grad.placements == want else grad.redistribute(placements=want)), None
+
+
+def _redistribute(x: Any, placement: Placement) -> Any:
+    if isinstance(x, DTensor) and x.placements != (placement,):
+        if any(p.is_partial() for p in x.placements):
+            return _Relayout.apply(x, placement)
+        return x.redistribute(placements=(placement,))
+    return x
+
+
+def _first_tensor(value: Any, fn: Any) -> Any:
+    """``value`` with ``fn`` applied to its first tensor (itself, or in a tuple/list)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            if isinstance(v, torch.Tensor):
+                return type(value)([*value[:i], fn(v), *value[i + 1:]])
+    return value
+
+
+def _input_hook(placement: Placement, _: nn.Module, args: tuple) -> tuple:
+    return _first_tensor(args, functools.partial(_redistribute, placement=placement))
+
+
+def _output_hook(placement: Placement, _: nn.Module, args: tuple, output: Any) -> Any:
+    return _first_tensor(output, functools.partial(_redistribute, placement=placement))
+
+
+def relayout_modules(model: nn.Module, inputs: Mapping[str, Placement],
+                     outputs: Mapping[str, Placement]) -> None:
+    """Redistribute the first input of each module in ``inputs`` to its placement
+    before the module runs, and the output of each module in ``outputs`` after it
+    (module paths relative to ``model``, ``*`` for any block index; a path the model
+    lacks, e.g. on a pipeline stage holding part of it, is skipped)."""
+    for path, module in model.named_modules():
+        placement = lookup(inputs, path)
+        if placement is not None:
+            module.register_forward_pre_hook(functools.partial(_input_hook, placement))
+        placement = lookup(outputs, path)
+        if placement is not None:
+            module.register_forward_hook(functools.partial(_output_hook, placement))
+
+
+def _to_dtensor(mesh: DeviceMesh, x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return x
+
+
+def _to_local(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_local(v) for v in x)
+    if isinstance(x, dict):  # a dict, or a Hugging Face ModelOutput (a dict subclass)
+        for key in list(x.keys()):
+            x[key] = _to_local(x[key])
+    return x
+
+
+def distribute_io(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The model's tensor inputs (positional and keyword) enter as replicated DTensors
+    on ``mesh``; its output leaves as replicated local tensors."""
+    def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return (tuple(_to_dtensor(mesh, a) for a in args),
+                {k: _to_dtensor(mesh, v) for k, v in kwargs.items()})
+
+    def post(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        return _to_local(output)
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post, with_kwargs=True)
+
+
+def _attention_strategies(n_tensors: int, masked: bool, n_scalars: int) -> list:
+    """Output and input placements of CPU flash attention: everything replicated, or
+    split along the batch (dim 0) or the heads (dim 1) alike."""
+    out = []
+    for p in (Replicate(), Shard(0), Shard(1)):
+        ins = [p] * n_tensors + [None] * n_scalars + [p if masked else None, None]
+        out.append(([p] * (3 if n_tensors == 6 else 2), ins))
+    return out
+
+
+def register_cpu_attention_sharding() -> None:
+    """Give CPU flash attention (forward and backward) DTensor sharding strategies,
+    which torch registers for the CUDA kernels only; idempotent."""
+    aten = torch.ops.aten
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                scale=None):  # noqa: ANN001, ANN202 — the op's own signature
+        return _attention_strategies(3, attn_mask is not None, 2)
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                 attn_mask=None, scale=None):  # noqa: ANN001, ANN202
+        return _attention_strategies(6, attn_mask is not None, 2)
+
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Tensor parallelism over tp=2: one parallel style per module, innermost
-    modules first; each comment is the module's predicted forward + backward time."""
-    for block in model.blocks:  # 2.7 ms per block
-        parallelize_module(block, tp_mesh, {
-            "attn.q": ColwiseParallel(),  # 400 us
-            "attn.k": ColwiseParallel(),  # 500 us
-            "attn.v": ColwiseParallel(),  # 100 us
-            "attn.proj": RowwiseParallel(),  # 200 us
-            "mlp.fc1": ColwiseParallel(),  # 400 us
-            "mlp.fc2": RowwiseParallel(),  # 500 us
-            "ln1": ReplicateParallel(),  # 300 us
-            "ln2": ReplicateParallel(),  # 300 us
-        })
-    parallelize_module(model, tp_mesh, {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate()),  # 100 us
-        "pos_emb": ReplicateParallel(),  # 200 us
-        "ln_f": ReplicateParallel(),  # 400 us
-        "head": ColwiseParallel(output_layouts=Replicate()),  # 500 us
+    """Tensor parallelism over tp=2. Every parameter becomes a DTensor (split as
+    listed, "*" standing for any block index; the rest replicated); activations stay
+    DTensors through the model's own code, so its shapes are global; the listed modules'
+    first input and output are redistributed where the plan changes layout. Comments
+    give each module's style and predicted forward + backward time per step."""
+    register_cpu_attention_sharding()
+    place_parameters(model, tp_mesh, {
+        "tok_emb.weight": Shard(0),  # rowwise Embedding, 100 us
+        "blocks.*.attn.q.weight": Shard(0),  # colwise Linear, 400 us
+        "blocks.*.attn.q.bias": Shard(0),  # colwise Linear, 400 us
+        "blocks.*.attn.k.weight": Shard(0),  # colwise Linear, 500 us
+        "blocks.*.attn.k.bias": Shard(0),  # colwise Linear, 500 us
+        "blocks.*.attn.v.weight": Shard(0),  # colwise Linear, 100 us
+        "blocks.*.attn.v.bias": Shard(0),  # colwise Linear, 100 us
+        "blocks.*.attn.proj.weight": Shard(1),  # rowwise Linear, 200 us
+        "blocks.*.mlp.fc1.weight": Shard(0),  # colwise Linear, 400 us
+        "blocks.*.mlp.fc1.bias": Shard(0),  # colwise Linear, 400 us
+        "blocks.*.mlp.fc2.weight": Shard(1),  # rowwise Linear, 500 us
+        "head.weight": Shard(0),  # colwise Linear, 500 us
     })
-    model.head.weight = model.tok_emb.weight  # tied: one parameter again
+    relayout_modules(model, inputs={}, outputs={
+        "tok_emb": Replicate(),  # rowwise Embedding, 100 us
+        "blocks.*.attn.q": Shard(-1),  # colwise Linear, 400 us
+        "blocks.*.attn.k": Shard(-1),  # colwise Linear, 500 us
+        "blocks.*.attn.v": Shard(-1),  # colwise Linear, 100 us
+        "blocks.*.attn.proj": Replicate(),  # rowwise Linear, 200 us
+        "blocks.*.mlp.fc1": Shard(-1),  # colwise Linear, 400 us
+        "blocks.*.mlp.fc2": Replicate(),  # rowwise Linear, 500 us
+        "head": Replicate(),  # colwise Linear, 500 us
+    })
+    distribute_io(model, tp_mesh)
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -228,9 +366,10 @@ def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, .
     total = torch.zeros((), device=device)
     for i in range(NUM_MICROBATCHES):
         part = slice(start + i * MICROBATCH_SIZE, start + (i + 1) * MICROBATCH_SIZE)
-        output = model(*(x[part] for x in inputs))
-        loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
-        loss.backward()
+        with plain_as_replicated():  # tensors the forward makes meet DTensors as replicated
+            output = model(*(x[part] for x in inputs))
+            loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
+            loss.backward()
         total += loss.detach().float()
     dist.all_reduce(total, group=mesh.get_group("dp"))
     total /= 2  # the mean over dp

@@ -1,0 +1,198 @@
+"""Tensor and sequence parallelism on DTensors from the model's input to its output.
+
+Every parameter becomes a ``DTensor`` on the ``tp`` mesh with its planned placement,
+whatever module owns it (``nn.Linear``, Hugging Face's ``Conv1D``, a bare
+``nn.Parameter``, a weight tied into ``F.linear`` in the root's forward). The model's
+inputs enter as replicated DTensors and every activation stays a DTensor through the
+user's code, so code that reads shapes (``B, T, C = x.size()``) sees global shapes,
+and DTensor's sharding propagation runs each operator on its shards. Plain tensors
+made inside the forward (``torch.arange(T)``, a causal mask) are read as replicated
+(:func:`implicit_replication`). The planner's layout changes happen at module
+boundaries: a module's first input is redistributed to the layout the plan computes
+it on, and its output to the layout the plan hands on. The model's output leaves as a
+replicated local tensor, for the loss.
+
+This module imports torch alone: the generated training program carries its source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["place_parameters", "relayout_modules", "distribute_io", "plain_as_replicated",
+           "register_cpu_attention_sharding", "any_index", "lookup"]
+
+
+def any_index(name: str) -> str:
+    """``name`` with every numeric path component written ``*`` (``"h.3.attn.c_attn"``
+    -> ``"h.*.attn.c_attn"``): the key of an entry that holds for every block."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+
+
+def lookup(table: Mapping[str, Any], name: str) -> Any:
+    """``table[name]``, else the entry for every block (:func:`any_index`), else None."""
+    found = table.get(name)
+    return found if found is not None else table.get(any_index(name))
+
+
+@contextlib.contextmanager
+def plain_as_replicated() -> Iterator[None]:
+    """Read plain tensors that meet DTensors as replicated (``torch.arange(T)``, a
+    mask, a buffer), forward and backward. Unlike torch's ``implicit_replication``,
+    which it equals otherwise, it nests: leaving it restores the setting it found.
+    (The flag is DTensor's dispatcher's, a private attribute in torch 2.11 to 2.13.)"""
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
+
+
+def place_parameters(model: nn.Module, mesh: DeviceMesh,
+                     sharded: Mapping[str, Placement]) -> None:
+    """Make every parameter of ``model`` a DTensor on ``mesh``: the ones named in
+    ``sharded`` (names relative to ``model``, ``*`` for any block index, see
+    :func:`lookup`) with their placement, the others replicated. A tensor shared by
+    several modules (tied weights) is distributed once and stays one parameter under
+    all its names."""
+    done: dict[int, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        path, _, local = name.rpartition(".")
+        new = done.get(id(param))
+        if new is None:
+            if isinstance(param, DTensor):
+                continue
+            placement = lookup(sharded, name) or Replicate()
+            dt = distribute_tensor(param.data, mesh, [placement],
+                                   src_data_rank=None if param.is_meta else 0)
+            new = nn.Parameter(dt, requires_grad=param.requires_grad)
+            done[id(param)] = new
+        model.get_submodule(path).register_parameter(local, new)
+
+
+class _Relayout(torch.autograd.Function):
+    """``x.redistribute`` whose backward hands a partial sum's gradient back
+    replicated (its true adjoint), where DTensor's own backward would convert it to the
+    source's partial type and cannot for a vocabulary-parallel embedding's masked one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, placement: Placement) -> DTensor:  # noqa: D102
+        ctx.source = x.placements
+        return x.redistribute(placements=(placement,))
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:  # noqa: D102
+        want = tuple(Replicate() if p.is_partial() else p for p in ctx.source)
+        return (grad if grad.placements == want else grad.redistribute(placements=want)), None
+
+
+def _redistribute(x: Any, placement: Placement) -> Any:
+    if isinstance(x, DTensor) and x.placements != (placement,):
+        if any(p.is_partial() for p in x.placements):
+            return _Relayout.apply(x, placement)
+        return x.redistribute(placements=(placement,))
+    return x
+
+
+def _first_tensor(value: Any, fn: Any) -> Any:
+    """``value`` with ``fn`` applied to its first tensor (itself, or in a tuple/list)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            if isinstance(v, torch.Tensor):
+                return type(value)([*value[:i], fn(v), *value[i + 1:]])
+    return value
+
+
+def _input_hook(placement: Placement, _: nn.Module, args: tuple) -> tuple:
+    return _first_tensor(args, functools.partial(_redistribute, placement=placement))
+
+
+def _output_hook(placement: Placement, _: nn.Module, args: tuple, output: Any) -> Any:
+    return _first_tensor(output, functools.partial(_redistribute, placement=placement))
+
+
+def relayout_modules(model: nn.Module, inputs: Mapping[str, Placement],
+                     outputs: Mapping[str, Placement]) -> None:
+    """Redistribute the first input of each module in ``inputs`` to its placement
+    before the module runs, and the output of each module in ``outputs`` after it
+    (module paths relative to ``model``, ``*`` for any block index; a path the model
+    lacks, e.g. on a pipeline stage holding part of it, is skipped)."""
+    for path, module in model.named_modules():
+        placement = lookup(inputs, path)
+        if placement is not None:
+            module.register_forward_pre_hook(functools.partial(_input_hook, placement))
+        placement = lookup(outputs, path)
+        if placement is not None:
+            module.register_forward_hook(functools.partial(_output_hook, placement))
+
+
+def _to_dtensor(mesh: DeviceMesh, x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return x
+
+
+def _to_local(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_local(v) for v in x)
+    if isinstance(x, dict):  # a dict, or a Hugging Face ModelOutput (a dict subclass)
+        for key in list(x.keys()):
+            x[key] = _to_local(x[key])
+    return x
+
+
+def distribute_io(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The model's tensor inputs (positional and keyword) enter as replicated DTensors
+    on ``mesh``; its output leaves as replicated local tensors."""
+    def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return (tuple(_to_dtensor(mesh, a) for a in args),
+                {k: _to_dtensor(mesh, v) for k, v in kwargs.items()})
+
+    def post(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        return _to_local(output)
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post, with_kwargs=True)
+
+
+def _attention_strategies(n_tensors: int, masked: bool, n_scalars: int) -> list:
+    """Output and input placements of CPU flash attention: everything replicated, or
+    split along the batch (dim 0) or the heads (dim 1) alike."""
+    out = []
+    for p in (Replicate(), Shard(0), Shard(1)):
+        ins = [p] * n_tensors + [None] * n_scalars + [p if masked else None, None]
+        out.append(([p] * (3 if n_tensors == 6 else 2), ins))
+    return out
+
+
+def register_cpu_attention_sharding() -> None:
+    """Give CPU flash attention (forward and backward) DTensor sharding strategies,
+    which torch registers for the CUDA kernels only; idempotent."""
+    aten = torch.ops.aten
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                scale=None):  # noqa: ANN001, ANN202 — the op's own signature
+        return _attention_strategies(3, attn_mask is not None, 2)
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                 attn_mask=None, scale=None):  # noqa: ANN001, ANN202
+        return _attention_strategies(6, attn_mask is not None, 2)
