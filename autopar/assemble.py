@@ -96,6 +96,8 @@ def _style(mtype: str, params: dict[str, list[str]], desired: str, output: str) 
         return "colwise" if tpw == "S(0)" else "rowwise"
     if mtype == "Embedding" and tpw in ("S(0)", "S(1)"):
         return "rowwise" if tpw == "S(0)" else "colwise"
+    if mtype == "Conv1D" and tpw in ("S(0)", "S(1)"):  # Hugging Face's (in, out) weight
+        return "rowwise" if tpw == "S(0)" else "colwise"
     if desired.startswith("S("):
         return "sequence_parallel"
     return "replicate"
@@ -135,7 +137,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     world = mesh.size
     mfu = model_flops / (ev.step_time_s * world * peak_flops) if ev.step_time_s > 0 else 0.0
     sp = any(m.style == "sequence_parallel" for m in modules.values()
-             if m.module_type in ("LayerNorm", "RMSNorm"))
+             if m.module_type.lower().endswith("norm"))
     blocks = sorted({lay.path for lay in g.layers}, key=lambda p: [
         int(t) if t.isdigit() else t for t in p.split(".")])
     breakdown = {"compute_s": ev.compute_s - ev.recompute_s, "recompute_s": ev.recompute_s,

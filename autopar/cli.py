@@ -112,6 +112,9 @@ def _build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("codegen", help="write a plan as a standalone torchrun training program")
     c.add_argument("plan", help="plan JSON written by `autopar plan --json`")
     c.add_argument("--model", required=True, help="path/to/file.py:factory the plan is for")
+    c.add_argument("--loss", metavar="FILE.py:FUNCTION",
+                   help="the loss(output, targets) to train with (default: cross-entropy over "
+                        "the output's last dim)")
     c.add_argument("-o", "--output", default="train.py", help="the program to write")
     from autopar.cost_models.profiler import build_parser as profile_parser
 
@@ -238,8 +241,12 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot read the plan {args.plan!r}: {e.strerror}") from None
     path = args.model.rpartition(":")[0]
     out_dir = os.path.dirname(os.path.abspath(args.output))
+    loss_file = None
+    if args.loss:
+        loss_file = os.path.relpath(args.loss.rpartition(":")[0], out_dir)
     text = emit_program(plan, args.model, model_file=os.path.relpath(path, out_dir),
-                        program_name=os.path.basename(args.output))
+                        program_name=os.path.basename(args.output), loss_spec=args.loss,
+                        loss_file=loss_file)
     with open(args.output, "w") as f:
         f.write(text)
     print(f"wrote {args.output}: torchrun --nproc-per-node {plan.world_size} {args.output}")

@@ -151,24 +151,15 @@ def load(spec: str, *, batch_size: int = 1, seq_len: int | None = None,
     return model, inputs
 
 
-def load_with_targets(spec: str, *, batch_size: int = 1, seq_len: int | None = None,
-                      **kwargs: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...],
-                                              torch.Tensor | None]:
-    """Load ``path/to/file.py:factory`` and call ``factory(**kwargs)``.
-
-    The factory returns ``(model, example_inputs, example_targets)``,
-    ``(model, example_inputs)`` or a model alone: then the inputs are token ids of
-    shape (batch_size, seq_len) for the model's first nn.Embedding, seq_len defaulting
-    to the model config's maximum length (``max_seq_len``, ``n_positions`` or
-    ``max_position_embeddings``). The targets are None when the factory gives none.
-    """
+def load_callable(spec: str) -> Any:
+    """The callable ``name`` of ``path/to/file.py:name`` (the file is imported under a
+    module name of its own). Raises ConfigError naming what is missing."""
     path, sep, attr = spec.rpartition(":")
     if not sep or not path or not attr:
-        raise ConfigError(f"model spec {spec!r} is neither a zoo name nor of the form "
-                          f"path/to/file.py:factory; zoo models: {', '.join(names())}")
+        raise ConfigError(f"{spec!r} is not of the form path/to/file.py:name")
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"model file {path!r} does not exist")
+        raise ConfigError(f"file {path!r} does not exist")
     module_name = f"autopar_user_model_{file.stem}"
     mod_spec = importlib.util.spec_from_file_location(module_name, file)
     if mod_spec is None or mod_spec.loader is None:
@@ -180,12 +171,30 @@ def load_with_targets(spec: str, *, batch_size: int = 1, seq_len: int | None = N
     except Exception as e:  # noqa: BLE001 — the user's file: report, do not crash
         sys.modules.pop(module_name, None)
         raise ConfigError(f"importing {path} failed: {type(e).__name__}: {e}") from None
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        found = sorted(n for n, v in vars(module).items() if callable(v) and
-                       not n.startswith("_") and getattr(v, "__module__", "") == module_name)
+    found = getattr(module, attr, None)
+    if found is None or not callable(found):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and
+                        not n.startswith("_") and getattr(v, "__module__", "") == module_name)
         raise ConfigError(f"{path} has no callable named {attr!r}; it defines "
-                          f"{', '.join(found) or 'no public callables'}")
+                          f"{', '.join(public) or 'no public callables'}")
+    return found
+
+
+def load_with_targets(spec: str, *, batch_size: int = 1, seq_len: int | None = None,
+                      **kwargs: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...],
+                                              torch.Tensor | None]:
+    """Load ``path/to/file.py:factory`` and call ``factory(**kwargs)``.
+
+    The factory returns ``(model, example_inputs, example_targets)``,
+    ``(model, example_inputs)`` or a model alone: then the inputs are token ids of
+    shape (batch_size, seq_len) for the model's first nn.Embedding, seq_len defaulting
+    to the model config's maximum length (``max_seq_len``, ``n_positions`` or
+    ``max_position_embeddings``). The targets are None when the factory gives none.
+    """
+    if not spec.rpartition(":")[0]:
+        raise ConfigError(f"model spec {spec!r} is neither a zoo name nor of the form "
+                          f"path/to/file.py:factory; zoo models: {', '.join(names())}")
+    factory = load_callable(spec)
     try:
         result = factory(**kwargs)
     except Exception as e:  # noqa: BLE001

@@ -391,15 +391,35 @@ def _pipeline_title(plan: Plan) -> str:
     return f",\n{pipe.schedule} pipeline of {len(pipe.stages)} stages"
 
 
+def _loss_section(loss_spec: str | None, loss_file: str | None) -> tuple[str, str]:
+    """The program's ``loss_fn`` and the constants it reads: the user's function of
+    ``loss_spec``, checked to exist now, or the default cross-entropy."""
+    if loss_spec is None:
+        return T.LOSS.template, ""
+    from autopar.examples.zoo import load_callable
+
+    load_callable(loss_spec)
+    path, _, name = loss_spec.rpartition(":")
+    where = loss_file if loss_file is not None else path
+    text = T.USER_LOSS.substitute(loss_name=name, loss_file=Path(path).name)
+    return text, (f'\nLOSS_FILE = "{where}"  # a relative path is read from this program\'s '
+                  f'folder\nLOSS_FUNCTION = "{name}"')
+
+
 def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
-                 program_name: str = "train.py") -> str:
+                 program_name: str = "train.py", loss_spec: str | None = None,
+                 loss_file: str | None = None) -> str:
     """The text of a standalone ``torchrun`` training program for ``plan`` and the model
     of ``model_spec`` (``path/to/file.py:factory``, built here on the meta device to
     check the plan and read what the program needs).
 
     ``model_file`` is the path written into the program (default: the spec's path; a
     relative one is read from the program's folder); ``program_name`` appears in the
-    usage line. A pipelined plan's program cuts the model into its stages (see
+    usage line. ``loss_spec`` (``path/to/file.py:function``, written into the program as
+    ``loss_file``, default its path) is the loss ``function(output, targets)`` the
+    program trains with; default: cross-entropy over the output's last dim, as
+    :meth:`~autopar.runtime.ParallelModel.step` computes it without a ``loss_fn``.
+    A pipelined plan's program cuts the model into its stages (see
     :mod:`autopar.runtime.codegen_pipeline`). Raises LoweringError when the plan does
     not fit the model.
     """
@@ -435,7 +455,9 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
                    f"    total /= {plan.degree('dp')}  # the mean over dp\n")
     what = "token ids" if facts.input_is_tokens else "features"
     optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
-    sections += [T.DATA.substitute(synthetic_what=what), T.LOSS.template]
+    loss_text, loss_constants = _loss_section(loss_spec, loss_file)
+    extra = loss_constants + extra
+    sections += [T.DATA.substitute(synthetic_what=what), loss_text]
     if pipelined:
         pipe = pipeline_text(plan, model_facts(model_spec), layout, partial, dp_mean)
         extra = pipe.constants + extra

@@ -18,7 +18,7 @@ from autopar.runtime import materialize as _materialize
 
 __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "APPLY_TP",
            "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS", "MATERIALIZE",
-           "PARTIAL_GRADS", "DATA", "LOSS", "TRAIN_STEP", "FORWARD_BACKWARD",
+           "PARTIAL_GRADS", "DATA", "LOSS", "USER_LOSS", "TRAIN_STEP", "FORWARD_BACKWARD",
            "FORWARD_BACKWARD_TP", "CHECKPOINT", "BUILD", "MAIN"]
 
 PROGRAM = Template('''\
@@ -46,16 +46,23 @@ $throughput samples/s, MFU $mfu. Needs torch alone. Run with
 """The module docstring."""
 
 BUILD_MODEL = Template('''\
-def build_model() -> nn.Module:
-    """The user's model from $model_file:$factory, built on the meta device (no memory)."""
-    path = Path(MODEL_FILE)
+@functools.cache
+def import_file(name: str) -> Any:
+    """The Python file ``name`` (a relative path is read from this program's folder),
+    imported once."""
+    path = Path(name)
     if not path.is_absolute():
         path = Path(__file__).resolve().parent / path
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def build_model() -> nn.Module:
+    """The user's model from $model_file:$factory, built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = getattr(module, MODEL_FACTORY)()
+        model = getattr(import_file(MODEL_FILE), MODEL_FACTORY)()
     return model[0] if isinstance(model, (tuple, list)) else model''')
 """Import the user's factory by file path and build the model on ``meta``."""
 
@@ -167,6 +174,12 @@ def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
     logits = output if isinstance(output, torch.Tensor) else output[0]
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())''')
 """The loss, as autopar's ParallelModel.step computes it."""
+
+USER_LOSS = Template('''\
+def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """The user's loss, $loss_name from $loss_file."""
+    return getattr(import_file(LOSS_FILE), LOSS_FUNCTION)(output, targets)''')
+"""The user's own loss function, imported by file path as the model is."""
 
 TRAIN_STEP = Template('''\
 def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, ...],

@@ -191,3 +191,25 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+BATCH, SEQ, VOCAB = 8, 16, 128
+
+
+def example_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """One global batch of token ids and next-token targets."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def nano_gpt() -> tuple[nn.Module, tuple[torch.Tensor], torch.Tensor]:
+    """Factory for ``autopar plan/codegen file.py:nano_gpt``: the model and a batch."""
+    x, y = example_batch()
+    return NanoGPT(vocab_size=VOCAB, block_size=SEQ), (x,), y
+
+
+def tiny_llama() -> tuple[nn.Module, tuple[torch.Tensor], torch.Tensor]:
+    """Factory for ``autopar plan/codegen file.py:tiny_llama``: the model and a batch."""
+    x, y = example_batch()
+    return TinyLlama(vocab_size=VOCAB), (x,), y

@@ -246,9 +246,11 @@ class _Builder:
                    for i, g in zip(n.inputs, grads) if self.g.node(i).kind != "param")
 
     def _sp_allowed(self, n: OpNode, rule: OpRule, ins: tuple[Placements, ...]) -> bool:
-        """Honour a forced sequence-parallel choice for norm modules (None = free)."""
+        """Honour a forced sequence-parallel choice for norms (None = free): a norm op,
+        or any op of a norm module written out by hand (a class named ``*Norm``)."""
         sp = self.st.sequence_parallel
-        if sp is None or rule.kind != "norm" or not ins:
+        in_norm = rule.kind == "norm" or n.module_type.lower().endswith("norm")
+        if sp is None or not in_norm or not ins or ins[0] is None:
             return True
         split = any(ins[0][a].startswith("S(") for a in self._free_axes())
         return split == sp

@@ -51,16 +51,23 @@ SAVE_OPS = {  # outputs selective recomputation keeps (aten op names)
 }
 
 
-def build_model() -> nn.Module:
-    """The user's model from codegen_models.py:tiny_gpt, built on the meta device (no memory)."""
-    path = Path(MODEL_FILE)
+@functools.cache
+def import_file(name: str) -> Any:
+    """The Python file ``name`` (a relative path is read from this program's folder),
+    imported once."""
+    path = Path(name)
     if not path.is_absolute():
         path = Path(__file__).resolve().parent / path
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def build_model() -> nn.Module:
+    """The user's model from codegen_models.py:tiny_gpt, built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = getattr(module, MODEL_FACTORY)()
+        model = getattr(import_file(MODEL_FILE), MODEL_FACTORY)()
     return model[0] if isinstance(model, (tuple, list)) else model
 
 
