@@ -114,9 +114,11 @@ _NLL = frozenset({"nll_loss", "nll_loss_forward", "nll_loss2d"})
 
 def op_name(target: str) -> str:
     """The operator's short name: ``"aten.linear.default" -> "linear"``,
-    ``"aten.add_.Tensor" -> "add_"``, ``"getitem" -> "getitem"``."""
+    ``"aten.add_.Tensor" -> "add_"``, ``"getitem" -> "getitem"``, and a custom op's
+    ``"namespace.name.overload" -> "name"``."""
     parts = target.split(".")
-    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
+    return parts[1] if len(parts) == 3 or (len(parts) > 3 and parts[0] == "aten") \
+        else parts[-1]
 
 
 def _base(op: str) -> str:

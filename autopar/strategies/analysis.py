@@ -2,19 +2,19 @@
 tensor is the batch dim, which ops are whole modules the lowering can re-lay out, and
 who owns each parameter and each saved activation.
 
-The batch dims come from propagating "split along the batch" from the inputs through
-the rules: data parallelism must keep every activation split along its batch dim
-without communication, so this also finds the ops that cannot be data-parallel
-(e.g. a statistic over the whole batch) and names them.
+The batch dims come from following "split along the batch" from the inputs through
+the ops (:mod:`autopar.strategies.batch_flow`): data parallelism must keep every
+activation split along its batch dim without communication, so this also finds the
+ops that cannot be data-parallel (e.g. a statistic over the whole batch) and names them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.errors import UnsupportedOpError
 from autopar.graph import Graph, OpNode, TensorMeta
 from autopar.plans import fsdp_unit
+from autopar.strategies.batch_flow import FREE, BatchFlow
 from autopar.strategies.rules import OpRule, constant_rule, rule_for
 
 # Module classes whose forward is a single operator that PyTorch's parallel styles
@@ -40,50 +40,31 @@ class GraphAnalysis:
     unit_share: dict[str, float] = field(default_factory=dict)
 
 
-def _place(labels, label: str | None) -> str:
-    if labels is None or label is None or label not in labels:
-        return "R"
-    return f"S({labels.index(label)})"
-
-
-def _out_place(rule: OpRule, label: str | None) -> str:
-    if label is None:
-        return "R"
-    if label in rule.out:
-        return f"S({rule.out.index(label)})"
-    return "P" if label in rule.reduce else "X"
-
-
 def analyze(graph: Graph) -> GraphAnalysis:
     """Compute the :class:`GraphAnalysis` of ``graph``."""
     rules: dict[str, OpRule] = {}
     in_metas: dict[str, list[TensorMeta | None]] = {}
-    dp_place: dict[str, str] = {}
-    batch_label: dict[str, str | None] = {}
-    kinds = {n.name: n.kind for n in graph.nodes}
+    flow = BatchFlow(graph, rules)
     constants = constant_ops(graph)
     for n in graph.nodes:
         if n.kind == "param" or n.name in constants:
-            dp_place[n.name] = "*"
+            flow.place[n.name] = FREE
             if n.name in constants:
                 in_metas[n.name] = [graph.node(i).out for i in n.inputs]
                 rules[n.name] = constant_rule(n, in_metas[n.name])
-                batch_label[n.name] = None
+                flow.label[n.name] = None
         elif n.kind == "input":
             has_batch = n.out is not None and len(n.out.shape) > 0 and \
                 n.out.shape[0] == graph.batch_size
-            dp_place[n.name] = "S(0)" if has_batch else "R"
+            flow.place[n.name] = "S(0)" if has_batch else "R"
         elif n.kind == "op":
-            metas = [graph.node(i).out for i in n.inputs]
-            in_metas[n.name] = metas
-            rule = rule_for(n, metas)
-            rules[n.name] = rule
-            label = _propagate(n, rule, [dp_place[i] for i in n.inputs],
-                               ["param" if i in constants else kinds[i] for i in n.inputs],
-                               graph)
-            batch_label[n.name] = label
-            dp_place[n.name] = _out_place(rule, label)
-    batch_dim = {k: (int(v[2:-1]) if v.startswith("S(") else None) for k, v in dp_place.items()}
+            in_metas[n.name] = [graph.node(i).out for i in n.inputs]
+            rules[n.name] = rule_for(n, in_metas[n.name])
+            flow.visit(n)
+    flow.finish()
+    batch_label = flow.label
+    batch_dim = {k: (int(v[2:-1]) if v.startswith("S(") else None)
+                 for k, v in flow.place.items()}
     module_ops = _module_ops(graph)
     owner, consumers = param_users(graph)
     saved = {}
@@ -133,39 +114,6 @@ def constant_ops(graph: Graph) -> set[str]:
         if ok:
             const.add(n.name)
     return const
-
-
-def _propagate(n: OpNode, rule: OpRule, places: list[str], kinds: list[str],
-               graph: Graph) -> str | None:
-    """The label to split over the data-parallel axis so that every activation input
-    keeps the placement its producer gives it. None means replicated."""
-    acts = [(i, p) for i, (p, k) in enumerate(zip(places, kinds)) if k != "param"]
-    if all(p == "R" for _, p in acts):
-        return None
-    if any(p == "P" for _, p in acts):
-        raise UnsupportedOpError(_dp_message(n, "it reads a value summed over the batch "
-                                                "(e.g. a batch statistic)"))
-    labels = {lab for labs in rule.ins if labs for lab in labs}
-    for lab in sorted(labels):
-        if lab in rule.forbid:
-            continue
-        if all(_place(rule.ins[i], lab) == p for i, p in acts):
-            out = _out_place(rule, lab)
-            if out == "X":
-                continue
-            if out == "P" and graph.users(n.name):
-                raise UnsupportedOpError(_dp_message(
-                    n, "it reduces over the batch dimension (e.g. a batch statistic "
-                       "such as BatchNorm's)"))
-            return lab
-    raise UnsupportedOpError(_dp_message(n, "its rule cannot keep the batch split "
-                                            f"(inputs placed {[p for _, p in acts]})"))
-
-
-def _dp_message(n: OpNode, why: str) -> str:
-    return (f"operator {n.target} in module '{n.module_path or '<root>'}' cannot run "
-            f"data-parallel: {why}. Compute it per sample, or move it out of the model's "
-            f"forward (e.g. into the loss function).")
 
 
 def _module_ops(graph: Graph) -> set[str]:

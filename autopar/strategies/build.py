@@ -219,8 +219,8 @@ class _Builder:
         for combo in self.assignments(n, rule):
             raw = []
             for lab in combo:
-                if lab is None:
-                    raw.append("R")
+                if lab is None or (lab in rule.per_rank and lab not in rule.out):
+                    raw.append("R")  # a per-rank label's output is the rank's own result
                 elif lab in rule.out:
                     raw.append(f"S({rule.out.index(lab)})")
                 else:

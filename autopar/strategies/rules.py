@@ -13,64 +13,29 @@ Labels in ``forbid`` are never split (normalized dims of a norm, the softmax dim
 attention's head dim, a sliced or concatenated dim, ...). This one description
 covers linear/matmul/bmm/einsum, embeddings, norms, softmax, pointwise ops with
 broadcasting, reductions, views, attention and the loss, and it lets a generic
-enumerator produce every legal strategy of every op (see ``enumerate.py``).
+enumerator produce every legal strategy of every op (see ``build.py``).
+
+Labels in ``per_rank`` are forbidden to the model-parallel axes but data parallelism
+may split them: each rank runs the op on its own samples, which is what a
+data-parallel model computes although the op's math does not split (MoE routing: a
+sort, a running count or a histogram over the rank's tokens, :mod:`.rules_moe`). An
+op with no rule gets :func:`fallback_rule`: nothing of it is split on the
+model-parallel axes; the graph analysis follows the batch through it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
-from autopar.errors import UnsupportedOpError
 from autopar.graph import OpNode, TensorMeta
+from autopar.strategies.rule_base import (Fresh as _Fresh, Labels, OpRule, arg as _arg,
+                                          base_labels as _base, fallback_rule,
+                                          ndims as _dims, norm_dim as _norm_dim,
+                                          op_of as _op)
+from autopar.strategies.rules_moe import MOE_HANDLERS
 
-Labels = tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class OpRule:
-    """Labels per dim of each tensor input (node.inputs order) and of the output.
-
-    ``ins[i] is None`` means the input must stay replicated on every axis.
-    """
-
-    ins: tuple[Labels | None, ...]
-    out: Labels
-    reduce: frozenset[str] = frozenset()
-    forbid: frozenset[str] = frozenset()
-    kind: str = "generic"
-
-
-@dataclass
-class _Fresh:
-    """Generator of labels that occur once (never shardable together with others)."""
-
-    n: int = 0
-    made: set[str] = field(default_factory=set)
-
-    def __call__(self) -> str:
-        self.n += 1
-        name = f"_{self.n}"
-        self.made.add(name)
-        return name
-
-
-def _op(target: str) -> str:
-    """``"aten.linear.default" -> "linear"``."""
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
-
-
-def _dims(meta: TensorMeta | None) -> int:
-    return len(meta.shape) if meta is not None else 0
-
-
-def _norm_dim(d: int, ndim: int) -> int:
-    return d % ndim if ndim else 0
-
-
-def _base(n: int) -> Labels:
-    return tuple(f"d{i}" for i in range(n))
+__all__ = ["Labels", "OpRule", "broadcast_rule", "constant_rule", "fallback_rule", "has_rule",
+           "permute_rule", "rule_for", "view_groups", "view_rule"]
 
 
 def broadcast_rule(in_metas: list[TensorMeta | None], out: TensorMeta, fresh: _Fresh) -> OpRule:
@@ -94,12 +59,10 @@ def broadcast_rule(in_metas: list[TensorMeta | None], out: TensorMeta, fresh: _F
     return OpRule(tuple(ins), out_l, kind="pointwise")
 
 
-def view_rule(src: tuple[int, ...], dst: tuple[int, ...], fresh: _Fresh) -> OpRule:
-    """A reshape: dims grouped by equal running products; the leading non-unit dim of
-    each group keeps its label across the reshape (so a split of it stays a split of
-    the leading dim), the others are unsplittable."""
-    in_l = [fresh() for _ in src]
-    out_l = [fresh() for _ in dst]
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """The dims of a reshape grouped by equal running products: each (source dims,
+    destination dims) pair holds the same elements in the same order."""
+    groups = []
     i = j = 0
     while i < len(src) or j < len(dst):
         gi, gj = [i], [j]
@@ -113,8 +76,19 @@ def view_rule(src: tuple[int, ...], dst: tuple[int, ...], fresh: _Fresh) -> OpRu
                 pj *= dst[j]; gj.append(j); j += 1
             else:
                 break
-        a = next((k for k in gi if k < len(src) and src[k] != 1), None)
-        b = next((k for k in gj if k < len(dst) and dst[k] != 1), None)
+        groups.append(([k for k in gi if k < len(src)], [k for k in gj if k < len(dst)]))
+    return groups
+
+
+def view_rule(src: tuple[int, ...], dst: tuple[int, ...], fresh: _Fresh) -> OpRule:
+    """A reshape: dims grouped by equal running products; the leading non-unit dim of
+    each group keeps its label across the reshape (so a split of it stays a split of
+    the leading dim), the others are unsplittable."""
+    in_l = [fresh() for _ in src]
+    out_l = [fresh() for _ in dst]
+    for gi, gj in view_groups(src, dst):
+        a = next((k for k in gi if src[k] != 1), None)
+        b = next((k for k in gj if dst[k] != 1), None)
         if a is not None and b is not None:
             out_l[b] = in_l[a]
     return OpRule((tuple(in_l),), tuple(out_l), kind="view")
@@ -166,22 +140,24 @@ clamp clamp_min clamp_max dropout to _to_copy type_as clone contiguous alias det
 reciprocal erf maximum minimum eq ne lt gt le ge logical_not logical_and logical_or bitwise_not
 mish hardtanh leaky_relu softplus elu sign square floor ceil round fill lift_fresh_copy
 native_dropout _assert_tensor_metadata zeros_like ones_like full_like empty_like rand_like
+rsub true_divide floor_divide remainder fmod trunc isnan isinf nan_to_num logical_xor
+bitwise_and bitwise_or bitwise_xor __and__ __or__ __xor__ __invert__ lerp addcmul addcdiv
+exp2 expm1 log2 tan atan sinh cosh asin acos atan2 hardswish hardsigmoid relu6 selu celu
+copy randn_like randint_like xlogy
 """.split())
-_CREATION = frozenset("arange zeros ones full empty scalar_tensor randn rand tensor linspace".split())
+_CREATION = frozenset("""arange zeros ones full empty scalar_tensor randn rand randint tensor
+linspace eye new_zeros new_ones new_full new_empty""".split())
 _SUM_REDUCTIONS = frozenset("sum mean".split())
 _OTHER_REDUCTIONS = frozenset("amax amin max min var std prod argmax argmin logsumexp all any".split())
 
 
 def rule_for(node: OpNode, in_metas: list[TensorMeta | None]) -> OpRule:
-    """The sharding rule of ``node`` given its tensor inputs' metadata (in order).
-
-    Raises UnsupportedOpError for an op with no rule.
-    """
+    """The sharding rule of ``node`` given its tensor inputs' metadata (in order); an
+    op no rule describes gets :func:`fallback_rule` (see :func:`has_rule`)."""
     fresh = _Fresh()
     op = _op(node.target)
     out = node.out
-    args = node.args
-    handler = _HANDLERS.get(op)
+    handler = _HANDLERS.get(op) or MOE_HANDLERS.get(op)
     if handler is not None:
         return handler(node, in_metas, fresh)
     if op in _POINTWISE and out is not None:
@@ -191,10 +167,14 @@ def rule_for(node: OpNode, in_metas: list[TensorMeta | None]) -> OpRule:
                       kind="creation")
     if op in _SUM_REDUCTIONS or op in _OTHER_REDUCTIONS:
         return _reduction_rule(node, in_metas, fresh, op in _SUM_REDUCTIONS)
-    raise UnsupportedOpError(
-        f"operator {node.target} (in module '{node.module_path or '<root>'}') has no sharding "
-        f"rule; rewrite it with supported operators or keep it outside the parallel region "
-        f"(args: {args!r})")
+    return fallback_rule(in_metas, out)
+
+
+def has_rule(target: str) -> bool:
+    """True when an operator has a rule of its own (others get :func:`fallback_rule`)."""
+    op = _op(target)
+    return (op in _HANDLERS or op in MOE_HANDLERS or op in _POINTWISE or op in _CREATION
+            or op in _SUM_REDUCTIONS or op in _OTHER_REDUCTIONS)
 
 
 def constant_rule(node: OpNode, in_metas: list[TensorMeta | None]) -> OpRule:
@@ -203,10 +183,6 @@ def constant_rule(node: OpNode, in_metas: list[TensorMeta | None]) -> OpRule:
     fresh = _Fresh()
     return OpRule(tuple(None for _ in in_metas), tuple(fresh() for _ in range(_dims(node.out))),
                   kind="constant")
-
-
-def _arg(node: OpNode, i: int, default=None):
-    return node.args[i] if len(node.args) > i and node.args[i] is not None else default
 
 
 def _reduction_rule(node: OpNode, in_metas, fresh: _Fresh, summing: bool) -> OpRule:
@@ -286,6 +262,35 @@ def _norm(node, in_metas, fresh):
     return OpRule(tuple(ins), base, forbid=frozenset(normed), kind="norm")
 
 
+_EVAL_BATCH_NORMS = frozenset({"_native_batch_norm_legit_no_training"})
+_TRAINING_ARG = {"batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_legit": 5,
+                 "_native_batch_norm_legit_functional": 5}
+
+
+def _channel_norm(node, in_metas, fresh):
+    """batch_norm / group_norm on (N, C, *spatial): per-channel affine parameters and
+    running statistics carry C. A training batch norm normalizes each channel over
+    the batch and the spatial dims (a batch statistic: only C may be split); a group
+    norm normalizes each sample over its groups (N may be split, C not); a batch
+    norm in eval mode is per element."""
+    x = in_metas[0]
+    nd = _dims(x)
+    base = _base(nd)
+    op = _op(node.target)
+    ins: list[Labels | None] = [base]
+    for m in in_metas[1:]:
+        ins.append(("d1",) if nd > 1 and _dims(m) == 1 and m.shape[0] == x.shape[1] else None)
+    if op == "group_norm":
+        forbid = frozenset(base[1:])
+    elif op in _EVAL_BATCH_NORMS or (op in _TRAINING_ARG
+                                     and _arg(node, _TRAINING_ARG[op], True) is False):
+        forbid = frozenset()
+    else:
+        forbid = frozenset(base) - {"d1"}
+    outs = node.outs or [node.out]
+    return OpRule(tuple(ins), base[:_dims(outs[0])], forbid=forbid, kind="norm")
+
+
 def _softmax(node, in_metas, fresh):
     nd = _dims(in_metas[0])
     base = _base(nd)
@@ -339,8 +344,11 @@ def _permute(node, in_metas, fresh):
 
 def _transpose(node, in_metas, fresh):
     nd = _dims(in_metas[0])
-    if _op(node.target) == "t":
+    op = _op(node.target)
+    if op in ("t", "numpy_T"):
         perm = list(range(nd))[::-1]
+    elif op in ("mT", "mH", "adjoint"):
+        perm = list(range(nd - 2)) + [nd - 1, nd - 2]
     else:
         a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
         perm = list(range(nd))
@@ -360,6 +368,35 @@ def _expand(node, in_metas, fresh):
         else:
             in_l.append(fresh())
     return OpRule((tuple(in_l),), tuple(out_l), kind="view")
+
+
+def _repeat_interleave(node, in_metas, fresh):
+    """``x.repeat_interleave(r, dim)`` with an int ``r``: each slice of ``dim`` repeated
+    ``r`` times in place, so a contiguous split of ``dim`` stays one after it (GQA's
+    key/value heads: kv head ``j`` serves query heads ``j·r .. j·r + r - 1``, and a
+    split of the kv heads is the matching split of the query heads). Without ``dim``
+    the input is flattened; with a tensor of repeats the dim cannot be split."""
+    x = in_metas[0]
+    nd = _dims(x)
+    base = _base(nd)
+    dim = _arg(node, 2, None)
+    if not isinstance(dim, int) or nd == 0:
+        return OpRule((base,) + tuple(None for _ in in_metas[1:]),
+                      tuple(fresh() for _ in range(_dims(node.out))),
+                      forbid=frozenset(base), kind="copy")
+    d = _norm_dim(dim, nd)
+    per_element = len(in_metas) > 1 or not isinstance(_arg(node, 1, None), int)
+    forbid = frozenset({base[d]}) if per_element else frozenset()
+    return OpRule((base,) + tuple(None for _ in in_metas[1:]), base, forbid=forbid,
+                  kind="copy")
+
+
+def _triangular(node, in_metas, fresh):
+    """triu / tril: which elements stay depends on their row and column, so the last
+    two dims are never split; the leading (batch) dims are."""
+    nd = _dims(in_metas[0])
+    base = _base(nd)
+    return OpRule((base,), base, forbid=frozenset(base[-2:]), kind="pointwise")
 
 
 def _slice(node, in_metas, fresh):
@@ -417,14 +454,22 @@ def _outer(node, in_metas, fresh):
 _HANDLERS: dict[str, Callable[[OpNode, list, _Fresh], OpRule]] = {
     "linear": _linear, "addmm": _addmm, "mm": _mm, "bmm": _bmm, "baddbmm": _bmm,
     "matmul": _matmul, "einsum": _einsum, "outer": _outer, "embedding": _embedding,
-    "layer_norm": _norm, "rms_norm": _norm,
+    "layer_norm": _norm, "rms_norm": _norm, "group_norm": _channel_norm,
+    "batch_norm": _channel_norm, "native_batch_norm": _channel_norm,
+    "_native_batch_norm_legit": _channel_norm,
+    "_native_batch_norm_legit_functional": _channel_norm,
+    "_native_batch_norm_legit_no_training": _channel_norm,
+    "_batch_norm_with_update": _channel_norm,
     "softmax": _softmax, "_softmax": _softmax, "log_softmax": _softmax, "_log_softmax": _softmax,
     "cross_entropy_loss": _cross_entropy, "nll_loss": _cross_entropy,
     "nll_loss_forward": _cross_entropy,
     "scaled_dot_product_attention": _sdpa,
     "view": _view, "_unsafe_view": _view, "reshape": _view, "flatten": _view, "unflatten": _view,
     "squeeze": _squeeze_unsqueeze, "unsqueeze": _squeeze_unsqueeze,
-    "permute": _permute, "transpose": _transpose, "t": _transpose, "expand": _expand,
+    "permute": _permute, "transpose": _transpose, "t": _transpose, "numpy_T": _transpose,
+    "mT": _transpose, "mH": _transpose, "adjoint": _transpose, "swapaxes": _transpose,
+    "swapdims": _transpose, "expand": _expand, "repeat_interleave": _repeat_interleave,
+    "triu": _triangular, "tril": _triangular,
     "slice": _slice, "select": _select, "split": _split, "split_with_sizes": _split,
     "chunk": _split, "unbind": _split, "getitem": _getitem, "cat": _cat, "stack": _cat,
 }
