@@ -160,6 +160,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_process_group(plan)
+    no_kv_cache(model)
     dev = torch.device(device) if device is not None else default_device()
     if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
         runtime = lower_pipeline(model, plan, dev, functools.partial(_loss, loss_fn))
@@ -167,6 +168,15 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
                              loss_fn=loss_fn, device=dev, pipeline=runtime)
     meshes = lower(model, plan, dev)
     return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev)
+
+
+def no_kv_cache(model: nn.Module) -> None:
+    """Turn a Hugging Face model's key/value cache off (``config.use_cache``), as its
+    own trainer does: training needs none, and a cache that each layer appends to
+    changes between a checkpointed block's forward and its recomputation."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -89,3 +89,71 @@ def test_parallel_training_matches_single_process() -> None:
     got = run_distributed(2, rank_main, timeout_s=400)[0]
     for (kind, tp), losses in got.items():
         assert losses == pytest.approx(reference(kind), abs=1e-5), (kind, tp)
+
+
+CASES_4 = [  # (model, forced space) on 4 ranks
+    ("gpt2", {"dp": 1, "tp": 4}),
+    ("gpt2", {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 3}),
+    ("llama", {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 3,
+               "recompute": "selective"}),
+]
+CONV1D_SPLITS = {"c_fc.weight": "S(1)", "c_fc.bias": "S(0)", "c_proj.weight": "S(0)"}
+
+
+def split_mlp_conv1d(plan: "autopar.Plan") -> "autopar.Plan":
+    """``plan`` with every block's MLP Conv1D weights split Megatron's way on tp (the
+    tiny model's CPU plan keeps them replicated)."""
+    for name, placements in plan.params.items():
+        local = name.rpartition(".mlp.")[2]
+        if ".mlp." in name and local in CONV1D_SPLITS:
+            placements[-1] = CONV1D_SPLITS[local]
+            path, _, own = name.rpartition(".")
+            plan.modules[path].params[own][-1] = CONV1D_SPLITS[local]
+    return plan
+
+
+def train_four(cases: list[tuple[str, dict]]) -> list[tuple[list[float], dict]]:
+    """Each case trained (the first with its MLP's Conv1D weights split); with the
+    local shapes of those weights."""
+    out = []
+    for i, (kind, space) in enumerate(cases):
+        model = make(kind)
+        x, y = data()
+        plan = autopar.plan(model, (x,), precision="fp32", **space)
+        pm = autopar.parallelize(model, plan=split_mlp_conv1d(plan) if i == 0 else plan)
+        losses = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
+        local = {n: tuple(p.to_local().shape) for n, p in pm.module.named_parameters()
+                 if ".0.mlp." in n and hasattr(p, "to_local")}
+        out.append((losses, {"local": local, "sp": pm.plan.sequence_parallel}))
+    return out
+
+
+@pytest.mark.multirank
+def test_conv1d_and_hf_llama_under_tensor_and_sequence_parallelism() -> None:
+    """HF GPT-2 trains with its Conv1D weights split (column then row parallel), and
+    HF Llama sequence-parallel with ZeRO-3 and selective recomputation (its KV cache
+    turned off for training)."""
+    got = run_distributed(4, train_four, CASES_4, timeout_s=600)[0]
+    for (kind, space), (losses, info) in zip(CASES_4, got):
+        assert losses == pytest.approx(reference(kind), abs=1e-5), (kind, space, info)
+        assert info["sp"] == bool(space.get("sequence_parallel")), (kind, space, info)
+    local = got[0][1]["local"]
+    assert local["transformer.h.0.mlp.c_fc.weight"] == (32, 32)  # (in, out): 128 / 4 outputs
+    assert local["transformer.h.0.mlp.c_proj.weight"] == (32, 32)  # 128 / 4 inputs
+
+
+def test_gpt2_7b_conv1d_is_split_at_megatrons_layout() -> None:
+    """The 7.5B GPT of Megatron's Table 1 written as HF GPT-2 (Conv1D) fits at its
+    tp4 x dp32 on 128 A100s: its weights are split over tp as nn.Linear's would be."""
+    cfg = transformers.GPT2Config(n_embd=4096, n_layer=36, n_head=32, vocab_size=51200,
+                                  n_positions=2048)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    plan = autopar.estimate(model, (x,), autopar.Spec(dp=32, tp=4, microbatch_size=16,
+                                                      recompute="full"),
+                            cluster=autopar.Cluster(gpu="a100-80g", nodes=16),
+                            global_batch=512, precision="fp16", optimizer="adam")
+    assert plan.memory_per_device_bytes < 80e9
+    assert plan.params["transformer.h.0.mlp.c_fc.weight"][-1] == "S(1)"
+    assert plan.params["transformer.h.0.mlp.c_proj.weight"][-1] == "S(0)"

@@ -17,9 +17,6 @@ from autopar.plans import fsdp_unit
 from autopar.strategies.batch_flow import FREE, BatchFlow
 from autopar.strategies.rules import OpRule, constant_rule, rule_for
 
-# Module classes whose forward is a single operator that PyTorch's parallel styles
-# (ColwiseParallel, RowwiseParallel, SequenceParallel) know how to re-lay out.
-RELAYOUT_MODULES = frozenset({"Linear", "Embedding", "LayerNorm", "RMSNorm"})
 
 
 @dataclass
@@ -38,6 +35,7 @@ class GraphAnalysis:
     multiplicity: dict[str, int] = field(default_factory=dict)
     constants: set[str] = field(default_factory=set)
     unit_share: dict[str, float] = field(default_factory=dict)
+    output_ops: set[str] = field(default_factory=set)
 
 
 def analyze(graph: Graph) -> GraphAnalysis:
@@ -73,7 +71,8 @@ def analyze(graph: Graph) -> GraphAnalysis:
         c = graph.canonical.get(n.name, n.name)
         mult[c] = mult.get(c, 0) + 1
     return GraphAnalysis(graph, rules, in_metas, batch_label, batch_dim, module_ops, owner,
-                         consumers, saved, mult, constants, unit_shares(graph))
+                         consumers, saved, mult, constants, unit_shares(graph),
+                         module_outputs(graph, rules))
 
 
 def unit_shares(g: Graph) -> dict[str, float]:
@@ -116,21 +115,58 @@ def constant_ops(graph: Graph) -> set[str]:
     return const
 
 
+def _owners(graph: Graph) -> set[str]:
+    """Paths of the modules that own parameters (every name of a tied one)."""
+    owners = set()
+    for fqn, p in graph.params.items():
+        for name in [fqn, *p.aliases]:
+            owners.add(name.rpartition(".")[0])
+    return owners
+
+
 def _module_ops(graph: Graph) -> set[str]:
-    """Ops that are the whole forward of a module the parallel styles can re-lay out."""
+    """Ops that are the whole forward of a module owning parameters: the lowering
+    re-lays out their input and their output at the module's boundary."""
     by_module: dict[str, list[OpNode]] = {}
     for n in graph.nodes:
         if n.kind == "op":
             by_module.setdefault(n.module_path, []).append(n)
+    owners = _owners(graph)
     result = set()
     for path, ops in by_module.items():
         real = [o for o in ops if o.target != "getitem"]
-        if len(real) == 1 and real[0].params and real[0].module_type in RELAYOUT_MODULES:
-            p = graph.params.get(real[0].params[0])
-            owners = {p.module_path} | {a.rpartition(".")[0] for a in p.aliases} if p else set()
-            if path in owners:
-                result.add(real[0].name)
+        if len(real) == 1 and real[0].params and path in owners:
+            result.add(real[0].name)
     return result
+
+
+def module_outputs(graph: Graph, rules: dict[str, OpRule]) -> set[str]:
+    """The op that makes each parameter-owning module's output, when that module
+    computes it itself (not a submodule): the lowering re-lays out the module's output
+    after it. Trailing views do not count: Hugging Face's ``Conv1D`` (view, addmm,
+    view) is re-laid out after its addmm, whose partial sum the view passes on."""
+    owners = _owners(graph)
+    last: dict[str, OpNode] = {}
+    for n in graph.nodes:
+        if n.kind != "op" or n.target == "getitem":
+            continue
+        path = n.module_path
+        while True:  # n is, so far, the last op of every module on its path
+            last[path] = n
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+    out = set()
+    for path, op in last.items():
+        if not path or path not in owners or op.module_path != path:
+            continue
+        while rules.get(op.name) is not None and rules[op.name].kind == "view" and op.inputs:
+            src = graph.node(op.inputs[0])
+            if src.kind != "op" or src.module_path != path or len(graph.users(src.name)) != 1:
+                break
+            op = src
+        out.add(op.name)
+    return out
 
 
 def param_users(graph: Graph) -> tuple[dict[str, tuple[str, int]],

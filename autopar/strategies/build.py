@@ -237,9 +237,10 @@ class _Builder:
         return strategies, costs
 
     def _local_partial_grad(self, n: OpNode, grads: tuple[Placements, ...]) -> bool:
-        """Outside modules the code runs on local tensors, where nothing would reduce a
-        partial gradient of a replicated input: such strategies are not lowerable."""
-        if n.name in self.an.module_ops:
+        """A partial gradient of a replicated input is reduced where the lowering
+        re-lays out, at a module's boundary (priced on the edge); strategies that leave
+        one elsewhere are not offered."""
+        if n.name in self.an.module_ops or n.name in self.an.output_ops:
             return False
         free = self._free_axes()
         return any(self.g.node(i).requires_grad and any(g[a] == "P" for a in free)
@@ -247,12 +248,15 @@ class _Builder:
 
     def _sp_allowed(self, n: OpNode, rule: OpRule, ins: tuple[Placements, ...]) -> bool:
         """Honour a forced sequence-parallel choice for norms (None = free): a norm op,
-        or any op of a norm module written out by hand (a class named ``*Norm``)."""
+        or any op of a norm module written out by hand (a class named ``*Norm``), has
+        its activation inputs split on a model-parallel axis exactly when forced on."""
         sp = self.st.sequence_parallel
         in_norm = rule.kind == "norm" or n.module_type.lower().endswith("norm")
-        if sp is None or not in_norm or not ins or ins[0] is None:
+        acts = [p for i, p in zip(n.inputs, ins) if p is not None and
+                self.g.node(i).kind != "param" and i not in self.an.constants]
+        if sp is None or not in_norm or not acts:
             return True
-        split = any(ins[0][a].startswith("S(") for a in self._free_axes())
+        split = any(p[a].startswith("S(") for p in acts for a in self._free_axes())
         return split == sp
 
     def _grad(self, labs, combo, rule: OpRule, place: Placements) -> Placements:
@@ -264,9 +268,9 @@ class _Builder:
         return tuple(g)
 
     def _deliveries(self, n: OpNode, raw: Placements, nd: int) -> list[Placements]:
-        """Output placements a module op may hand on (its raw one, converted on the free
-        axes); other ops hand on their raw output."""
-        if n.name not in self.an.module_ops:
+        """Output placements a module's output op may hand on (its raw one, converted on
+        the free axes); other ops hand on their raw output."""
+        if n.name not in self.an.module_ops and n.name not in self.an.output_ops:
             return [raw] if "P" not in [raw[a] for a in self._free_axes()] else []
         opts = []
         m = self.meta(n.name)
