@@ -325,6 +325,8 @@ _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "Shard": "torch.distributed.tensor", "distribute_module": "torch.distributed.tensor",
     "Partial": "torch.distributed.tensor", "distribute_tensor": "torch.distributed.tensor",
     "register_sharding": "torch.distributed.tensor.experimental",
+    "TorchDispatchMode": "torch.utils._python_dispatch",
+    "tree_flatten": "torch.utils._pytree", "tree_map": "torch.utils._pytree",
     "ColwiseParallel": "torch.distributed.tensor.parallel",
     "ParallelStyle": "torch.distributed.tensor.parallel",
     "PrepareModuleInput": "torch.distributed.tensor.parallel",
@@ -497,5 +499,5 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         step_time=_seconds(plan.step_time_s), memory=_bytes(plan.memory_per_device_bytes),
         throughput=f"{plan.throughput:.1f}", mfu=f"{plan.mfu:.1%}", world=plan.world_size,
         program=program_name, cuda_note="NCCL on GPUs, gloo on CPUs")
-    return T.PROGRAM.substitute(header=header, imports=_imports(constants + body),
+    return T.PROGRAM.substitute(header=header, imports=_imports(constants + "\n" + body),
                                 constants=constants, sections=body)

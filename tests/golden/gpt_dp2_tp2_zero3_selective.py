@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import register_sharding
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -89,17 +91,46 @@ def lookup(table: Mapping[str, Any], name: str) -> Any:
     return found if found is not None else table.get(any_index(name))
 
 
+class ReplicateUnsharded(TorchDispatchMode):
+    """Run an operator DTensor has no sharding strategy for (a custom op, a rare aten
+    op), or whose strategy fails, on replicated local tensors: its DTensor inputs are gathered whole, it runs as
+    in one process, and its tensor outputs go on as replicated DTensors. The planner
+    prices such an op replicated. Every other operator passes straight to DTensor."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:  # noqa: D105
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as e:
+            # no strategy, or one whose shape function refuses what the CPU kernel runs
+            # (aten._grouped_mm's asks for bf16 while the CPU kernel takes fp32)
+            if "sharding strategy" not in str(e) and "Sharding propagation failed" not in str(e):
+                raise
+        meshes = [x.device_mesh for x in tree_flatten((args, kwargs))[0]
+                  if isinstance(x, DTensor)]
+        whole = tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x,
+                         (args, kwargs))
+        out = func(*whole[0], **whole[1])
+        mesh = meshes[0]
+        return tree_map(lambda t: DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim,
+                                                     run_check=False)
+                        if isinstance(t, torch.Tensor) else t, out)
+
+
 @contextlib.contextmanager
 def plain_as_replicated() -> Iterator[None]:
     """Read plain tensors that meet DTensors as replicated (``torch.arange(T)``, a
-    mask, a buffer), forward and backward. Unlike torch's ``implicit_replication``,
-    which it equals otherwise, it nests: leaving it restores the setting it found.
-    (The flag is DTensor's dispatcher's, a private attribute in torch 2.11 to 2.13.)"""
+    mask, a buffer), forward and backward, and run operators DTensor cannot shard
+    replicated (:class:`ReplicateUnsharded`). Unlike torch's ``implicit_replication``,
+    which it extends, it nests: leaving it restores the setting it found. (The flag is
+    DTensor's dispatcher's, a private attribute in torch 2.11 to 2.13.)"""
     dispatcher = DTensor._op_dispatcher
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = True
     try:
-        yield
+        with ReplicateUnsharded():
+            yield
     finally:
         dispatcher._allow_implicit_replication = before
 
