@@ -74,8 +74,9 @@ def build_mesh(device_type: str) -> DeviceMesh:
 """``init_device_mesh`` with the plan's axes."""
 
 DTENSOR_LAYOUT = Template("\n\n".join(inspect.getsource(f) for f in (
-    _layout.any_index, _layout.lookup, _layout.ReplicateUnsharded, _layout.plain_as_replicated, _layout.place_parameters,
-    _layout._Relayout, _layout._redistribute, _layout._first_tensor, _layout._input_hook, _layout._output_hook,
+    _layout.any_index, _layout.lookup, _layout.ReplicateUnsharded, _layout.plain_as_replicated,
+    _layout.place_parameters, _layout._Relayout, _layout._redistribute, _layout._first_tensor,
+    _layout._input_hook, _layout._output_hook,
     _layout.relayout_modules, _layout._to_dtensor, _layout._to_local, _layout.distribute_io,
     _layout._attention_strategies, _layout.register_cpu_attention_sharding)))
 """DTensors from input to output: the runtime's own functions

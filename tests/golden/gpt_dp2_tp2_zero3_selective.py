@@ -93,9 +93,10 @@ def lookup(table: Mapping[str, Any], name: str) -> Any:
 
 class ReplicateUnsharded(TorchDispatchMode):
     """Run an operator DTensor has no sharding strategy for (a custom op, a rare aten
-    op), or whose strategy fails, on replicated local tensors: its DTensor inputs are gathered whole, it runs as
-    in one process, and its tensor outputs go on as replicated DTensors. The planner
-    prices such an op replicated. Every other operator passes straight to DTensor."""
+    op), or whose strategy fails, on replicated local tensors: its DTensor inputs are
+    gathered whole, it runs as in one process, and its tensor outputs go on as
+    replicated DTensors. The planner prices such an op replicated. Every other operator
+    passes straight to DTensor."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:  # noqa: D105
