@@ -385,6 +385,13 @@ def _no_fit_message(g: Graph, infeasible: list[tuple[Candidate, Built]], budget:
         return f"no candidate plan could be built ({reasons})"
     c, best = min(infeasible, key=lambda cb: lower_bound_memory(g, cb[1], cb[0]))
     need = lower_bound_memory(g, best, c)
+    if need <= budget:
+        return (f"no plan was found for {c.label()}, though its least memory ({need / 1e9:.2f} "
+                f"GB) is within {budget / 1e9:.2f} GB per device: either no choice of layouts "
+                f"lets every operator hand its output on as the next one reads it under the "
+                f"options forced on the search, or the layouts that join need more memory "
+                f"than that bound. Drop a forced option (e.g. sequence_parallel) or raise "
+                f"memory_budget.")
     top = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in
                     sorted(_consumers(best, c).items(), key=lambda kv: -kv[1]) if v > 0)
     return (f"no plan fits in {budget / 1e9:.2f} GB per device: the smallest needs at least "
