@@ -12,8 +12,19 @@ import torch
 from autopar.demo import sgd_losses
 from autopar.launch import run_distributed
 from tests.foreign_models import example_batch, lm_loss, nano_gpt, tiny_llama
+from tests.test_batch_flow import EncoderLM
 
-FACTORIES = {"nano": nano_gpt, "llama": tiny_llama}
+
+def encoder(batch_first: bool):
+    """A factory of PyTorch's own nn.TransformerEncoder language model."""
+    def make() -> tuple[torch.nn.Module, tuple[torch.Tensor], torch.Tensor]:
+        x, y = example_batch()
+        return EncoderLM(batch_first), (x,), y
+    return make
+
+
+FACTORIES = {"nano": nano_gpt, "llama": tiny_llama, "encoder": encoder(False),
+             "encoder_bf": encoder(True)}
 MODELS_FILE = Path(__file__).with_name("foreign_models.py")
 STEPS, LR = 3, 0.1
 
@@ -27,6 +38,8 @@ CASES = [  # (model, search space forced on the planner)
     ("llama", {"dp": 1, "tp": 4}),  # 2 key/value heads over 4 ranks
     ("llama", {"dp": 2, "tp": 2, "sequence_parallel": True, "recompute": "selective"}),
     ("llama", {"dp": 2, "tp": 2, "zero": 3}),
+    ("encoder", {"dp": 2, "tp": 2}),  # sequence-first nn.MultiheadAttention
+    ("encoder_bf", {"dp": 1, "tp": 4, "sequence_parallel": True}),
 ]
 
 
