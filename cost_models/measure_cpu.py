@@ -54,7 +54,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cost_models.comm import fit_alpha_beta
-from autopar.cost_models.profiler_host import (HOST_KEYS, REDISTRIBUTE_KEYS, host_overhead,
+from autopar.cost_models.profiler_host import (DTENSOR_OP_KEYS, HOST_KEYS, REDISTRIBUTE_KEYS,
+                                               host_overhead,
                                                median_of, median_time, redistribute_overhead)
 
 SIZES = [2**k for k in (12, 16, 18, 20, 22)]
@@ -209,7 +210,7 @@ def measure_processes(world: int) -> dict[str, Any]:
         p.join()
     out: dict[str, Any] = {k: statistics.median(got[r][k] for r in got)
                            for k in ("gemm_flops", "copy_bandwidth", "op_overhead_s")}
-    keys = HOST_KEYS + (REDISTRIBUTE_KEYS if world > 1 else ())
+    keys = HOST_KEYS + DTENSOR_OP_KEYS + (REDISTRIBUTE_KEYS if world > 1 else ())
     out["host_overhead_s"] = {k: statistics.median(got[r]["host_overhead_s"][k] for r in got)
                                  for k in keys}
     if world > 1:

@@ -32,7 +32,12 @@ from torch import nn
 
 HOST_KEYS = ("linear_fwd", "linear_bwd", "norm_fwd", "norm_bwd", "fsdp_param_fwd",
              "fsdp_param_bwd")
-"""The measured figures (:func:`host_overhead`)."""
+"""The measured figures every shipped profile has (:func:`host_overhead`)."""
+
+DTENSOR_OP_KEYS = ("dtensor_op_fwd", "dtensor_op_bwd")
+"""What DTensor adds to any other op (:func:`dtensor_overhead`): measured by
+:func:`host_overhead` since every op of a tensor-parallel plan runs on DTensors; the
+profiles shipped before that lack it, and a plan then charges nothing for it."""
 
 _CALLS, _REPS = 100, 5
 
@@ -90,8 +95,9 @@ def _added(wrapped: nn.Module, plain: nn.Module, x: torch.Tensor,
 
 def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
     """Host seconds per call that DTensor adds to a tensor-parallel Linear (the mean of
-    a column-wise and a row-wise one) and to a sequence-parallel LayerNorm, forward and
-    backward, on ``mesh`` (one process: :func:`host_overhead`)."""
+    a column-wise and a row-wise one), to a sequence-parallel LayerNorm and to any
+    other op (per pointwise op of a chain run on a DTensor), forward and backward, on
+    ``mesh`` (one process: :func:`host_overhead`)."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
@@ -102,9 +108,35 @@ def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
            for style in (ColwiseParallel(), RowwiseParallel())]
     norm = _added(parallelize_module(nn.LayerNorm(8).to(dev), mesh, SequenceParallel()),
                   nn.LayerNorm(8).to(dev), x, sync)
+    op = _added(_OnDTensor(_Pointwise(), mesh), _Pointwise(), x, sync)
     return {"linear_fwd": statistics.fmean(f for f, _ in lin),
             "linear_bwd": statistics.fmean(b for _, b in lin),
-            "norm_fwd": norm[0], "norm_bwd": norm[1]}
+            "norm_fwd": norm[0], "norm_bwd": norm[1],
+            "dtensor_op_fwd": op[0] / _Pointwise.OPS, "dtensor_op_bwd": op[1] / _Pointwise.OPS}
+
+
+class _Pointwise(nn.Module):
+    """A chain of ``OPS`` pointwise ops, each with a backward."""
+
+    OPS = 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return torch.tanh(x * 2.0 + x).sigmoid()
+
+
+class _OnDTensor(nn.Module):
+    """``inner`` run on its input made a replicated DTensor, as every op of a model
+    laid out for tensor parallelism runs (:mod:`autopar.runtime.dtensor_layout`)."""
+
+    def __init__(self, inner: nn.Module, mesh: Any) -> None:
+        super().__init__()
+        self.inner, self.mesh = inner, mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        from torch.distributed.tensor import DTensor, Replicate
+
+        d = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return self.inner(d).to_local()
 
 
 REDISTRIBUTE_KEYS = ("redistribute_all_reduce", "redistribute_all_gather",
@@ -171,7 +203,7 @@ def fsdp_overhead(mesh: Any, sync: Callable[[], None],
 
 def host_overhead(device_type: str, sync: Callable[[], None],
                   dispatch: bool = False) -> dict[str, float]:
-    """Every figure of :data:`HOST_KEYS` (:func:`dtensor_overhead`,
+    """Every figure of :data:`HOST_KEYS` and :data:`DTENSOR_OP_KEYS` (:func:`dtensor_overhead`,
     :func:`fsdp_overhead`), non-negative, on a mesh of this process alone; with
     ``dispatch`` also those of
     :data:`~autopar.cost_models.profiler_dispatch.DISPATCH_KEYS` (what a GPU profile

@@ -10,7 +10,7 @@ import torch
 
 from autopar.capture import capture
 from autopar.cost_models.hardware import load_profile
-from autopar.cost_models.profiler_host import HOST_KEYS, REDISTRIBUTE_KEYS
+from autopar.cost_models.profiler_host import DTENSOR_OP_KEYS, HOST_KEYS, REDISTRIBUTE_KEYS
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.solvers.ilp import solve_ilp
@@ -32,7 +32,7 @@ def _measure() -> dict[str, float]:
 def test_wrappers_cost_host_time_on_a_mesh_of_one() -> None:
     """Every figure is measured, and DTensor makes a tiny Linear slower than plain."""
     got = run_distributed(1, _measure, timeout_s=300)[0]
-    assert set(got) == set(HOST_KEYS)
+    assert set(got) == set(HOST_KEYS) | set(DTENSOR_OP_KEYS)
     assert all(v >= 0.0 for v in got.values())
     assert got["linear_fwd"] + got["linear_bwd"] > 10e-6
 
@@ -159,6 +159,38 @@ def test_tensor_parallel_ops_are_charged_the_dtensor_overhead(sequence_parallel)
     norms = 5 if sequence_parallel else 0
     expect = linears * 3e-3 + norms * 4e-4
     assert delta == pytest.approx(expect, rel=1e-9)
+
+
+def test_every_other_op_on_dtensors_is_charged_the_dtensor_op_figure() -> None:
+    """Under tensor parallelism every op runs on DTensors: each op that is neither a
+    Linear with a split weight nor computed from shapes alone (position ids) pays the
+    per-op figure, forward, and backward where a gradient flows; on one device none
+    does."""
+    base = _as_cpu(load_profile("h100-sxm"), {})
+    over = {"dtensor_op_fwd": 1e-3, "dtensor_op_bwd": 2e-3}
+    for mesh in ((1, 2), (2, 1)):
+        built = _gpt_problem(mesh, base, False)
+        choice = solve_ilp(built.problem).choice
+        charged = _gpt_problem(mesh, _as_cpu(base, over), False)
+        delta = (evaluate(charged.problem, choice).compute_s
+                 - evaluate(built.problem, choice).compute_s)
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=1024, n_layers=2,
+                                  n_heads=4))
+        an = analyze(capture(model, (torch.randint(0, 512, (8, 64), device="meta"),)))
+        g = an.graph
+        expect = 0.0
+        for k, name in enumerate(built.names):
+            node, ns = g.node(name), built.strategies[k][choice[k]]
+            split_param = any(g.node(i).kind == "param" and p[1:] != ("R",) * (len(p) - 1)
+                              for i, p in zip(node.inputs, ns.ins))
+            if mesh[1] == 1 or node.kind != "op" or name in an.constants or (
+                    name.startswith(("linear", "addmm", "embedding")) and split_param):
+                continue
+            mult = built.problem.nodes[k].multiplicity
+            expect += mult * (1e-3 + (2e-3 if node.requires_grad else 0.0))
+        assert delta == pytest.approx(expect, rel=1e-9), mesh
+        assert (delta > 0) == (mesh[1] > 1)
 
 
 def test_fsdp_overhead_is_charged_per_parameter_and_micro_batch() -> None:

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from autopar.cost_models.hardware import load_profile
 from autopar.cost_models.profiler import load_partial, partial_path, run_profile
 from autopar.cost_models.profiler_dispatch import DISPATCH_KEYS
-from autopar.cost_models.profiler_host import HOST_KEYS
+from autopar.cost_models.profiler_host import DTENSOR_OP_KEYS, HOST_KEYS
 from autopar.cost_models.profiler_comm import fit_alpha_beta, fit_table, ring_factor
 from autopar.cost_models.profiler_grid import Grid
 
@@ -94,7 +94,7 @@ def test_tiny_cpu_run_writes_profile(tmp_path: Path, one_thread):
     assert t["collectives"] == [] and d["errors"] == []
     assert d["summary"]["gemm_peak_flop_per_s"]["fp32"]["flop_per_s"] > 0
     host = d["host_overhead_s"]
-    assert set(host) == set(HOST_KEYS) | set(DISPATCH_KEYS)
+    assert set(host) == set(HOST_KEYS) | set(DTENSOR_OP_KEYS) | set(DISPATCH_KEYS)
     assert all(v >= 0.0 for v in host.values())
     assert host["op_matmul_fwd"] > 0 and host["op_matmul_bwd"] > 0
     assert load_profile(str(out)).host_overhead_s == pytest.approx(host)

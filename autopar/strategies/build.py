@@ -427,9 +427,10 @@ class _Builder:
     def _dtensor_host(self, n: OpNode, ins) -> tuple[float, float]:
         """(forward, backward) host seconds DTensor adds to op ``n`` under input
         placements ``ins``: a matrix product (or embedding) whose parameter is split over
-        a non-dp axis runs as a tensor-parallel Linear, a norm whose input is split so runs as a
-        sequence-parallel one (:attr:`HardwareProfile.host_overhead_s`; 0 where the
-        profile has no figure). On a CPU it adds to the op's time (the host is the
+        a non-dp axis runs as a tensor-parallel Linear, a norm whose input is split so
+        runs as a sequence-parallel one, and with a model-parallel axis every other op
+        but those computed from shapes runs on DTensors too (figure ``dtensor_op``)
+        (:attr:`HardwareProfile.host_overhead_s`; 0 where the profile has no figure). On a CPU it adds to the op's time (the host is the
         device); on a GPU it is host time beside the device's (:meth:`_op_host`)."""
         over = self.st.hw.host_overhead_s
         free = self._free_axes()
@@ -445,6 +446,8 @@ class _Builder:
             kind = "linear"
         elif is_norm(n.target) and ins and kinds[0] != "param" and split(ins[0]):
             kind = "norm"
+        elif n.name not in self.an.constants:
+            kind = "dtensor_op"
         if kind is None:
             return 0.0, 0.0
         return (over.get(f"{kind}_fwd", 0.0),
