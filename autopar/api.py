@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cluster import Cluster
-from autopar.errors import AutoparError, ConfigError, LoweringError
+from autopar.errors import AutoparError, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -159,22 +159,20 @@ def _check_pipeline_space(space: dict, num_blocks: int) -> None:
                           f"them); choose pp <= {num_blocks + 2}")
 
 
-def _untraceable_for_pipelining(model, graph, space: dict) -> str | None:
-    """Why pipeline parallelism is left out of a search that may choose it, or None:
-    the pipelined runtime cuts the model by tracing its forward with torch.fx, each
-    block one call (:func:`autopar.runtime.pipeline_split.trace_units`); a forward fx
-    cannot trace (data-dependent control flow outside the blocks, as in Hugging Face
-    models) could be planned but not run. A pp the caller gave is left to the runtime,
-    which says the same when it lowers."""
-    if space.get("pp") is not None or not graph.layers:
-        return None
-    from autopar.runtime.pipeline_split import trace_units
+def _unsplittable_for_pipelining(model, example_inputs, graph, space: dict) -> str | None:
+    """Why pipeline parallelism is left out of the search, or None. The runtime cuts
+    stages from the model's exported program at its blocks, and this asks the
+    runtime's own cut (:func:`autopar.runtime.pipeline_split.pipeline_blocker`), so a
+    model it cannot cut is never offered pp > 1. A pp > 1 the caller asked for raises
+    ConfigError with the reason instead."""
+    from autopar.runtime.pipeline_split import pipeline_blocker
 
-    try:
-        trace_units(model, [lay.path for lay in graph.layers])
-    except LoweringError as e:
-        return f"pipeline parallelism left out of the search: {e}"
-    return None
+    reason = pipeline_blocker(model, example_inputs, [lay.path for lay in graph.layers])
+    if reason is None:
+        return None
+    if space.get("pp") is not None:
+        raise ConfigError(f"pp={space['pp']} cannot run: {reason}")
+    return f"pipeline parallelism left out of the search: {reason}"
 
 
 def _recompute_modes(value) -> tuple[str, ...] | None:
@@ -225,14 +223,16 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     _check_heads(graph, tp or 1)
     an = analyze(graph)
     _check_pipeline_space(space, len(graph.layers))
-    pp_note = _untraceable_for_pipelining(model, graph, space)
-    cands = candidates(world, gb, dp=space.get("dp"), tp=tp,
-                       pp=1 if pp_note else space.get("pp"),
+    cands = candidates(world, gb, dp=space.get("dp"), tp=tp, pp=space.get("pp"),
                        microbatch_size=space.get("microbatch_size"), zero=space.get("zero"),
                        schedule=space.get("schedule"),
                        virtual_stages=space.get("virtual_stages"),
                        num_units=len(graph.layers) + 2 if graph.layers else 1,
                        heads=_heads(graph))
+    pp_note = None
+    if any(c.pp > 1 for c in cands):
+        pp_note = _unsplittable_for_pipelining(model, example_inputs, graph, space)
+        cands = [c for c in cands if c.pp == 1] if pp_note else cands
     top_k = space.get("top_k", 1)
     if not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k={top_k!r}: expected a positive integer (1 = the best plan "
@@ -388,4 +388,4 @@ def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
     if math.prod(plan.mesh.values()) != dist.get_world_size():
         raise ConfigError(f"the plan is for {math.prod(plan.mesh.values())} devices but the job "
                           f"has {dist.get_world_size()}; plan for this world size")
-    return apply_plan(model, plan, loss_fn=loss_fn)
+    return apply_plan(model, plan, loss_fn=loss_fn, example_inputs=example_inputs)

@@ -1,9 +1,9 @@
 """The pipeline parts of an emitted program (see :mod:`autopar.runtime.codegen`).
 
-For a plan with a pipeline, the program cuts the model into the plan's stages with a
-small fx splitter, gives each stage its own copy of a parameter several stages use,
-lays out (tensor parallelism, recomputation, FSDP2) and materializes only this rank's
-stages, and runs the plan's ``torch.distributed.pipelining`` schedule, as
+For a plan with a pipeline, the program cuts the model into the plan's stages with the
+runtime's own cut of its exported program (copied in), gives each stage its own copy
+of a parameter several stages use, lays out (tensor parallelism, recomputation,
+FSDP2) and materializes only this rank's stages, and runs the plan's ``torch.distributed.pipelining`` schedule, as
 :func:`autopar.runtime.lower.lower_pipeline` does in process. This module computes
 the values that fill :mod:`autopar.runtime.codegen_pipeline_templates`.
 """
@@ -12,12 +12,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+import torch
 
 from autopar.plans import Plan
 from autopar.runtime import codegen_pipeline_templates as PT
-from autopar.runtime.pipeline import (SCHEDULE_CLASSES, SINGLE_STAGE_SCHEDULES, check_pipeline,
-                                      split_for_plan)
+from autopar.runtime.pipeline import (SCHEDULE_CLASSES, SINGLE_STAGE_SCHEDULES,
+                                      ZERO_BUBBLE_SCHEDULES, check_pipeline, split_for_plan,
+                                      stage_blocks)
+
+if TYPE_CHECKING:
+    from autopar.runtime.codegen import ModelFacts
 
 __all__ = ["PipelineText", "pipeline_text"]
 
@@ -27,7 +33,7 @@ class PipelineText:
     """The pipeline's share of a program's text.
 
     Attributes:
-        constants: the STAGE_UNITS, STAGE_RANKS, PP and TIED constants.
+        constants: the STAGE_BLOCKS, STAGE_RANKS, PP and TIED constants.
         sections: top-level definitions (helpers, splitter, tied copies, schedule).
         step: the ``train_step`` definition.
         step_args: the arguments ``main`` passes to ``train_step``.
@@ -42,16 +48,20 @@ class PipelineText:
 
 
 def _constants(plan: Plan, tied: list[list[tuple[int, str]]]) -> str:
-    """STAGE_UNITS (a comment per stage with its predicted cost), STAGE_RANKS, PP, TIED."""
+    """STAGE_BLOCKS (a comment per stage with its other units and predicted cost),
+    STAGE_RANKS, PP, TIED."""
     assert plan.pipeline is not None
-    lines = ["STAGE_UNITS = [  # the model's units each pipeline stage runs, in pipeline order"]
-    for st in plan.pipeline.stages:
-        units = "[" + ", ".join(f'"{u}"' for u in st.units) + "],"
-        cost = f"  # stage {st.index} on pp rank {st.rank}"
+    lines = ["STAGE_BLOCKS = [  # the blocks of each pipeline stage, in pipeline order; the first",
+             "    # stage also runs what comes before the blocks, the last what comes after"]
+    for st, blocks in zip(plan.pipeline.stages, stage_blocks(plan)):
+        lines.append("    [" + ", ".join(f'"{b}"' for b in blocks) + "],")
+        note = f"stage {st.index} on pp rank {st.rank}"
+        others = [u if u else "root" for u in st.units if u not in blocks]
+        if others:
+            note += f", with {', '.join(others)}"
         if st.forward_s > 0 or st.backward_s > 0:
-            cost += (f": {(st.forward_s + st.backward_s) * 1e3:.3g} ms fwd+bwd per "
-                     "micro-batch")
-        lines.append(f"    {units}{cost}")
+            note += f": {(st.forward_s + st.backward_s) * 1e3:.3g} ms fwd+bwd per micro-batch"
+        lines[-1] = _with_comment(lines[-1], note)
     lines.append("]")
     ranks = [st.rank for st in plan.pipeline.stages]
     lines.append(f"STAGE_RANKS = {ranks}  # the pp rank of each stage")
@@ -67,6 +77,13 @@ def _constants(plan: Plan, tied: list[list[tuple[int, str]]]) -> str:
     return "\n" + "\n".join(lines)
 
 
+def _with_comment(line: str, comment: str) -> str:
+    """``line  # comment``, or the comment on a line of its own above a long line."""
+    if len(line) + len(comment) + 4 <= 99:
+        return f"{line}  # {comment}"
+    return f"    # {comment}\n{line}"
+
+
 def _schedule(plan: Plan) -> str:
     """``build_schedule`` with the plan's schedule class."""
     assert plan.pipeline is not None
@@ -80,22 +97,27 @@ def _schedule(plan: Plan) -> str:
                                   stage_arg="stages[0]" if single else "stages")
 
 
-def pipeline_text(plan: Plan, model: nn.Module, layout: list[str], partial_grads: bool,
+def pipeline_text(plan: Plan, facts: ModelFacts, layout: list[str], partial_grads: bool,
                   dp_mean: str) -> PipelineText:
-    """The pipeline's text for ``plan`` and ``model`` (a fresh meta instance, which is
-    cut here to check the pipeline and find tied parameters): ``layout`` are the calls that lay out one stage
+    """The pipeline's text for ``plan`` and the model of ``facts`` (a fresh meta
+    instance, which is cut here, as the program will cut it, to check the pipeline
+    and find tied parameters): ``layout`` are the calls that lay out one stage
     (``apply_tp(stage, ...)``), ``partial_grads`` whether a step reduces partial
     gradients (tensor parallelism without FSDP), ``dp_mean`` the lines averaging the
     loss over dp. Checks the pipeline against the model (LoweringError)."""
-    check_pipeline(model, plan)
-    _, copies = split_for_plan(model, plan)
+    check_pipeline(facts.model, plan)
+    dtype = torch.long if facts.input_is_tokens else torch.float32
+    example = torch.zeros((plan.global_batch, *facts.input_shape), dtype=dtype, device="meta")
+    _, copies = split_for_plan(facts.model, plan, example)
     tied = [list(group.names) for group in copies]
-    sections = [PT.LOCAL_MODULES.template]
-    if plan.degree("tp") > 1:
-        sections.append(PT.LOCAL_PLAN.template)
-    sections.append(PT.SPLIT_STAGES.template)
+    tp = plan.degree("tp") > 1
+    own = tp and plan.pipeline is not None and plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES
+    sections = [PT.LOCAL_MODULES.template, PT.SPLIT_STAGES.template]
     if tied:
         sections.append(PT.TIED.template)
+    if own:
+        sections.append(PT.OWN_OUTPUTS.template)
+        layout = layout + ["stage.register_forward_hook(_own_outputs)"]
     sections += [PT.MATERIALIZE_STAGE.template, _schedule(plan)]
     after = ""
     if partial_grads:
@@ -103,7 +125,8 @@ def pipeline_text(plan: Plan, model: nn.Module, layout: list[str], partial_grads
     if tied:
         after += "    sync_tied(stages, tied, grads=True)  # copies get the sum of their grads\n"
     tied_arg = "\n" + " " * 15 + "tied: list[dist.ProcessGroup | None]," if tied else ""
-    step = PT.PIPELINE_STEP.substitute(tied_arg=tied_arg, after=after, dp_mean=dp_mean)
+    step = PT.PIPELINE_STEP.substitute(tied_arg=tied_arg, after=after, dp_mean=dp_mean,
+                                       step_call=PT.STEP_CALL_TP if tp else PT.STEP_CALL)
     build = PT.BUILD.substitute(
         untie="    untie_across_stages(graphs)\n" if tied else "",
         layout="".join(f"            {line}\n" for line in layout),

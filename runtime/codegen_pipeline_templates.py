@@ -1,8 +1,8 @@
 """The pipeline sections of the emitted training program, as ``string.Template`` pieces.
 
 :mod:`autopar.runtime.codegen_pipeline` fills them for a plan with a pipeline; the
-program then cuts the model into stages (:data:`SPLIT_STAGES`, the counterpart of
-:mod:`autopar.runtime.pipeline_split`), gives stages their own copies of shared
+program then cuts the model into stages (:data:`SPLIT_STAGES`, the runtime's own
+cut copied in), gives stages their own copies of shared
 parameters (:data:`TIED`), lays out and materializes only this rank's stages, and
 runs the plan's ``torch.distributed.pipelining`` schedule (:data:`SCHEDULE`,
 :data:`PIPELINE_STEP`), as :mod:`autopar.runtime.pipeline` does in process.
@@ -10,10 +10,15 @@ runs the plan's ``torch.distributed.pipelining`` schedule (:data:`SCHEDULE`,
 
 from __future__ import annotations
 
+import inspect
 from string import Template
 
-__all__ = ["LOCAL_MODULES", "LOCAL_PLAN", "SPLIT_STAGES", "TIED", "MATERIALIZE_STAGE", "SCHEDULE",
-           "PIPELINE_STEP", "BUILD"]
+from autopar.runtime import pipeline as _pipeline
+from autopar.runtime import pipeline_export as _export
+from autopar.runtime import pipeline_split as _split
+
+__all__ = ["LOCAL_MODULES", "SPLIT_STAGES", "TIED", "MATERIALIZE_STAGE", "SCHEDULE",
+           "PIPELINE_STEP", "STEP_CALL", "STEP_CALL_TP", "OWN_OUTPUTS", "BUILD"]
 
 LOCAL_MODULES = Template('''\
 def local_modules(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
@@ -27,88 +32,28 @@ def local_modules(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
     return found''')
 """Lets the per-block loops run on a stage holding some of the blocks."""
 
-LOCAL_PLAN = Template('''\
-def local_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    """The entries of a parallelize plan whose modules ``model`` (one stage) holds."""
-    return {path: style for path, style in plan.items() if local_modules(model, (path,))}''')
-"""Lets a parallelize plan of the root's modules run on a stage holding some of them."""
-
-SPLIT_STAGES = Template('''\
-class UnitTracer(fx.Tracer):
-    """A torch.fx tracer that keeps every pipeline unit as one opaque module call."""
-
-    def __init__(self, units: set[str]) -> None:
-        super().__init__()
-        self.units = units
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        """Units are leaves, as are torch.nn's own modules."""
-        return module_qualified_name in self.units or \\
-            super().is_leaf_module(m, module_qualified_name)
+SPLIT_STAGES = Template("\n\n\n".join(inspect.getsource(f) for f in (
+    _export.StageSplitError, _export.outlined_paths, _export.export_program,
+    _export._called_once, _export._owner, _export._leaf_paths, _export._Outliner,
+    _export.outlined_graph, _export.retarget_devices, _split._pinned, _split.assign_stages,
+    _split._live, _split.stage_graph, _split.cut_program)) + '''
 
 
-def split_stages(model: nn.Module) -> tuple[list[fx.GraphModule], list[str]]:
-    """Cut the model into one GraphModule per entry of STAGE_UNITS; also return the
-    names of the model's inputs.
-
-    The model is traced once with torch.fx, each unit ("blocks.3") kept as one call.
-    A unit call runs on its unit's stage; an op reading some staged value runs on the
-    latest stage among its inputs ("tok_emb(idx) + pos_emb(pos)" on the first stage);
-    an op reading only the model's inputs and constants (torch.arange of the sequence
-    length, RoPE tables) is recomputed by every stage that uses it. A stage is called
-    as stage(*activations, **model_inputs): the activations are the values made on
-    earlier stages and read on it or later ones, in graph order, and the model inputs
-    of the micro-batch reach every stage as keywords (the schedule passes step()'s
-    keywords to all stages). A stage returns the values later stages read, the last
-    one the model's output. A stage calls the model's own unit modules under their
-    own paths, so the per-module plans above address them unchanged.
-    """
-    stage_of = {unit: i for i, units in enumerate(STAGE_UNITS) for unit in units}
-    graph = UnitTracer(set(stage_of)).trace(model)
-    stage: dict[fx.Node, int | None] = {}  # None: input-only, recomputed where used
-    for node in graph.nodes:
-        after = max((stage[a] for a in node.all_input_nodes if stage[a] is not None),
-                    default=None)
-        if node.op == "call_module" and node.target in stage_of:
-            stage[node] = stage_of[node.target]
-        else:
-            stage[node] = len(STAGE_UNITS) - 1 if node.op == "output" else after
-
-    def live(boundary: int) -> list[fx.Node]:
-        """Staged values made before stage ``boundary`` and read on it or later."""
-        return [n for n in graph.nodes if stage[n] is not None and stage[n] < boundary
-                and any(stage[u] is not None and stage[u] >= boundary for u in n.users)]
-
-    stages = []
-    for index in range(len(STAGE_UNITS)):
-        g = fx.Graph()
-        env = {n: g.placeholder(n.name) for n in live(index)}
-        for n in graph.nodes:
-            if n.op == "placeholder":
-                env[n] = g.node_copy(n, env.__getitem__)
-
-        def copy(node: fx.Node) -> fx.Node:
-            """Copy ``node`` into ``g``, with the input-only values it reads."""
-            if node not in env:
-                for a in node.all_input_nodes:
-                    copy(a)
-                env[node] = g.node_copy(node, env.__getitem__)
-            return env[node]
-
-        for n in graph.nodes:
-            if stage[n] == index and n.op != "output":
-                copy(n)
-        if index == len(STAGE_UNITS) - 1:
-            out = next(n for n in graph.nodes if n.op == "output")
-            for a in out.all_input_nodes:
-                copy(a)
-            g.node_copy(out, env.__getitem__)
-        else:
-            g.output(tuple(env[n] for n in live(index + 1)))
-        stages.append(fx.GraphModule(model, g, class_name=f"PipelineStage{index}"))
-    names = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
-    return stages, names''')
-"""The stage splitter: an fx cut of the traced model (see its docstring)."""
+def split_stages(model: nn.Module,
+                 device: torch.device) -> tuple[list[fx.GraphModule], list[str]]:
+    """Cut the model into one GraphModule per entry of STAGE_BLOCKS (cut_program), from
+    its program exported by torch.export for one micro-batch of synthetic inputs on the
+    meta device (only their shapes matter); also return the names of the model's
+    inputs, which every stage takes as keywords. A stage calls the model's own blocks
+    under their own paths, so the per-block layout above addresses them unchanged."""
+    dtype = torch.long if INPUT_IS_TOKENS else torch.float32
+    example = (torch.zeros((MICROBATCH_SIZE,) + INPUT_SHAPE, dtype=dtype, device="meta"),)
+    blocks = [block for stage in STAGE_BLOCKS for block in stage]
+    program = export_program(model, example, outlined_paths(model, blocks))
+    return cut_program(model, program, STAGE_BLOCKS, device)''')
+"""The stage splitter: the runtime's own cut (:mod:`autopar.runtime.pipeline_export`,
+:mod:`autopar.runtime.pipeline_split`), copied into the program, and the call that
+exports the program's model for it."""
 
 TIED = Template('''\
 def untie_across_stages(stages: list[fx.GraphModule]) -> None:
@@ -199,18 +144,28 @@ def train_step(schedule: Any, stages: dict[int, nn.Module],$tied_arg mesh: Devic
     start = mesh.get_local_rank("dp") * NUM_MICROBATCHES * MICROBATCH_SIZE
     part = slice(start, start + NUM_MICROBATCHES * MICROBATCH_SIZE)
     losses: list[torch.Tensor] = []
-    schedule.step(target=targets[part], losses=losses,
-                  **{name: x[part] for name, x in zip(input_names, inputs)})
-$after    total = torch.zeros((), device=device)
+    batch = {name: x[part] for name, x in zip(input_names, inputs)}
+$step_call$after    total = torch.zeros((), device=device)
     if losses:  # the last stage's mean, handed to every pp rank
         total += torch.stack([loss.detach().float() for loss in losses]).mean()
     dist.all_reduce(total, group=mesh.get_group("pp"))
 $dp_mean    return total''')
 """One pipelined training step."""
 
+STEP_CALL = "    schedule.step(target=targets[part], losses=losses, **batch)\n"
+"""The schedule's step."""
+
+STEP_CALL_TP = (
+    "    with plain_as_replicated():  # tensors a stage makes meet DTensors as replicated\n"
+    "        schedule.step(target=targets[part], losses=losses, **batch)\n")
+"""The schedule's step under tensor parallelism."""
+
+OWN_OUTPUTS = Template(inspect.getsource(_pipeline._own_outputs))
+"""Stage outputs the zero-bubble schedules may detach in place (tensor parallelism)."""
+
 BUILD = Template('''\
     mesh = build_mesh(device_type)
-    graphs, input_names = split_stages(build_model())
+    graphs, input_names = split_stages(build_model(), device)
 $untie    torch.manual_seed(args.seed)  # every rank initializes alike
     stages: dict[int, nn.Module] = {}  # this rank's stages by index
     for index, stage in enumerate(graphs):
@@ -218,7 +173,7 @@ $untie    torch.manual_seed(args.seed)  # every rank initializes alike
 $layout            materialize_stage(stage, device)  # only this rank's stages
             stages[index] = stage
 $groups    schedule = build_schedule([
-        PipelineStage(stage, index, len(STAGE_UNITS), device, group=mesh.get_group("pp"))
+        PipelineStage(stage, index, len(STAGE_BLOCKS), device, group=mesh.get_group("pp"))
         for index, stage in stages.items()])
 $sync    model = nn.ModuleDict({str(index): stage for index, stage in stages.items()})
 ''')

@@ -22,6 +22,9 @@ plan and the model, so every rank raises the same LoweringError.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,8 +37,8 @@ from autopar.runtime.materialize import (check_materializable, is_meta_model, ma
                                          materialize_stage)
 from autopar.runtime.mesh import MESH_AXES, PlanMeshes, build_meshes
 from autopar.runtime.pipeline import (LossFn, PipelineRuntime, build_pipeline_schedule,
-                                      check_pipeline, input_names, parallelize_stage,
-                                      split_for_plan, tied_process_groups)
+                                      check_pipeline, parallelize_stage, split_for_plan,
+                                      tied_process_groups, unflattened_loss)
 from autopar.runtime.recompute import apply_ac, check_recompute
 from autopar.runtime.tensor_parallel import (apply_tensor_parallel, check_module_plan,
                                              check_param_placement, tied_parameter_groups,
@@ -170,12 +173,13 @@ def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
     return meshes
 
 
-def lower_pipeline(model: nn.Module, plan: Plan, device: torch.device,
-                   loss_fn: LossFn) -> PipelineRuntime:
+def lower_pipeline(model: nn.Module, plan: Plan, device: torch.device, loss_fn: LossFn,
+                   example_inputs: Any) -> PipelineRuntime:
     """Cut ``model`` into the stages of ``plan.pipeline``, lay out this rank's stages
     (tensor parallelism, FSDP2, materialization of a meta model's own stage only)
     and build the schedule; see :mod:`autopar.runtime.pipeline`. ``loss_fn(output,
-    targets)`` returns one micro-batch's mean loss."""
+    targets)`` returns one micro-batch's mean loss; ``example_inputs`` (a batch of the
+    model's inputs, batch first) give the shapes the stages are exported for."""
     check_process_group(plan)
     check_plan(model, plan)
     check_pipeline(model, plan)
@@ -183,7 +187,8 @@ def lower_pipeline(model: nn.Module, plan: Plan, device: torch.device,
     meta = is_meta_model(model)
     if meta:
         check_materializable(model)
-    graphs, tied = split_for_plan(model, plan)
+    cut, tied = split_for_plan(model, plan, example_inputs, device)
+    graphs = cut.stages
     meshes = build_meshes(plan, device.type)
     assert meshes.pp is not None
     pp_rank = meshes.pp.get_local_rank()
@@ -199,8 +204,9 @@ def lower_pipeline(model: nn.Module, plan: Plan, device: torch.device,
               for g in local]
     runtime = PipelineRuntime(
         plan=plan, meshes=meshes, modules=[g.module for g in local], stages=stages,
-        schedule=build_pipeline_schedule(plan, stages, loss_fn),
-        input_names=input_names(graphs[0].module.graph), tied=list(zip(tied, groups)),
-        device=device)
+        schedule=build_pipeline_schedule(plan, stages,
+                                         functools.partial(unflattened_loss, cut, loss_fn)),
+        input_names=cut.input_names, tied=list(zip(tied, groups)),
+        device=device, input_shapes=cut.input_shapes)
     runtime.sync_tied(grads=False)  # copies start equal (a meta model's are initialized apart)
     return runtime

@@ -138,7 +138,8 @@ class ParallelModel(nn.Module):
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
-               device: torch.device | str | None = None) -> ParallelModel:
+               device: torch.device | str | None = None,
+               example_inputs: Any = None) -> ParallelModel:
     """Lay ``model`` out in place as ``plan`` says and wrap it in a :class:`ParallelModel`.
 
     Needs an initialized default process group whose world size equals the plan's
@@ -153,7 +154,9 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     A plan with a pipeline (``plan.pipeline`` with several stages, mesh
     ``{"pp": .., "dp": .., "tp": ..}``) is lowered by
     :func:`~autopar.runtime.lower.lower_pipeline`: each rank keeps, lays out and (for
-    a meta model) materializes only its own stages.
+    a meta model) materializes only its own stages. Its stages are cut from the
+    model's program exported on ``example_inputs`` (one batch of the inputs ``step``
+    will get, batch first; only their shapes and dtypes matter).
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
@@ -163,7 +166,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     no_kv_cache(model)
     dev = torch.device(device) if device is not None else default_device()
     if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
-        runtime = lower_pipeline(model, plan, dev, functools.partial(_loss, loss_fn))
+        runtime = lower_pipeline(model, plan, dev, functools.partial(_loss, loss_fn),
+                                 example_inputs)
         return ParallelModel(nn.ModuleList(runtime.modules), plan, runtime.meshes.mesh,
                              loss_fn=loss_fn, device=dev, pipeline=runtime)
     meshes = lower(model, plan, dev)

@@ -5,14 +5,15 @@ In torchtitan's order (``pipeline_llm`` / ``apply_pp``):
 
 1. :func:`check_pipeline` checks the plan's pipeline against the model and the
    schedule's rules, before anything changes;
-2. :func:`~autopar.runtime.pipeline_split.split_stages` cuts the unmodified model
-   into one ``GraphModule`` per stage that calls the model's own unit modules under
-   their original paths;
+2. :func:`~autopar.runtime.pipeline_split.split_stages` cuts the model's exported
+   program at its block boundaries into one ``GraphModule`` per stage that calls the
+   model's own blocks (and other modules) under their original paths;
 3. :func:`untie_across_stages` gives each stage its own copy of a parameter that
    several stages use (GPT's token embedding tied to its output head);
-4. for each of this rank's stages: tensor parallelism (the plan's module styles on
-   the ``tp`` mesh), activation recomputation of its blocks, FSDP2 over ``dp`` per block and on the stage, materialization
-   of a ``meta`` model's own stage only;
+4. for each of this rank's stages: tensor parallelism (parameters as DTensors on the
+   ``tp`` mesh by their names, the stage's inputs and outputs replicated),
+   activation recomputation of its blocks, FSDP2 over ``dp`` per block and on the
+   stage, materialization of a ``meta`` model's own stage only;
 5. :func:`build_pipeline_schedule` wraps the stages in ``PipelineStage`` and the
    plan's schedule.
 
@@ -43,15 +44,17 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import apply_data_parallel
+from autopar.runtime.dtensor_layout import plain_as_replicated
 from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
-from autopar.runtime.pipeline_split import StageGraph, split_stages
+from autopar.runtime.pipeline_split import StageCut, StageGraph, split_stages
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
 from autopar.solvers.schedules import needs_a_microbatch_per_stage
 
 __all__ = ["SCHEDULE_CLASSES", "TiedCopies", "PipelineRuntime", "check_pipeline",
            "stage_ranks", "untie_across_stages", "stage_plan", "build_pipeline_schedule",
-           "tied_process_groups", "parallelize_stage", "input_names", "split_for_plan"]
+           "tied_process_groups", "parallelize_stage", "stage_blocks", "microbatch_inputs",
+           "split_for_plan", "unflattened_loss"]
 
 SCHEDULE_CLASSES = MappingProxyType({
     "gpipe": ScheduleGPipe,
@@ -141,19 +144,10 @@ class TiedCopies:
 def untie_across_stages(stages: list[StageGraph], ranks: list[int]) -> list[TiedCopies]:
     """Give every stage but the first owner its own copy of each parameter that
     several stages use; return the groups of copies (the same list on every rank).
-
-    A module with parameters may not be called by several stages (its styles and
-    FSDP wrapping would be applied twice); only parameters may be shared."""
+    (:func:`~autopar.runtime.pipeline_split.split_stages` has checked that no module
+    with parameters is held by several stages; only parameters are shared.)"""
     owners: dict[int, list[tuple[int, str]]] = {}
-    module_stage: dict[int, int] = {}
     for st in stages:
-        for path, m in st.module.named_modules():
-            if any(True for _ in m.parameters(recurse=False)) and path:
-                first = module_stage.setdefault(id(m), st.index)
-                if first != st.index:
-                    raise LoweringError(f"module '{path}' is called by pipeline stages {first} "
-                                        f"and {st.index}; a module with parameters must run on "
-                                        "one stage (put the units that call it on one stage)")
         for name, p in st.module.named_parameters(remove_duplicate=False):
             names = owners.setdefault(id(p), [])
             if not names or names[-1][0] != st.index:
@@ -174,7 +168,7 @@ def untie_across_stages(stages: list[StageGraph], ranks: list[int]) -> list[Tied
     return groups
 
 
-def stage_plan(plan: Plan, module: fx.GraphModule) -> Plan:
+def stage_plan(plan: Plan, module: nn.Module) -> Plan:
     """The plan restricted to the modules and blocks one stage module contains."""
     def has(path: str) -> bool:
         try:
@@ -220,6 +214,7 @@ class PipelineRuntime:
         tied: the groups of tied copies, with this rank's process group of each (or
             None where this rank holds no copy or the copies are all local).
         device: this rank's device.
+        input_shapes: the micro-batch shape of each input the stages were cut for.
     """
 
     plan: Plan
@@ -230,6 +225,7 @@ class PipelineRuntime:
     input_names: list[str]
     tied: list[tuple[TiedCopies, dist.ProcessGroup | None]]
     device: torch.device
+    input_shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
     @property
     def is_last(self) -> bool:
@@ -267,6 +263,15 @@ class PipelineRuntime:
         inner = self.plan.world_size // self.plan.degree("pp")
         return pp_rank * inner + dist.get_rank() % inner
 
+    def _check_shapes(self, xs: tuple[torch.Tensor, ...]) -> None:
+        """The inputs must have the shapes the stages were exported for (per sample)."""
+        got = [tuple(x.shape[1:]) for x in xs]
+        want = [shape[1:] for shape in self.input_shapes]
+        if self.input_shapes and got != want:
+            raise LoweringError(
+                f"the pipeline's stages were cut for inputs of per-sample shapes {want}, but "
+                f"step() got {got}; pass example_inputs of the shapes you train on")
+
     def step(self, xs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
         """Run the schedule on this rank's data-parallel slice of the global batch;
         return the global mean loss (on every rank)."""
@@ -274,9 +279,11 @@ class PipelineRuntime:
         n, mb, dp = plan.num_microbatches, plan.microbatch_size, plan.degree("dp")
         start = self.meshes.mesh.get_local_rank("dp") * n * mb
         part = slice(start, start + n * mb)
+        self._check_shapes(xs)
         kwargs = {name: x[part].to(self.device) for name, x in zip(self.input_names, xs)}
         losses: list[torch.Tensor] = []
-        self.schedule.step(target=targets[part].to(self.device), losses=losses, **kwargs)
+        with plain_as_replicated():  # tensors a stage makes meet DTensors as replicated
+            self.schedule.step(target=targets[part].to(self.device), losses=losses, **kwargs)
         for m in self.modules:
             if not isinstance(m, FSDPModule):
                 reduce_partial_gradients(m)
@@ -311,7 +318,18 @@ def tied_process_groups(plan: Plan, tied: list[TiedCopies]) -> list[dist.Process
     return out
 
 
-def parallelize_stage(module: fx.GraphModule, plan: Plan, meshes: PlanMeshes) -> None:
+def _own_outputs(_: nn.Module, args: tuple, output: Any) -> Any:
+    """A stage's outputs as tensors of their own: the zero-bubble schedules detach them
+    in place after the input-gradient pass, which a view (the local tensor of a
+    DTensor a tensor-parallel stage hands on) does not allow."""
+    if isinstance(output, tuple):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t
+                     for t in output)
+    return output.clone() if isinstance(output, torch.Tensor) and output._base is not None \
+        else output
+
+
+def parallelize_stage(module: nn.Module, plan: Plan, meshes: PlanMeshes) -> None:
     """Tensor parallelism, activation recomputation and FSDP2 on one stage module
     (by the model's own paths; the stage calls the model's own block modules, whose
     forwards are checkpointed in place).
@@ -326,20 +344,47 @@ def parallelize_stage(module: fx.GraphModule, plan: Plan, meshes: PlanMeshes) ->
         sub = dataclasses.replace(sub, zero=min(sub.zero, 2))
     if plan.degree("tp") > 1:
         apply_tensor_parallel(module, sub, meshes.tp)
+        if plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+            module.register_forward_hook(_own_outputs)
     apply_ac(module, sub)
     if meshes.fsdp is not None:
         apply_data_parallel(module, sub, meshes.fsdp)
 
 
-def input_names(graph: fx.Graph) -> list[str]:
-    """The traced model's input names, in order."""
-    return [str(n.target) for n in graph.nodes if n.op == "placeholder"]
-
-
-def split_for_plan(model: nn.Module, plan: Plan) -> tuple[list[StageGraph], list[TiedCopies]]:
-    """Cut ``model`` into the plan's stages and untie parameters shared by stages."""
+def stage_blocks(plan: Plan) -> list[list[str]]:
+    """The blocks (``plan.blocks``) of each of the plan's stages, in pipeline order; the
+    other units (embeddings, head, root code) go with the first and last blocks."""
     assert plan.pipeline is not None
-    stages = split_stages(model, [st.units for st in plan.pipeline.stages])
-    tied = untie_across_stages(stages, [st.rank for st in plan.pipeline.stages])
-    return stages, tied
+    blocks = set(plan.blocks)
+    if not blocks:
+        raise LoweringError("the plan pipelines a model but lists no blocks (plan.blocks); "
+                            "stages are cut at blocks, so re-plan for this model")
+    return [[u for u in st.units if u in blocks] for st in plan.pipeline.stages]
 
+
+def microbatch_inputs(plan: Plan, example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    """Zeros shaped like one micro-batch of ``example_inputs`` (a tensor or a tuple of
+    tensors, batch first): the shapes the stages are exported for and run."""
+    xs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else \
+        (example_inputs,)
+    if not xs or not all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in xs):
+        raise LoweringError("cutting a model into pipeline stages needs example inputs: a "
+                            "tensor or a tuple of tensors, batch first (pass example_inputs)")
+    return tuple(x.new_zeros((plan.microbatch_size, *x.shape[1:])) for x in xs)
+
+
+def split_for_plan(model: nn.Module, plan: Plan, example_inputs: Any,
+                   device: torch.device | None = None) -> tuple[StageCut, list[TiedCopies]]:
+    """Cut ``model`` at the blocks of the plan's stages (exported for one micro-batch
+    of ``example_inputs``) and untie parameters shared by stages."""
+    assert plan.pipeline is not None
+    cut = split_stages(model, stage_blocks(plan), microbatch_inputs(plan, example_inputs),
+                       device)
+    tied = untie_across_stages(cut.stages, [st.rank for st in plan.pipeline.stages])
+    return cut, tied
+
+
+def unflattened_loss(cut: StageCut, loss_fn: LossFn, output: Any,
+                     targets: torch.Tensor) -> torch.Tensor:
+    """``loss_fn`` of the forward's output, rebuilt from the last stage's flat outputs."""
+    return loss_fn(cut.unflatten(output), targets)

@@ -1,38 +1,57 @@
-"""Cut a model into pipeline stage modules along a plan's stage units.
+"""Cut a model into pipeline stage modules at its block boundaries.
 
-The user's model is left as written (no special forward). :func:`split_stages`
-traces it once with ``torch.fx`` keeping every unit of ``plan.pipeline`` (e.g.
-``"tok_emb"``, ``"blocks.3"``, ``"head"``) as one opaque call, then builds one
-``GraphModule`` per stage that calls the *original* unit modules under their
-original paths, so ``parallelize_module`` and ``fully_shard`` address them by the
-plan's module paths (``stage.get_submodule("blocks.3.attn.q")`` is the model's own
-module).
+The cut is made on the model's exported program (:mod:`autopar.runtime.pipeline_export`:
+``torch.export`` in non-strict mode, each block and each other parameter-owning module
+one ``call_module`` of the model's own module), so the model is left as written and
+anything export captures can be pipelined, with no second trace.
 
-Which stage runs each traced node:
+Which stage runs each node of that graph:
 
-* a unit call runs on its unit's stage;
-* an op that reads the output of some unit runs on the latest stage among its inputs
-  (``tok_emb(idx) + pos_emb(pos)`` on the first stage, ``ln_f`` output handed on);
-* an op that reads only the model's inputs and constants (``torch.arange`` of the
-  sequence length, Llama's RoPE tables) is recomputed by every stage that uses it.
+* a block call runs on its block's stage; the blocks' stages must rise in call order;
+* everything before the first block runs on the first stage, everything after the last
+  block on the last stage, and a node between blocks on the stage of the block before
+  it, unless it reads a value made later (then on the latest stage among its inputs);
+* a node that reads only the model's inputs, buffers and constants (``torch.arange``
+  positions, rotary tables, attention masks) is recomputed by every stage that uses
+  it, unless it reads a parameter, is a module call or is random: those are placed as
+  above and their outputs handed on. A parameter read by several stages (a tied head
+  ``F.linear(x, self.wte.weight)`` on the last stage, the embedding on the first) is
+  held by each; :func:`autopar.runtime.pipeline.untie_across_stages` gives the later
+  ones their own copies.
 
 Every stage module is called as ``stage(*activations, **model_inputs)``: the
-activations are the values the previous stage hands on (as a tuple, in graph
-order), and the model inputs of the current micro-batch reach every stage as
-keyword arguments (``torch.distributed.pipelining`` passes a schedule's
-``step(**kwargs)`` to all stages), so input-only ops need no transfer. The first
-stage takes no activations; the last stage returns the model's output.
+activations are the values made on earlier stages that it or a later one reads (as a
+tuple, in graph order), and the model inputs of the current micro-batch reach every
+stage as keyword arguments (``torch.distributed.pipelining`` passes a schedule's
+``step(**kwargs)`` to all stages). The first stage takes no activations; the last
+returns the model's flat outputs (one tensor, or a tuple), which
+:attr:`StageCut.out_spec` turns back into what the forward returns.
+
+A stage module holds the model's own modules and parameters under their fully
+qualified names (``stage.get_submodule("h.3")`` is the model's block), so
+``fully_shard``, activation checkpointing and tensor parallelism address a stage as
+they address the model. The export is made for one micro-batch's shapes.
+
+:func:`assign_stages`, :func:`stage_graph` and :func:`cut_program` use torch alone, so
+an emitted program copies them (``inspect.getsource``) and cuts by the same code.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import fx, nn
 
 from autopar.errors import LoweringError
+from autopar.layers import cut_lists, repeated_lists
+from autopar.runtime.pipeline_export import (StageSplitError, export_program, outlined_graph,
+                                             outlined_paths, retarget_devices)
 
-__all__ = ["StageGraph", "trace_units", "split_stages", "stage_signature"]
+__all__ = ["StageGraph", "StageCut", "assign_stages", "stage_graph", "cut_program",
+           "split_stages", "pipeline_blocker", "stage_signature"]
 
 
 @dataclass
@@ -53,56 +72,80 @@ class StageGraph:
     outputs: list[str]
 
 
-class _UnitTracer(fx.Tracer):
-    """An fx tracer that keeps the pipeline units as opaque module calls."""
+@dataclass
+class StageCut:
+    """The model cut into stages.
 
-    def __init__(self, units: set[str]) -> None:
-        super().__init__()
-        self.units = units
+    Attributes:
+        stages: one StageGraph per stage, in pipeline order.
+        input_names: the model's inputs, in order: every stage takes them as keywords.
+        out_spec: the pytree spec of the forward's output; ``out_spec.unflatten(flat)``
+            rebuilds it from the last stage's flat outputs.
+        input_shapes: the shape of each input the stages were exported for (one
+            micro-batch); they run these shapes only.
+    """
 
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        """Units are leaves, as are torch.nn's own modules."""
-        return module_qualified_name in self.units or \
-            super().is_leaf_module(m, module_qualified_name)
+    stages: list[StageGraph]
+    input_names: list[str]
+    out_spec: Any
+    input_shapes: list[tuple[int, ...]]
 
-
-def trace_units(model: nn.Module, units: list[str]) -> fx.Graph:
-    """Symbolically trace ``model`` with each of ``units`` as one call; raises
-    LoweringError when the model cannot be traced or a unit is never called."""
-    try:
-        graph = _UnitTracer(set(units)).trace(model)
-    except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
-        raise LoweringError(
-            f"pipeline parallelism could not trace {type(model).__name__}.forward with "
-            f"torch.fx ({type(e).__name__}: {e}); keep data-dependent control flow inside "
-            "the blocks, or plan without pipeline parallelism (pp=1)") from None
-    called = {n.target for n in graph.nodes if n.op == "call_module"}
-    missing = [u for u in units if u not in called]
-    if missing:
-        raise LoweringError(
-            f"pipeline unit '{missing[0]}' is never called as a module by "
-            f"{type(model).__name__}.forward; stage units must be modules the forward calls "
-            "(the modules before the blocks, each block, the modules after them)")
-    return graph
+    def unflatten(self, output: Any) -> Any:
+        """The forward's output from what the last stage returns."""
+        return self.out_spec.unflatten(list(output) if isinstance(output, tuple) else [output])
 
 
-def _assign(graph: fx.Graph, stage_of_unit: dict[str, int]) -> dict[fx.Node, int | None]:
-    """The stage of each node, or None for input-only nodes (recomputed where used)."""
+def _pinned(node: fx.Node) -> bool:
+    """Whether a node that reads no staged value still has one stage: a module call,
+    a read of a parameter, or a random op (recomputing it would draw again)."""
+    if node.op == "call_module":
+        return True
+    if any(a.op == "get_attr" and a.meta.get("param") for a in node.all_input_nodes):
+        return True
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def assign_stages(graph: fx.Graph, stage_blocks: list[list[str]]) -> dict[fx.Node, int | None]:
+    """The stage of each node of an outlined graph (None: recomputed by every stage
+    that reads it), given each stage's blocks: a block call runs on its stage, the
+    code before the first block on the first stage, after the last block on the last,
+    between blocks on the stage of the block before it or the latest stage among its
+    inputs; a node reading only inputs, buffers and constants is recomputed where
+    read, unless it is a module call, reads a parameter or is random."""
+    stage_of = {b: i for i, blocks in enumerate(stage_blocks) for b in blocks}
+    last = len(stage_blocks) - 1
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target in stage_of]
+    if not calls:
+        raise StageSplitError("no stage holds a block; pipeline stages are cut at blocks")
+    for a, b in zip(calls, calls[1:]):
+        if stage_of[a.target] > stage_of[b.target]:
+            raise StageSplitError(
+                f"the forward calls block '{b.target}' (stage {stage_of[b.target]}) after "
+                f"'{a.target}' (stage {stage_of[a.target]}); give the stages the blocks in the "
+                "order the forward calls them")
     stage: dict[fx.Node, int | None] = {}
+    pos = 0
     for node in graph.nodes:
-        inputs = [stage[a] for a in node.all_input_nodes]
-        after = max((s for s in inputs if s is not None), default=None)
-        if node.op == "call_module" and node.target in stage_of_unit:
-            own = stage_of_unit[node.target]
-            if after is not None and after > own:
-                raise LoweringError(
-                    f"pipeline unit '{node.target}' is on stage {own} but reads a value made "
-                    f"on stage {after}; list the units in the order the forward runs them")
-            stage[node] = own
+        after = max((s for s in (stage[a] for a in node.all_input_nodes) if s is not None),
+                    default=None)
+        if node.op in ("placeholder", "get_attr"):
+            stage[node] = None
         elif node.op == "output":
-            stage[node] = max(stage_of_unit.values())
+            stage[node] = last
+        elif node.op == "call_module" and node.target in stage_of:
+            own = stage_of[node.target]
+            if after is not None and after > own:
+                raise StageSplitError(f"block '{node.target}' on stage {own} reads a value made "
+                                      f"on stage {after}; give the stages the blocks in the "
+                                      "order the forward calls them")
+            stage[node] = own
+            pos = last if node is calls[-1] else own
+        elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            stage[node] = stage[node.args[0]]  # a part of a tuple stays with the tuple
+        elif after is None and not _pinned(node):
+            stage[node] = None
         else:
-            stage[node] = after
+            stage[node] = max(pos, after if after is not None else 0)
     return stage
 
 
@@ -112,24 +155,25 @@ def _live(graph: fx.Graph, stage: dict[fx.Node, int | None], boundary: int) -> l
             and any(stage[u] is not None and stage[u] >= boundary for u in n.users)]
 
 
-def _stage_graph(graph: fx.Graph, stage: dict[fx.Node, int | None], index: int,
-                 last: int) -> tuple[fx.Graph, list[str], list[str]]:
-    """Build the graph of stage ``index``: activation placeholders, then the model
-    inputs as keyword placeholders, then its nodes in order."""
+def stage_graph(graph: fx.Graph, stage: dict[fx.Node, int | None], index: int,
+                last: int) -> fx.Graph:
+    """The graph of stage ``index``: the received activations, then the model's inputs
+    (keywords), then its nodes and the input-only values they read, in order; it
+    returns what later stages read, or (the last) the model's flat outputs."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    received = _live(graph, stage, index) if index > 0 else []
-    for n in received:
+    for n in _live(graph, stage, index) if index > 0 else []:
         env[n] = g.placeholder(n.name)
+        env[n].meta = dict(n.meta)
     for n in graph.nodes:
         if n.op == "placeholder":
-            env[n] = g.node_copy(n, lambda a: env[a])
+            env[n] = g.node_copy(n)
 
     def copy(node: fx.Node) -> fx.Node:
         if node not in env:
             for a in node.all_input_nodes:
                 copy(a)
-            env[node] = g.node_copy(node, lambda a: env[a])
+            env[node] = g.node_copy(node, env.__getitem__)
         return env[node]
 
     for n in graph.nodes:
@@ -137,35 +181,126 @@ def _stage_graph(graph: fx.Graph, stage: dict[fx.Node, int | None], index: int,
             copy(n)
     if index == last:
         out = next(n for n in graph.nodes if n.op == "output")
-        for a in out.all_input_nodes:
-            copy(a)
-        g.node_copy(out, lambda a: env[a])
-        sent: list[fx.Node] = []
-    else:
-        sent = _live(graph, stage, index + 1)
-        g.output(tuple(env[n] for n in sent))
-    return g, [n.name for n in received], [n.name for n in sent]
+        flat = fx.node.map_arg(out.args[0], copy)
+        g.output(flat[0] if len(flat) == 1 else flat)
+        return g
+    sent = _live(graph, stage, index + 1)
+    for n in sent:
+        val = n.meta.get("val")
+        if val is not None and not isinstance(val, torch.Tensor):
+            raise StageSplitError(
+                f"'{n.name}' ({type(val).__name__}) is made before stage {index + 1} and read on "
+                "it or later; pipeline stages hand on tensors only, so compute it inside a block")
+    g.output(tuple(env[n] for n in sent))
+    return g
 
 
-def split_stages(model: nn.Module, stage_units: list[list[str]]) -> list[StageGraph]:
-    """Cut ``model`` into one GraphModule per entry of ``stage_units`` (the units of
-    each stage, in pipeline order); see the module docstring."""
-    stage_of_unit: dict[str, int] = {}
-    for i, units in enumerate(stage_units):
-        for u in units:
-            if u in stage_of_unit:
-                raise LoweringError(f"pipeline unit '{u}' is listed on stages "
-                                    f"{stage_of_unit[u]} and {i}; give each unit one stage")
-            stage_of_unit[u] = i
-    graph = trace_units(model, list(stage_of_unit))
-    stage = _assign(graph, stage_of_unit)
-    last = len(stage_units) - 1
+def cut_program(model: nn.Module, ep: torch.export.ExportedProgram,
+                stage_blocks: list[list[str]],
+                device: torch.device) -> tuple[list[fx.GraphModule], list[str]]:
+    """One GraphModule per stage of the program ``ep`` of ``model`` (exported by
+    ``export_program`` keeping the ``outlined_paths`` of the blocks), with the graph's
+    constant devices moved to ``device``; also return the model's input names."""
+    blocks = [b for stage in stage_blocks for b in stage]
+    graph, attrs = outlined_graph(model, ep, outlined_paths(model, blocks), blocks)
+    exported_on = next((v.meta["val"].device for v in ep.graph.nodes
+                        if isinstance(v.meta.get("val"), torch.Tensor)), device)
+    retarget_devices(graph, exported_on, device)
+    stage = assign_stages(graph, stage_blocks)
+    modules = []
+    for index in range(len(stage_blocks)):
+        g = stage_graph(graph, stage, index, len(stage_blocks) - 1)
+        root = {n.target: attrs[n.target] if n.op == "get_attr" else model.get_submodule(n.target)
+                for n in g.nodes if n.op in ("get_attr", "call_module")}
+        modules.append(fx.GraphModule(root, g, class_name=f"PipelineStage{index}"))
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    return modules, names
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """Where the model's tensors are (``meta`` for a model built there)."""
+    t = next(iter(model.parameters()), None)
+    if t is None:
+        t = next(iter(model.buffers()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def split_stages(model: nn.Module, stage_blocks: list[list[str]],
+                 example_inputs: torch.Tensor | tuple[torch.Tensor, ...],
+                 device: torch.device | None = None) -> StageCut:
+    """Cut ``model`` into one stage per entry of ``stage_blocks`` (the block paths of
+    each stage, in pipeline order) from its program exported on ``example_inputs``
+    (one micro-batch: the stages run these shapes); the stages' constants are made on
+    ``device`` (default: the model's). Raises LoweringError saying what cannot be cut."""
+    name = type(model).__name__
+    where = _model_device(model)
+    xs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    inputs = tuple(torch.zeros(x.shape, dtype=x.dtype, device=where) for x in xs)  # shapes only
+    blocks = [b for stage in stage_blocks for b in stage]
+    try:
+        ep = export_program(model, inputs, outlined_paths(model, blocks))
+    except Exception as e:  # noqa: BLE001 — export raises many types
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise LoweringError(
+            f"pipeline parallelism could not export {name}.forward with torch.export "
+            f"({type(e).__name__}: {first}); make the forward exportable (no data-dependent "
+            "control flow outside torch.cond), or plan without pipeline parallelism "
+            "(pp=1)") from None
+    try:
+        modules, names = cut_program(model, ep, stage_blocks, device or where)
+    except StageSplitError as e:
+        raise LoweringError(f"pipeline parallelism cannot cut {name} into stages: {e}; or plan "
+                            "without pipeline parallelism (pp=1)") from None
+    _check_modules_held_once(modules)
     stages = []
-    for i in range(len(stage_units)):
-        g, received, sent = _stage_graph(graph, stage, i, last)
-        gm = fx.GraphModule(model, g, class_name=f"PipelineStage{i}")
-        stages.append(StageGraph(i, gm, received, sent))
-    return stages
+    for i, m in enumerate(modules):
+        received = [str(n.target) for n in m.graph.nodes if n.op == "placeholder"
+                    and n.target not in names]
+        out = next(n for n in m.graph.nodes if n.op == "output").args[0]
+        sent = [] if i == len(modules) - 1 else [a.name for a in out]
+        stages.append(StageGraph(i, m, received, sent))
+    return StageCut(stages, names, ep.call_spec.out_spec, [tuple(x.shape) for x in inputs])
+
+
+def _check_modules_held_once(modules: list[fx.GraphModule]) -> None:
+    """A module with parameters may run on one stage only (its layout, FSDP wrapping
+    and checkpointing would be applied twice); only parameters may be shared."""
+    first: dict[int, int] = {}
+    for index, stage in enumerate(modules):
+        for path, m in stage.named_modules():
+            if path and any(True for _ in m.parameters(recurse=False)):
+                seen = first.setdefault(id(m), index)
+                if seen != index:
+                    raise LoweringError(
+                        f"module '{path}' runs on pipeline stages {seen} and {index}; a module "
+                        "with parameters must run on one stage (a module shared by several "
+                        "blocks cannot be pipelined: tie its parameters instead, or use pp=1)")
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def pipeline_blocker(model: nn.Module, example_inputs: torch.Tensor | tuple[torch.Tensor, ...],
+                     blocks: list[str]) -> str | None:
+    """Why :func:`split_stages` cannot cut ``model`` at ``blocks``, or None: the
+    planner's test of whether to offer pipelining, made by the runtime's own cut.
+
+    Every block is given its own stage, the finest cut: a coarser one hands on a
+    subset of the same values. Long lists of identical blocks are cut to their first
+    two for the export (as :mod:`autopar.capture` does), so a deep model is checked
+    at the cost of a shallow one."""
+    with cut_lists(repeated_lists(model)):
+        kept = [b for b in blocks if _has(model, b)]
+        try:
+            split_stages(model, [[b] for b in kept], example_inputs)
+        except LoweringError as e:
+            return str(e)
+    return None
 
 
 def stage_signature(stage: StageGraph) -> str:
@@ -173,4 +308,3 @@ def stage_signature(stage: StageGraph) -> str:
     calls = [str(n.target) for n in stage.module.graph.nodes if n.op == "call_module"]
     return (f"stage {stage.index}: ({', '.join(stage.inputs) or 'model inputs'}) -> "
             f"[{', '.join(calls)}] -> ({', '.join(stage.outputs) or 'model output'})")
-

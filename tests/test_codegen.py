@@ -75,7 +75,8 @@ def reference_losses(cases: list[tuple[str, dict, str, float, int]], data: str) 
         with torch.device("meta"):
             model, _ = zoo.load(f"{MODELS}:{factory}")
         make = pipeline_plan if "pp" in kwargs else megatron_plan
-        pm = apply_plan(model, make(model, global_batch=BATCH, **kwargs))
+        pm = apply_plan(model, make(model, global_batch=BATCH, **kwargs),
+                        example_inputs=batch["inputs"])
         opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
         opt = opt_cls(pm.parameters(), lr=lr)
         losses = []

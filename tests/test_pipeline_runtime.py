@@ -21,8 +21,7 @@ from autopar.errors import LoweringError
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.runtime import apply_plan
-from autopar.runtime.pipeline import check_pipeline
-from autopar.runtime.pipeline_split import split_stages
+from autopar.runtime.pipeline import check_pipeline, split_for_plan
 from tests.dist_utils import run_distributed
 from tests.handmade_plans import pipeline_plan
 from tests.test_runtime import (BATCH, SEQ, TOL, global_batch, single_process_run,
@@ -67,7 +66,8 @@ def train(kind: str, plan_kwargs: dict) -> dict:
     """Train under a hand-made pipelined plan; return the losses and the whole
     tensors of this rank's stages' parameters."""
     model = make_model(kind)
-    pm = apply_plan(model, pipeline_plan(model, global_batch=BATCH, **plan_kwargs))
+    pm = apply_plan(model, pipeline_plan(model, global_batch=BATCH, **plan_kwargs),
+                    example_inputs=global_batch()[0])
     losses = train_steps(pm)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for stage in pm.module for n, p in stage.named_parameters()}
@@ -81,7 +81,8 @@ def train_meta() -> dict:
         model = GPT(GPTConfig(vocab_size=128, max_seq_len=SEQ, dim=32, n_layers=LAYERS,
                               n_heads=4))
     torch.manual_seed(0)
-    pm = apply_plan(model, pipeline_plan(model, pp=2, dp=2, zero=3, global_batch=BATCH))
+    pm = apply_plan(model, pipeline_plan(model, pp=2, dp=2, zero=3, global_batch=BATCH),
+                    example_inputs=global_batch()[0])
     own = {n: (p.to_local().numel(), p.numel(), p.device.type)
            for stage in pm.module for n, p in stage.named_parameters()}
     still_meta = sorted(n for n, p in model.named_parameters() if p.is_meta)
@@ -149,14 +150,15 @@ def test_world_size_mismatch_is_reported(ranks) -> None:
 def test_stages_chained_equal_the_model(kind: str) -> None:
     model = make_model(kind)
     plan = pipeline_plan(model, pp=2, schedule="interleaved_1f1b")
-    stages = split_stages(model, [st.units for st in plan.pipeline.stages])
     x, _ = global_batch()
+    cut, _ = split_for_plan(model, plan, x)
     acts: tuple = ()
-    for st in stages:
-        out = st.module(*acts, idx=x)
+    mb = x[:plan.microbatch_size]
+    for st in cut.stages:
+        out = st.module(*acts, idx=mb)
         acts = out if isinstance(out, tuple) else (out,)
-    assert torch.equal(out, model(x))
-    assert stages[1].module.get_submodule(f"{'blocks' if kind == 'gpt' else 'layers'}.1") \
+    assert torch.equal(cut.unflatten(out), model(mb))
+    assert cut.stages[1].module.get_submodule(f"{'blocks' if kind == 'gpt' else 'layers'}.1") \
         is model.get_submodule(f"{'blocks' if kind == 'gpt' else 'layers'}.1")
 
 

@@ -62,33 +62,37 @@ def test_cli_top_lists_runners_up(capsys):
     assert out.count("ZeRO-") >= 2
 
 
-class _LengthChecked(torch.nn.Module):
-    """The tiny GPT behind a forward that checks its input's length in Python, as
-    Hugging Face models do: torch.export captures it, torch.fx cannot trace it."""
+class _BlocksTwice(torch.nn.Module):
+    """The tiny GPT with its blocks run twice per forward (weights shared across depth):
+    torch.export captures it, but no cut at block calls gives each block one stage."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
         self.inner = inner
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if idx.shape[1] > 4096:
-            raise ValueError("sequence too long")
-        return self.inner(idx)
+        m = self.inner
+        h = m.tok_emb(idx) + m.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for _ in range(2):
+            for block in m.blocks:
+                h = block(h)
+        return m.head(m.ln_f(h))
 
 
-def test_a_forward_fx_cannot_trace_is_planned_without_pipelining(gpt):
-    """The pipelined runtime cuts a model by tracing its forward with torch.fx; where
-    that fails, a free search leaves pipelining out and says why, instead of returning
-    a plan the runtime cannot run. A pp the caller asks for is left to the runtime."""
+def test_a_model_the_runtime_cannot_cut_is_planned_without_pipelining(gpt):
+    """The pipelined runtime cuts stages from the exported program at block calls;
+    where that fails, a free search leaves pipelining out and says why, instead of
+    returning a plan the runtime cannot run, and a pp the caller asks for is refused
+    with the same reason."""
     model, x = gpt
     plain = autopar.plan(model, x, cluster=CLUSTER, global_batch=16, top_k=10_000)
     assert not any("pipeline parallelism left out" in n for n in plain.notes)
     assert any(r["mesh"].get("pp", 1) > 1 for r in plain.runners_up)
-    checked = autopar.plan(_LengthChecked(model), x, cluster=CLUSTER, global_batch=16,
-                           top_k=10_000)
+    twice = _BlocksTwice(model)
+    checked = autopar.plan(twice, x, cluster=CLUSTER, global_batch=16, top_k=10_000)
     assert checked.mesh.get("pp", 1) == 1
     assert all(r["mesh"].get("pp", 1) == 1 for r in checked.runners_up)
     note = next(n for n in checked.notes if "pipeline parallelism left out" in n)
-    assert "could not trace _LengthChecked.forward with torch.fx" in note
-    forced = autopar.plan(_LengthChecked(model), x, cluster=CLUSTER, global_batch=16, pp=2)
-    assert forced.mesh["pp"] == 2
+    assert "block 'inner.blocks.0' is called more than once" in note
+    with pytest.raises(ConfigError, match="pp=2 cannot run: .* called more than once"):
+        autopar.plan(twice, x, cluster=CLUSTER, global_batch=16, pp=2)
