@@ -175,6 +175,13 @@ def _unsplittable_for_pipelining(model, example_inputs, graph, space: dict) -> s
     return f"pipeline parallelism left out of the search: {reason}"
 
 
+def _input_specs(example_inputs, global_batch: int) -> list[dict]:
+    """``Plan.inputs``: each example input's shape with the global batch, and dtype."""
+    xs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return [{"shape": [global_batch, *(int(d) for d in x.shape[1:])],
+             "dtype": str(x.dtype).removeprefix("torch.")} for x in xs]
+
+
 def _recompute_modes(value) -> tuple[str, ...] | None:
     """A forced recomputation mode (one of RECOMPUTE) as the tuple the search takes."""
     from autopar.plans import RECOMPUTE
@@ -260,6 +267,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     plan.runners_up = [runner_up(plan, make(r.built, r.solution, r.candidate, r.pipeline))
                        for r in res.runners_up]
     plan.solver["memory_budget_bytes"] = budget
+    plan.inputs = _input_specs(example_inputs, gb)
     if pp_note:
         plan.notes.append(pp_note)
     if "gap" in plan.solver:

@@ -164,6 +164,9 @@ class Plan:
             ``sequence_parallel``, ``schedule``, ``virtual_stages``, ``recompute`` (the
             modes its blocks use), ``step_time_s``, ``memory_bytes``, ``mfu``,
             ``breakdown`` and ``why`` (the step-time terms it loses on).
+        inputs: the shape (one global batch, batch first) and dtype of each of the
+            model's inputs the plan was made for, e.g. ``{"shape": [8, 1024], "dtype":
+            "int64"}``: a pipeline's stages are exported for these shapes.
     """
 
     model: str
@@ -192,6 +195,7 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)
     offload: bool = False
     runners_up: list[dict[str, Any]] = field(default_factory=list)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
 
     @property

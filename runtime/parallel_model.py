@@ -156,7 +156,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     :func:`~autopar.runtime.lower.lower_pipeline`: each rank keeps, lays out and (for
     a meta model) materializes only its own stages. Its stages are cut from the
     model's program exported on ``example_inputs`` (one batch of the inputs ``step``
-    will get, batch first; only their shapes and dtypes matter).
+    will get, batch first; only their shapes and dtypes matter), by default on the
+    inputs the plan records (``plan.inputs``).
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")

@@ -364,12 +364,20 @@ def stage_blocks(plan: Plan) -> list[list[str]]:
 
 def microbatch_inputs(plan: Plan, example_inputs: Any) -> tuple[torch.Tensor, ...]:
     """Zeros shaped like one micro-batch of ``example_inputs`` (a tensor or a tuple of
-    tensors, batch first): the shapes the stages are exported for and run."""
+    tensors, batch first), or of the inputs the plan records (``plan.inputs``) when
+    none are given: the shapes the stages are exported for and run."""
+    if example_inputs is None:
+        try:
+            return tuple(torch.zeros((plan.microbatch_size, *spec["shape"][1:]),
+                                     dtype=getattr(torch, spec["dtype"])) for spec in plan.inputs)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise LoweringError(f"the plan's inputs {plan.inputs!r} are malformed ({e}); pass "
+                                "example_inputs, or re-plan") from None
     xs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else \
         (example_inputs,)
     if not xs or not all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in xs):
         raise LoweringError("cutting a model into pipeline stages needs example inputs: a "
-                            "tensor or a tuple of tensors, batch first (pass example_inputs)")
+                            "tensor or a tuple of tensors, batch first")
     return tuple(x.new_zeros((plan.microbatch_size, *x.shape[1:])) for x in xs)
 
 
@@ -378,8 +386,12 @@ def split_for_plan(model: nn.Module, plan: Plan, example_inputs: Any,
     """Cut ``model`` at the blocks of the plan's stages (exported for one micro-batch
     of ``example_inputs``) and untie parameters shared by stages."""
     assert plan.pipeline is not None
-    cut = split_stages(model, stage_blocks(plan), microbatch_inputs(plan, example_inputs),
-                       device)
+    inputs = microbatch_inputs(plan, example_inputs)
+    if not inputs:
+        raise LoweringError("cutting a model into pipeline stages needs the shapes of its "
+                            "inputs, and the plan records none (plan.inputs): pass "
+                            "example_inputs (one batch, batch first) to apply_plan")
+    cut = split_stages(model, stage_blocks(plan), inputs, device)
     tied = untie_across_stages(cut.stages, [st.rank for st in plan.pipeline.stages])
     return cut, tied
 

@@ -4,14 +4,16 @@ exported program at its blocks, so code in the root's forward (nanoGPT's tied he
 a Llama's root) and Hugging Face models pipeline.
 
 The planner (``autopar.plan`` on a 4-rank CPU cluster) makes each pipelined plan, and
-on 4 gloo ranks the runtime's losses over 3 SGD steps (fp32) equal a single process
-to 1e-5; the cut stages chained in one process equal the model's forward.
+on 4 gloo ranks the runtime (which exports the stages for the input shapes the plan
+records) trains with losses over 3 SGD steps (fp32) equal to a single process within
+1e-5; the cut stages chained in one process equal the model's forward.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +26,8 @@ from autopar.runtime import apply_plan
 from autopar.runtime.pipeline import split_for_plan
 from autopar.runtime.pipeline_split import pipeline_blocker
 from tests.dist_utils import run_distributed
-from tests.foreign_models import NanoGPT, TinyLlama, lm_loss
-from tests.test_targets import BATCH, SEQ, VOCAB
-from tests.test_targets import tokens as data
+from tests.foreign_models import BATCH, SEQ, VOCAB, NanoGPT, TinyLlama, lm_loss, nano_gpt
+from tests.foreign_models import example_batch as data
 
 try:  # the Hugging Face cases are skipped without transformers
     from tests.test_hf_models import gpt2 as hf_gpt2
@@ -34,7 +35,8 @@ try:  # the Hugging Face cases are skipped without transformers
 except pytest.skip.Exception:
     hf_gpt2 = hf_llama = None
 
-STEPS, LR, TOL = 3, 0.1, 1e-5
+STEPS, LR, TOL, SEED = 3, 0.1, 1e-5, 3
+MODELS_FILE = Path(__file__).with_name("foreign_models.py")
 CPU4 = autopar.Cluster(gpu="cpu", gpus_per_node=4)
 
 
@@ -101,8 +103,7 @@ def rank_main(plans: dict[str, str]) -> dict[str, list[float]]:
         kind, loss_fn, _ = CASES[name]
         model = make(kind)
         x, y = data()
-        pm = apply_plan(model, Plan.from_json(text), example_inputs=(x,),
-                        loss_fn=functools.partial(loss_of, loss_fn))
+        pm = apply_plan(model, Plan.from_json(text), loss_fn=functools.partial(loss_of, loss_fn))
         out[name] = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
     return out
 
@@ -120,6 +121,7 @@ def test_planner_offers_the_pipeline(plans, name: str) -> None:
     assert plan.pipeline is not None and plan.pipeline.schedule == options["schedule"]
     assert plan.mesh == {"pp": options["pp"], "dp": options["dp"], "tp": 1}
     assert not any("left out" in n for n in plan.notes)
+    assert plan.inputs == [{"shape": [BATCH, SEQ], "dtype": "int64"}]  # what stages are cut for
 
 
 @pytest.mark.parametrize("kind", [k for k in MODELS if HF or not k.startswith("hf-")])
@@ -147,3 +149,38 @@ def test_pipelined_training_matches_single_process(plans) -> None:
         want = reference(name)
         for rank, losses in enumerate(r[name] for r in got):
             assert losses == pytest.approx(want, abs=TOL, rel=0), (name, rank, losses)
+
+
+def runtime_on_meta(text: str) -> list[float]:
+    """What the emitted program should print: apply_plan on a meta NanoGPT initialized
+    from the program's seed, trained with lm_loss on the program's batch."""
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        model = nano_gpt()[0]
+    pm = apply_plan(model, Plan.from_json(text), loss_fn=lm_loss)
+    x, y = data()
+    return sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_emitted_program_cuts_the_same_stages(tmp_path: Path) -> None:
+    """The emitted program of NanoGPT under pp2 x dp2 (root code on both end stages,
+    wte tied across them) cuts its meta model by the runtime's code and prints the
+    runtime's losses."""
+    from autopar.runtime.codegen import emit_program
+    from tests.test_codegen import torchrun
+
+    model, (x,), y = nano_gpt()
+    plan = autopar.plan(model, (x,), cluster=CPU4, precision="fp32", optimizer="sgd",
+                        example_targets=y, loss_fn=lm_loss, tp=1, pp=2, dp=2,
+                        schedule="1f1b", microbatch_size=1)
+    want = run_distributed(4, runtime_on_meta, plan.to_json(), timeout_s=300)[0]
+    data_file = tmp_path / "batch.pt"
+    torch.save({"inputs": x, "targets": y}, data_file)
+    program = tmp_path / "nanogpt_pp2.py"
+    program.write_text(emit_program(plan, f"{MODELS_FILE}:nano_gpt", model_file=str(MODELS_FILE),
+                                    loss_spec=f"{MODELS_FILE}:lm_loss"))
+    got = torchrun(program, "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR),
+                   "--seed", str(SEED), "--data", str(data_file))
+    assert got == pytest.approx(want, abs=TOL)
