@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from autopar.graph import Graph
 from autopar.plans import ModulePlan, PipelinePlan, Plan, StagePlan
+from autopar.sharding import shard_dim
 from autopar.solvers.ilp import Solution
 from autopar.solvers.pipeline_search import PipelineOutcome
 from autopar.solvers.problem import evaluate
@@ -89,15 +90,16 @@ def module_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], axis: int |
 
 
 def _style(mtype: str, params: dict[str, list[str]], desired: str, output: str) -> str:
-    """Name the tensor-parallel style the placements amount to."""
+    """Name the tensor-parallel style the placements amount to (a weight split
+    piecewise, ``S(d)/k``, is split along dim d all the same)."""
     w = params.get("weight")
-    tpw = w[-1] if w else "R"
-    if mtype == "Linear" and tpw in ("S(0)", "S(1)"):
-        return "colwise" if tpw == "S(0)" else "rowwise"
-    if mtype == "Embedding" and tpw in ("S(0)", "S(1)"):
-        return "rowwise" if tpw == "S(0)" else "colwise"
-    if mtype == "Conv1D" and tpw in ("S(0)", "S(1)"):  # Hugging Face's (in, out) weight
-        return "rowwise" if tpw == "S(0)" else "colwise"
+    dim = shard_dim(w[-1]) if w else None
+    if mtype == "Linear" and dim in (0, 1):
+        return "colwise" if dim == 0 else "rowwise"
+    if mtype == "Embedding" and dim in (0, 1):
+        return "rowwise" if dim == 0 else "colwise"
+    if mtype == "Conv1D" and dim in (0, 1):  # Hugging Face's (in, out) weight
+        return "rowwise" if dim == 0 else "colwise"
     if desired.startswith("S("):
         return "sequence_parallel"
     return "replicate"

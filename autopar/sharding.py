@@ -5,7 +5,10 @@ A tensor's layout on a mesh is one placement per mesh axis, using
 over the axis, ``Replicate()`` keeps a full copy on every device of the axis, and
 ``Partial()`` holds a summand of the true value on each device.
 
-Plans write placements as short strings — ``"S(0)"``, ``"R"``, ``"P"`` — and
+Plans write placements as short strings — ``"S(0)"``, ``"R"``, ``"P"``, and
+``"S(d)/k"`` for dim ``d`` cut into ``k`` equal pieces each split over the axis (a
+head-aligned split of a fused q/k/v or gate/up projection: rank ``r`` holds chunk ``r``
+of every piece; DTensor's strided shard, :mod:`autopar.runtime.piecewise`) — and
 strategies are named the Colossal-AI way, one letter group per tensor dim:
 ``S0RS1`` is a 3-d tensor split along dim 0 over mesh axis 0 and along dim 2 over
 mesh axis 1 (``P1`` appended marks a partial sum over axis 1), and a strategy reads
@@ -14,6 +17,7 @@ mesh axis 1 (``P1`` appended marks a partial sum over axis 1), and a strategy re
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,7 +31,7 @@ else:
     Placement = Any
 
 __all__ = ["Mesh", "parse_placement", "format_placement", "to_torch", "layout_name",
-           "check_placement"]
+           "check_placement", "shard_dim", "shard_pieces", "shard_placement"]
 
 
 @dataclass(frozen=True)
@@ -81,39 +85,66 @@ class Mesh:
         return st
 
 
+def shard_placement(dim: int, pieces: int = 1) -> str:
+    """The string of a split of tensor dim ``dim``: ``"S(d)"``, or ``"S(d)/k"`` when
+    the dim is cut into ``pieces`` = k equal pieces each split over the axis."""
+    return f"S({dim})" if pieces == 1 else f"S({dim})/{pieces}"
+
+
+def shard_dim(text: str) -> int | None:
+    """The tensor dim a placement string splits (``"S(2)"`` and ``"S(2)/3"`` -> 2), or
+    None for ``"R"`` and ``"P"``."""
+    if not text.startswith("S("):
+        return None
+    return int(text[2:text.index(")")])
+
+
+def shard_pieces(text: str) -> int:
+    """How many equal pieces a placement string splits piecewise: ``"S(2)/3"`` -> 3,
+    any other placement -> 1."""
+    _, slash, k = text.partition(")/")
+    return int(k) if slash else 1
+
+
+_PLACEMENT = re.compile(r"R|P|S\(-?\d+\)(/([2-9]|[1-9]\d+))?")
+
+
 @lru_cache(maxsize=None)
 def check_placement(text: str) -> str:
-    """Validate a placement string (``"R"``, ``"P"`` or ``"S(d)"``) and return it."""
-    if text in ("R", "P"):
+    """Validate a placement string (``"R"``, ``"P"``, ``"S(d)"`` or ``"S(d)/k"`` with
+    k >= 2) and return it."""
+    if isinstance(text, str) and _PLACEMENT.fullmatch(text):
         return text
-    if isinstance(text, str) and text.startswith("S(") and text.endswith(")"):
-        try:
-            int(text[2:-1])
-            return text
-        except ValueError:
-            pass
-    raise PlanFormatError(f"placement {text!r} is not one of 'R', 'P' or 'S(<dim>)'")
+    raise PlanFormatError(f"placement {text!r} is not one of 'R', 'P', 'S(<dim>)' or "
+                          f"'S(<dim>)/<pieces>'")
 
 
 def parse_placement(text: str) -> "Placement":
-    """Parse ``"R"``, ``"P"`` or ``"S(d)"`` into a ``torch.distributed.tensor`` placement
-    (``Replicate()``, ``Partial()``, ``Shard(d)``)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    """Parse ``"R"``, ``"P"``, ``"S(d)"`` or ``"S(d)/k"`` into a
+    ``torch.distributed.tensor`` placement (``Replicate()``, ``Partial()``,
+    ``Shard(d)``, or the strided shard of
+    :func:`autopar.runtime.piecewise.piecewise_shard`)."""
+    from torch.distributed.tensor import Partial, Replicate
 
     t = check_placement(text)
     if t == "R":
         return Replicate()
     if t == "P":
         return Partial()
-    return Shard(int(t[2:-1]))
+    from autopar.runtime.piecewise import piecewise_shard
+
+    return piecewise_shard(shard_dim(t), shard_pieces(t))  # type: ignore[arg-type]
 
 
 def format_placement(p: "Placement") -> str:
     """The short string of a torch placement (inverse of :func:`parse_placement`)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate
 
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
+    from autopar.runtime.piecewise import piecewise_pieces
+
+    pieces = piecewise_pieces(p)
+    if pieces is not None:
+        return shard_placement(p.dim, pieces)  # type: ignore[attr-defined]
     if isinstance(p, Replicate):
         return "R"
     if isinstance(p, Partial):
@@ -139,15 +170,19 @@ def layout_name(placements: tuple[str, ...] | list[str], ndim: int) -> str:
     """Colossal-style name of a tensor layout, e.g. ``("S(0)", "S(2)") -> "S0RS1"``.
 
     One group per tensor dim: ``R`` when no mesh axis splits it, else ``S`` followed
-    by the splitting mesh axes; ``P<axes>`` is appended for partial sums.
+    by the splitting mesh axes (and ``/k`` for a dim split piecewise in k pieces);
+    ``P<axes>`` is appended for partial sums.
     """
     dims = ["" for _ in range(ndim)]
+    pieces = [""] * ndim
     partial = ""
     for axis, p in enumerate(placements):
         if p == "P":
             partial += str(axis)
         elif p.startswith("S("):
-            d = int(p[2:-1]) % max(ndim, 1)
+            d = shard_dim(p) % max(ndim, 1)  # type: ignore[operator]
             dims[d] += str(axis)
-    body = "".join(f"S{a}" if a else "R" for a in dims) or "scalar"
+            if shard_pieces(p) > 1:
+                pieces[d] = f"/{shard_pieces(p)}"
+    body = "".join(f"S{a}{k}" if a else "R" for a, k in zip(dims, pieces)) or "scalar"
     return body + (f"P{partial}" if partial else "")

@@ -112,14 +112,15 @@ _GEMM_OPS = frozenset({"linear", "mm", "addmm", "bmm", "matmul"})
 
 def local_shape(shape: Shape | None, placements: tuple[str, ...],
                 mesh_sizes: tuple[int, ...]) -> Shape | None:
-    """``shape`` as one device holds it: each dim named ``S(d)`` on a mesh axis divided by
-    that axis' size (``R`` and ``P`` keep the full shape)."""
+    """``shape`` as one device holds it: each dim named ``S(d)`` (or ``S(d)/k``, split
+    piecewise) on a mesh axis divided by that axis' size (``R`` and ``P`` keep the
+    full shape)."""
     if shape is None:
         return None
     out = list(shape)
     for p, size in zip(placements, mesh_sizes):
         if p.startswith("S(") and size > 1:
-            d = int(p[2:-1])
+            d = int(p[2:p.index(")")])
             if d < len(out):
                 out[d] = max(1, out[d] // size)
     return tuple(out)

@@ -36,7 +36,8 @@ from autopar.runtime.lower import check_plan
 from autopar.runtime.mesh import needs_fsdp
 from autopar.runtime.pipeline import ZERO_BUBBLE_SCHEDULES
 from autopar.runtime.dtensor_layout import any_index
-from autopar.runtime.tensor_parallel import tied_parameter_groups, tp_layout
+from autopar.runtime.tensor_parallel import piecewise, tied_parameter_groups, tp_layout
+from autopar.sharding import shard_dim, shard_pieces
 
 __all__ = ["ModelFacts", "model_facts", "emit_program"]
 
@@ -98,7 +99,11 @@ def _bytes(b: float) -> str:
 
 
 def _layout(p: str) -> str:
-    return "Replicate()" if p == "R" else f"Shard({p[2:-1]})"
+    if p == "R":
+        return "Replicate()"
+    if shard_pieces(p) > 1:  # a fused projection split per head
+        return f"piecewise_shard({shard_dim(p)}, {shard_pieces(p)})"
+    return f"Shard({shard_dim(p)})"
 
 
 def _attr(path: str, root: str = "model") -> str:
@@ -204,8 +209,10 @@ def _tp_section(plan: Plan, facts: ModelFacts) -> str:
                    for k in inputs}
     output_notes = {k: comment(k, k) for k in outputs}
     sp = " and sequence" if plan.sequence_parallel else ""
+    pieces = ("\n    register_piecewise_sharding()  # fused projections split per head"
+              if piecewise(layout) else "")
     return T.APPLY_TP.substitute(
-        sp_text=sp, tp=plan.degree("tp"),
+        sp_text=sp, tp=plan.degree("tp"), piecewise=pieces,
         params=_table(params, param_notes, " " * 4), inputs=_table(inputs, input_notes, " " * 4),
         outputs=_table(outputs, output_notes, " " * 4))
 
@@ -437,6 +444,8 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     target = "stage" if pipelined else "model"
     if plan.degree("tp") > 1:
         sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts)]
+        if piecewise(tp_layout(plan, facts.model)):
+            sections.insert(-1, T.PIECEWISE.template)
         layout.append(f'apply_tp({target}, mesh["tp"])')
     if any(m != "none" for m in plan.recompute.values()):
         if "selective" in plan.recompute.values():

@@ -15,11 +15,12 @@ from string import Template
 
 from autopar.runtime import dtensor_layout as _layout
 from autopar.runtime import materialize as _materialize
+from autopar.runtime import piecewise as _piecewise
 
-__all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "APPLY_TP",
-           "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS", "MATERIALIZE",
-           "PARTIAL_GRADS", "DATA", "LOSS", "USER_LOSS", "TRAIN_STEP", "FORWARD_BACKWARD",
-           "FORWARD_BACKWARD_TP", "CHECKPOINT", "BUILD", "MAIN"]
+__all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "PIECEWISE",
+           "APPLY_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS",
+           "MATERIALIZE", "PARTIAL_GRADS", "DATA", "LOSS", "USER_LOSS", "TRAIN_STEP",
+           "FORWARD_BACKWARD", "FORWARD_BACKWARD_TP", "CHECKPOINT", "BUILD", "MAIN"]
 
 PROGRAM = Template('''\
 $header
@@ -82,6 +83,13 @@ DTENSOR_LAYOUT = Template("\n\n".join(inspect.getsource(f) for f in (
 """DTensors from input to output: the runtime's own functions
 (:mod:`autopar.runtime.dtensor_layout`), copied into the program."""
 
+PIECEWISE = Template("\n\n".join(inspect.getsource(f) for f in (
+    _piecewise.piecewise_shard, _piecewise.piecewise_pieces, _piecewise._sharded_on,
+    _piecewise._split_sizes, _piecewise._split, _piecewise._cat_strategy,
+    _piecewise.register_piecewise_sharding)))
+"""Fused projections split per head (``S(d)/k`` placements): the runtime's own functions
+(:mod:`autopar.runtime.piecewise`), copied into the program."""
+
 APPLY_TP = Template('''\
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Tensor$sp_text parallelism over tp=$tp. Every parameter becomes a DTensor (split as
@@ -89,7 +97,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     DTensors through the model's own code, so its shapes are global; the listed modules'
     first input and output are redistributed where the plan changes layout. Comments
     give each module's style and predicted forward + backward time per step."""
-    register_cpu_attention_sharding()
+    register_cpu_attention_sharding()$piecewise
     place_parameters(model, tp_mesh, $params)
     relayout_modules(model, inputs=$inputs, outputs=$outputs)
     distribute_io(model, tp_mesh)''')

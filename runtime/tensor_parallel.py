@@ -22,10 +22,11 @@ from autopar.errors import LoweringError
 from autopar.plans import ModulePlan, Plan
 from autopar.runtime.dtensor_layout import (distribute_io, place_parameters,
                                             register_cpu_attention_sharding, relayout_modules)
-from autopar.sharding import parse_placement
+from autopar.runtime.piecewise import register_piecewise_sharding
+from autopar.sharding import parse_placement, shard_dim, shard_pieces
 
 __all__ = ["TPLayout", "tp_layout", "check_module_plan", "tied_parameter_groups",
-           "apply_tensor_parallel", "reduce_partial_gradients", "tp_placement"]
+           "apply_tensor_parallel", "reduce_partial_gradients", "tp_placement", "piecewise"]
 
 
 @dataclass
@@ -98,17 +99,22 @@ def check_module_plan(path: str, module: nn.Module, mp: ModulePlan) -> None:
 
 
 def check_param_placement(fqn: str, param: nn.Parameter, placement: str) -> None:
-    """A parameter's ``tp`` placement must be replicated or a split of one of its dims."""
+    """A parameter's ``tp`` placement must be replicated or a split of one of its dims
+    (``S(d)``, or ``S(d)/k`` piecewise: dim d cut into k equal pieces)."""
     if placement == "R":
         return
-    if not placement.startswith("S("):
+    dim = shard_dim(placement) if placement.startswith("S(") else None
+    if dim is None:
         raise LoweringError(f"parameter '{fqn}' is planned as '{placement}' on tp; a "
                             f"parameter is either replicated ('R') or split ('S(d)'): re-plan")
-    dim = int(placement[2:-1])
     if not -param.dim() <= dim < param.dim():
         raise LoweringError(f"parameter '{fqn}' of shape {tuple(param.shape)} is planned as "
                             f"'{placement}' on tp, but it has no dim {dim}; was the plan made "
                             f"for another model? Re-plan for this model")
+    if param.shape[dim] % shard_pieces(placement):
+        raise LoweringError(f"parameter '{fqn}' of shape {tuple(param.shape)} is planned as "
+                            f"'{placement}' on tp, but its dim {dim} does not cut into "
+                            f"{shard_pieces(placement)} equal pieces; re-plan for this model")
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
@@ -118,6 +124,13 @@ def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     return [names for names in by_id.values() if len(names) > 1]
+
+
+def piecewise(layout: TPLayout) -> bool:
+    """Whether ``layout`` splits anything piecewise (``S(d)/k``: a fused projection
+    split per head), which DTensor runs with :mod:`autopar.runtime.piecewise`."""
+    return any(shard_pieces(p) > 1 for table in (layout.params, layout.inputs, layout.outputs)
+               for p in table.values())
 
 
 def _placements(table: dict[str, str]) -> dict[str, Placement]:
@@ -131,6 +144,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *,
     as they come (a pipeline stage, whose schedule hands DTensors on)."""
     layout = tp_layout(plan, model)
     register_cpu_attention_sharding()
+    if piecewise(layout):
+        register_piecewise_sharding()
     place_parameters(model, tp_mesh, _placements(layout.params))
     relayout_modules(model, _placements(layout.inputs), _placements(layout.outputs))
     if root:

@@ -6,16 +6,56 @@ shapes read from the input (``B, T, C = x.size()``), positions made with
 embedding through ``F.linear`` in the root. ``TinyLlama`` follows the Llama reference
 code: rotary tables computed in the root, grouped-query attention expanded with
 ``repeat_interleave``, SwiGLU, RMSNorm written out by hand. ``lm_loss`` is the loss
-most training scripts write.
+most training scripts write. ``fused_qkv_gpt`` is autopar's example GPT with each
+block's separate q, k and v projections written as one fused ``nn.Linear`` split in
+three (the same math; Hugging Face's ``GPT2LMHeadModel`` writes it a third way, with a
+``Conv1D``).
 """
 
 from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from autopar.examples.gpt import GPTConfig
+
+
+class FusedQKVAttention(nn.Module):
+    """Causal self-attention with one fused q/k/v projection split in three, as
+    nanoGPT, GPT-NeoX and Megatron-LM write it; the math of
+    :class:`autopar.examples.gpt.Attention`."""
+
+    def __init__(self, dim: int, n_heads: int, bias: bool = True) -> None:
+        super().__init__()
+        self.dim, self.head_dim = dim, dim // n_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split(self.dim, dim=-1)
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def fused_qkv_gpt(cfg: "GPTConfig") -> nn.Module:
+    """autopar's example GPT of ``cfg`` with every block's attention written with a
+    fused q/k/v projection (:class:`FusedQKVAttention`)."""
+    from autopar.examples.gpt import GPT
+
+    model = GPT(cfg)
+    for block in model.blocks:
+        block.attn = FusedQKVAttention(cfg.dim, cfg.n_heads, cfg.bias)
+    return model
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

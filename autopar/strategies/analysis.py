@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from autopar.graph import Graph, OpNode, TensorMeta
 from autopar.plans import fsdp_unit
 from autopar.strategies.batch_flow import FREE, BatchFlow
+from autopar.strategies.fused import piecewise_rules
 from autopar.strategies.rules import OpRule, constant_rule, rule_for
 
 
@@ -63,6 +64,7 @@ def analyze(graph: Graph) -> GraphAnalysis:
     batch_label = flow.label
     batch_dim = {k: (int(v[2:-1]) if v.startswith("S(") else None)
                  for k, v in flow.place.items()}
+    rules = piecewise_rules(graph, rules, batch_dim)
     module_ops = _module_ops(graph)
     owner, consumers = param_users(graph)
     saved = {}

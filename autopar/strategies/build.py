@@ -47,10 +47,11 @@ from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import OpNode, TensorMeta
-from autopar.sharding import Mesh, layout_name, shard_count
+from autopar.sharding import Mesh, layout_name, shard_count, shard_dim, shard_pieces
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.recompute import recompute_groups
+from autopar.strategies.rule_base import carries, placement_of, split_label
 from autopar.strategies.rules import OpRule
 
 Placements = tuple[str, ...]
@@ -104,11 +105,17 @@ class Built:
 
 
 def _placements(labels, assign: tuple[str | None, ...]) -> Placements:
-    out = []
-    for lab in assign:
-        out.append("R" if labels is None or lab is None or lab not in labels
-                   else f"S({labels.index(lab)})")
-    return tuple(out)
+    return tuple(placement_of(labels, lab) for lab in assign)
+
+
+def _choices(rule: OpRule) -> list[str]:
+    """The labels a model-parallel axis may split: those of the inputs that are not
+    forbidden and that the output keeps or sums over, and the piecewise splits
+    (``"x/k"``) the rule allows."""
+    outs = {split_label(lab)[0] for lab in rule.out}
+    names = {split_label(lab)[0] for labs in rule.ins if labs for lab in labs} - rule.forbid
+    labels = [lab for lab in sorted(names) if lab in outs or lab in rule.reduce]
+    return labels + [f"{lab}/{k}" for lab, k in sorted(rule.pieces) if lab in labels]
 
 
 class _Builder:
@@ -173,9 +180,7 @@ class _Builder:
     # ---- enumeration ------------------------------------------------------------
     def assignments(self, n: OpNode, rule: OpRule) -> list[tuple[str | None, ...]]:
         """Every legal label-per-axis assignment of op ``n``."""
-        labels = sorted({lab for labs in rule.ins if labs for lab in labs}
-                        - rule.forbid)
-        labels = [lab for lab in labels if lab in rule.out or lab in rule.reduce]
+        labels = _choices(rule)
         per_axis: list[list[str | None]] = []
         for a, size in enumerate(self.mesh.sizes):
             if size == 1:
@@ -193,10 +198,17 @@ class _Builder:
         return result
 
     def _divisible(self, n: OpNode, rule: OpRule, combo) -> bool:
+        """Every dim a combo splits divides evenly (each piece, for a piecewise split),
+        and a label split piecewise is split over one axis only."""
         degree: dict[str, int] = {}
-        for lab, size in zip(combo, self.mesh.sizes):
-            if lab is not None:
+        pieces: dict[str, int] = {}
+        axes: dict[str, int] = {}
+        for choice, size in zip(combo, self.mesh.sizes):
+            if choice is not None:
+                lab, k = split_label(choice)
                 degree[lab] = degree.get(lab, 1) * size
+                pieces[lab] = max(pieces.get(lab, 1), k)
+                axes[lab] = axes.get(lab, 0) + 1
         if not degree:
             return True
         tensors = [(labs, self.meta(i)) for labs, i in zip(rule.ins, n.inputs)
@@ -205,8 +217,12 @@ class _Builder:
         for labs, m in tensors:
             if labs is None or m is None:
                 continue
-            for lab, size in zip(labs, m.shape):
-                if lab in degree and size % degree[lab]:
+            for label, size in zip(labs, m.shape):
+                lab, j = split_label(label)
+                if lab not in degree:
+                    continue
+                k = j * pieces[lab]
+                if size % (degree[lab] * k) or (k > 1 and axes[lab] > 1):
                     return False
         return True
 
@@ -219,10 +235,11 @@ class _Builder:
         for combo in self.assignments(n, rule):
             raw = []
             for lab in combo:
-                if lab is None or (lab in rule.per_rank and lab not in rule.out):
+                name = split_label(lab)[0] if lab is not None else None
+                if lab is None or (name in rule.per_rank and not carries(rule.out, lab)):
                     raw.append("R")  # a per-rank label's output is the rank's own result
-                elif lab in rule.out:
-                    raw.append(f"S({rule.out.index(lab)})")
+                elif carries(rule.out, lab):
+                    raw.append(placement_of(rule.out, lab))
                 else:
                     raw.append("P")
             raw_t = tuple(raw)
@@ -262,9 +279,9 @@ class _Builder:
     def _grad(self, labs, combo, rule: OpRule, place: Placements) -> Placements:
         g = []
         for lab, p in zip(combo, place):
-            lacks = labs is None or lab not in labs
-            g.append("P" if p == "R" and lab is not None and lacks and lab not in rule.reduce
-                     else p)
+            lacks = not carries(labs, lab)
+            g.append("P" if p == "R" and lab is not None and lacks
+                     and split_label(lab)[0] not in rule.reduce else p)
         return tuple(g)
 
     def _deliveries(self, n: OpNode, raw: Placements, nd: int) -> list[Placements]:
@@ -281,18 +298,19 @@ class _Builder:
                 continue
             cand = ["R"] + [f"S({d})" for d in range(nd)
                             if m is not None and m.shape[d] % self.mesh.sizes[a] == 0]
-            per_axis.append(cand)
+            per_axis.append(cand + [raw[a]] if shard_pieces(raw[a]) > 1 else cand)
         for combo in itertools.product(*per_axis):
             if self._shard_counts_ok(combo, m):
                 opts.append(tuple(combo))
         return opts
 
     def _shard_counts_ok(self, pl: Placements, m: TensorMeta | None) -> bool:
-        deg: dict[str, int] = {}
+        deg: dict[int, int] = {}
         for p, s in zip(pl, self.mesh.sizes):
-            if p.startswith("S("):
-                deg[p] = deg.get(p, 1) * s
-        return m is None or all(m.shape[int(p[2:-1])] % d == 0 for p, d in deg.items())
+            d = shard_dim(p)
+            if d is not None:
+                deg[d] = deg.get(d, 1) * s * shard_pieces(p)
+        return m is None or all(m.shape[d] % k == 0 for d, k in deg.items())
 
     def _free_axes(self) -> list[int]:
         return [a for a, s in enumerate(self.mesh.sizes) if s > 1 and a != self.dp_axis]

@@ -19,6 +19,13 @@ class OpRule:
     ``forbid`` are never split on a model-parallel axis; those also in ``per_rank``
     may be split by data parallelism, each rank running the op on its own samples
     (see :mod:`autopar.strategies.rules`).
+
+    A label written ``"x/k"`` at a dim is label ``x`` split *piecewise* there: the dim
+    is cut into k equal pieces and every piece split over the axis (placed
+    ``S(d)/k``) — the input of a split into k pieces whose outputs carry plain ``x``.
+    ``pieces`` holds (label, k) pairs whose label may also be split so at every dim
+    that carries it (the ops from a fused projection to its split). Both come from
+    :mod:`autopar.strategies.fused`.
     """
 
     ins: tuple[Labels | None, ...]
@@ -27,6 +34,7 @@ class OpRule:
     forbid: frozenset[str] = frozenset()
     kind: str = "generic"
     per_rank: frozenset[str] = frozenset()
+    pieces: frozenset[tuple[str, int]] = frozenset()
 
 
 @dataclass
@@ -41,6 +49,33 @@ class Fresh:
         name = f"_{self.n}"
         self.made.add(name)
         return name
+
+
+def split_label(label: str) -> tuple[str, int]:
+    """A label or a strategy's choice of label as (label, pieces): ``"x/3" -> ("x",
+    3)``, ``"x" -> ("x", 1)``."""
+    name, slash, k = label.partition("/")
+    return (name, int(k)) if slash else (label, 1)
+
+
+def placement_of(labels: Labels | None, choice: str | None) -> str:
+    """The placement of a tensor labelled ``labels`` when ``choice`` (a label, or
+    ``"x/k"``: label x split piecewise in k pieces) is split over an axis: ``"R"``
+    where no dim carries the label, else ``"S(d)"``, or ``"S(d)/k"`` where the dim is
+    split piecewise (by the choice, or by the label written ``"x/k"`` at that dim)."""
+    if labels is None or choice is None:
+        return "R"
+    name, k = split_label(choice)
+    for d, lab in enumerate(labels):
+        here, j = split_label(lab)
+        if here == name:
+            return f"S({d})" if j * k == 1 else f"S({d})/{j * k}"
+    return "R"
+
+
+def carries(labels: Labels | None, choice: str | None) -> bool:
+    """Whether a tensor labelled ``labels`` has a dim that ``choice`` splits."""
+    return placement_of(labels, choice) != "R"
 
 
 def op_of(target: str) -> str:
