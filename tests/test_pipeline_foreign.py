@@ -56,6 +56,8 @@ CASES = {  # name -> (model, custom loss, planning options)
                                 schedule="interleaved_1f1b", virtual_stages=2)),
     "hf gpt2 pp2 dp2 1f1b": ("hf-gpt2", None, dict(pp=2, dp=2, schedule="1f1b")),
     "hf llama pp2 dp2 1f1b": ("hf-llama", None, dict(pp=2, dp=2, schedule="1f1b")),
+    "nanogpt lm_loss pp2 tp2 sequence-parallel 1f1b": (
+        "nanogpt", lm_loss, dict(pp=2, dp=1, tp=2, sequence_parallel=True, schedule="1f1b")),
 }
 HF = hf_gpt2 is not None
 RUNNABLE = {name: case for name, case in CASES.items() if HF or not case[0].startswith("hf-")}
@@ -79,7 +81,7 @@ def make_plan(name: str) -> Plan:
     kind, _, options = CASES[name]
     x, _ = data()
     return autopar.plan(make(kind), (x,), cluster=CPU4, precision="fp32", optimizer="sgd",
-                        tp=1, microbatch_size=1, global_batch=BATCH, **options)
+                        microbatch_size=1, global_batch=BATCH, **{"tp": 1, **options})
 
 
 def reference(name: str) -> list[float]:
@@ -119,7 +121,8 @@ def test_planner_offers_the_pipeline(plans, name: str) -> None:
     options = CASES[name][2]
     plan = plans[name]
     assert plan.pipeline is not None and plan.pipeline.schedule == options["schedule"]
-    assert plan.mesh == {"pp": options["pp"], "dp": options["dp"], "tp": 1}
+    assert plan.mesh == {"pp": options["pp"], "dp": options["dp"], "tp": options.get("tp", 1)}
+    assert plan.sequence_parallel == options.get("sequence_parallel", False)
     assert not any("left out" in n for n in plan.notes)
     assert plan.inputs == [{"shape": [BATCH, SEQ], "dtype": "int64"}]  # what stages are cut for
 
