@@ -109,7 +109,7 @@ def train(kind: str, kw: dict, *, pipelined: bool = False, precision: str = "fp3
     model = pipe_tests.make_model(kind) if pipelined else make_model(kind)
     build = pipeline_plan if pipelined else megatron_plan
     plan = build(model, global_batch=BATCH, precision=precision, **kw)
-    pm = apply_plan(model, plan, loss_fn=fp32_loss)
+    pm = apply_plan(model, plan, loss_fn=fp32_loss, example_inputs=(global_batch()[0],))
     stages = list(pm.module) if pipelined else [pm.module]
     calls, dtypes = count_block_forwards(stages)
     probes = sum(1 for s in stages for p, _ in s.named_modules()
