@@ -1,5 +1,6 @@
 """What the planner charges for the collectives a lowered plan runs: the all-reduce of a
-column-wise Linear's input gradient, and FSDP2's one collective per unit."""
+column-wise Linear's input gradient (once per tensor), and FSDP2's one collective per
+unit."""
 
 from __future__ import annotations
 
@@ -33,23 +34,34 @@ def _edge(built, u: str, v: str):
     return next(e for e in built.problem.edges if (e.u, e.v) == (iu, iv))
 
 
-def test_a_column_wise_linears_replicated_input_gets_its_gradient_all_reduced() -> None:
+def test_a_column_wise_linears_replicated_input_gets_its_gradient_all_reduced_once() -> None:
     """No forward collective feeds a column-wise Linear its replicated input, but the
-    input's gradient comes back partial over tp and DTensor all-reduces it at the module
-    boundary, once per consuming Linear (the backward half of Megatron's f/g pair)."""
+    input's gradient comes back partial over tp (the backward half of Megatron's f/g
+    pair). Autograd adds the partial gradients of the q, k and v projections first (a
+    sum of partial sums is one) and the norm's backward reduces the total: one
+    all-reduce per tensor, not one per consuming Linear (autopar.strategies.grad_sum).
+    The norm's summing twin pays it, its edges to the Linears cost nothing, and its
+    plain strategy takes no partial gradient."""
     built = _built((1, 2))
     e = _edge(built, "layer_norm", "linear")  # ln1 -> the attention's q projection
     link = load_profile("h100-sxm").intra_node
-    nbytes = 8 * 64 * 256 * 4.0
+    once = collective_time("all_reduce", 8 * 64 * 256 * 4.0, 2, link)
     seen = set()
     for (i, j), cost in e.cost.items():
-        out = built.strategies[e.u][i].out
+        su = built.strategies[e.u][i]
         need, grad = built.strategies[e.v][j].ins[0], built.strategies[e.v][j].grads[0]
-        if out == need == ("R", "R"):
-            expect = collective_time("all_reduce", nbytes, 2, link) if grad[1] == "P" else 0.0
-            assert cost == pytest.approx(expect, rel=1e-12), (out, need, grad)
+        if su.out == need == ("R", "R"):
+            assert cost == 0.0, (su.name, need, grad)
+            assert grad[1] != "P" or su.grad_sum == (1,), (su.name, grad)
             seen.add(grad[1])
     assert seen == {"P", "R"}  # both the sharded and the replicated weight were priced
+    costs = built.problem.nodes[e.u].strategies
+    by_name = {s.name: k for k, s in enumerate(built.strategies[e.u])}
+    twins = [(k, s) for k, s in enumerate(built.strategies[e.u]) if s.grad_sum]
+    assert twins
+    for k, s in twins:
+        plain = by_name[s.name.rpartition("  [grad")[0]]
+        assert costs[k].comm_s - costs[plain].comm_s == pytest.approx(once, rel=1e-12)
 
 
 def test_a_gradient_partial_over_data_parallelism_is_not_an_activation_collective() -> None:
@@ -80,3 +92,31 @@ def test_fsdp_collectives_cost_one_latency_per_unit() -> None:
     expect = n_layers * collective_time("all_reduce", 4.0 * block, 2, link) + \
         collective_time("all_reduce", 4.0 * root, 2, link)
     assert charged == pytest.approx(expect, rel=1e-9)
+
+
+def _backward_collectives() -> dict[str, int]:
+    """Collectives in the backward of three column-wise Linears reading one norm's
+    replicated output, on this group's tp mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    ws = [distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]).requires_grad_() for _ in "qkv"]
+    x = DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()]).requires_grad_()
+    h = torch.nn.functional.layer_norm(x, (8,))
+    outs = [torch.nn.functional.linear(h, w) for w in ws]
+    with CommDebugMode() as comm:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return {str(k).rpartition(".")[2]: v for k, v in comm.get_comm_counts().items()}
+
+
+@pytest.mark.multirank
+def test_dtensor_reduces_the_summed_partial_gradient_once() -> None:
+    """What the pricing above assumes: the three partial input gradients are added
+    before the norm's backward reduces them, in one all-reduce."""
+    from autopar.launch import run_distributed
+
+    assert run_distributed(2, _backward_collectives, timeout_s=120)[0] == {"all_reduce": 1}

@@ -50,6 +50,7 @@ from autopar.graph import OpNode, TensorMeta
 from autopar.sharding import Mesh, layout_name, shard_count, shard_dim, shard_pieces
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
 from autopar.strategies.analysis import GraphAnalysis
+from autopar.strategies.grad_sum import add_gradient_sums, edge_backward, grad_sum_time
 from autopar.strategies.recompute import recompute_groups
 from autopar.strategies.rule_base import carries, placement_of, split_label
 from autopar.strategies.rules import OpRule
@@ -92,6 +93,7 @@ class NodeStrategy:
     ins: tuple[Placements, ...]
     grads: tuple[Placements, ...]
     memory: dict[str, float] = field(default_factory=dict)
+    grad_sum: tuple[int, ...] = ()  # axes its gradient arrives partial on (grad_sum.py)
 
 
 @dataclass
@@ -685,7 +687,8 @@ def _reprice(b: _Builder, base: Built) -> Built:
             ph, ph_bwd, h_step = b._param_host(n, ns.ins)
             strategies.append(replace(ns, memory=mem))
             costs.append(replace(
-                sc, comm_s=b._output_comm(n, ns.raw_out, ns.out) + tp,
+                sc, comm_s=b._output_comm(n, ns.raw_out, ns.out) + tp
+                + grad_sum_time(b, name, ns.out, ns.grad_sum),
                 micro_param_comm_s=micro, step_param_comm_s=step,
                 memory_bytes=sum(mem.values()), gather_bytes=gather,
                 optimizer_s=b._optimizer_step(n, ns.ins),
@@ -734,6 +737,7 @@ def _build(b: _Builder, cache: dict | None = None) -> Built:
         counts = edge_counts(g, index)
         if cache is not None:  # the graph's, the same for every layout
             cache["edge_counts"] = counts
+    add_gradient_sums(b, counts, names, details, nodes)
     edges = _edges(b, counts, details, names)
     ties = _ties(b, index, details)
     groups = recompute_groups(b, index, details, [nc.strategies for nc in nodes])
@@ -770,14 +774,15 @@ def _edges(b: _Builder, counts: dict[tuple[int, int, int], int], details,
         nbytes = b.nbytes(b.meta(un.name))
         # strategies grouped by what the edge sees of them: the producer's output, the
         # consumer's input and gradient placements; each pair of groups is priced once
-        outs: dict[Placements, list[int]] = {}
+        sums = any(su.grad_sum for su in details[u])
+        outs: dict[tuple[Placements, tuple[int, ...]], list[int]] = {}
         for i, su in enumerate(details[u]):
-            outs.setdefault(su.out, []).append(i)
+            outs.setdefault((su.out, su.grad_sum), []).append(i)
         needs: dict[tuple[Placements, Placements], list[int]] = {}
         for j, sv in enumerate(details[v]):
             needs.setdefault((sv.ins[pos], sv.grads[pos]), []).append(j)
         pairs: list[tuple[list[int], list[int], float]] = []
-        for out, ii in outs.items():
+        for (out, summed), ii in outs.items():
             for (need, grad), jj in needs.items():
                 # a constant is computed on each rank from its local shapes: it is
                 # whatever the consumer needs on the data-parallel axis
@@ -790,8 +795,11 @@ def _edges(b: _Builder, counts: dict[tuple[int, int, int], int], details,
                     # a tensor-parallel axis (a column-wise Linear's replicated input) is
                     # all-reduced at the module boundary; partial over data parallelism,
                     # it is a parameter's, reduced with the parameter gradients
-                    back = tuple(grad[a] if a in free else "R" if p == "P" else p
-                                 for a, p in enumerate(out))
+                    back = edge_backward(tuple(grad[a] if a in free else "R" if p == "P" else p
+                                               for a, p in enumerate(out)), out,
+                                         summed if sums else None, free)
+                    if back is None:
+                        continue
                     pairs.append((ii, jj, b.convert_both(out, need, back, nbytes,
                                                          un.requires_grad)))
                 elif module_consumer:
