@@ -2,7 +2,6 @@
 label over two simulated devices, running the op on the local shards and combining
 the results (concatenate a Shard, sum a Partial) gives the unsplit op's output."""
 
-import pytest
 import torch
 
 from autopar.graph import OpNode, TensorMeta

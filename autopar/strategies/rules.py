@@ -299,7 +299,7 @@ def _softmax(node, in_metas, fresh):
 
 
 def _cross_entropy(node, in_metas, fresh):
-    logits, target = in_metas[0], in_metas[1]
+    logits = in_metas[0]
     nd = _dims(logits)
     if nd == 1:
         lab: Labels = ("c",)
