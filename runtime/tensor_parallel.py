@@ -137,19 +137,17 @@ def _placements(table: dict[str, str]) -> dict[str, Placement]:
     return {k: parse_placement(v) for k, v in table.items()}
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *,
-                          root: bool = True) -> TPLayout:
+def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> TPLayout:
     """Lay ``model`` out over ``tp_mesh`` as ``plan`` says (see the module docstring)
-    and return the tables applied. ``root`` False leaves the model's inputs and output
-    as they come (a pipeline stage, whose schedule hands DTensors on)."""
+    and return the tables applied. ``model`` may be a pipeline stage: its inputs enter
+    and its outputs leave as replicated tensors, as the whole model's do."""
     layout = tp_layout(plan, model)
     register_cpu_attention_sharding()
     if piecewise(layout):
         register_piecewise_sharding()
     place_parameters(model, tp_mesh, _placements(layout.params))
     relayout_modules(model, _placements(layout.inputs), _placements(layout.outputs))
-    if root:
-        distribute_io(model, tp_mesh)
+    distribute_io(model, tp_mesh)
     return layout
 
 
