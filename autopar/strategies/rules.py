@@ -316,6 +316,32 @@ def _cross_entropy(node, in_metas, fresh):
     return OpRule(tuple(ins), out, reduce=reduce, forbid=frozenset({"c"}), kind="loss")
 
 
+_POINTWISE_LOSS_REDUCTION_ARG = {
+    "mse_loss": 2, "l1_loss": 2, "smooth_l1_loss": 2, "huber_loss": 2, "kl_div": 2,
+    "soft_margin_loss": 2, "binary_cross_entropy": 3, "binary_cross_entropy_with_logits": 4,
+}
+"""Losses computed element by element and then reduced: the position of their
+``reduction`` argument (aten schemas: 0 none, 1 mean, 2 sum; mean by default)."""
+
+
+def _pointwise_loss(node, in_metas, fresh):
+    """An element-wise loss: every dim of the prediction may be split (targets and
+    weights broadcast against it); a reduced loss is a partial sum over the split dims."""
+    nd = _dims(in_metas[0])
+    base = _base(nd)
+    ins: list[Labels | None] = []
+    for m in in_metas:
+        k = _dims(m) if m is not None else 0
+        ins.append(None if m is None else tuple(
+            base[nd - k + i] if m.shape[i] == in_metas[0].shape[nd - k + i] else fresh()
+            for i in range(k)))
+    red = _arg(node, _POINTWISE_LOSS_REDUCTION_ARG[_op(node.target)], 1)
+    reduction = red if isinstance(red, int) else 1
+    if reduction == 0:
+        return OpRule(tuple(ins), base, kind="loss")
+    return OpRule(tuple(ins), (), reduce=frozenset(base), kind="loss")
+
+
 def _sdpa(node, in_metas, fresh):
     q, k, v = in_metas[:3]
     nd = _dims(q)
@@ -463,6 +489,7 @@ _HANDLERS: dict[str, Callable[[OpNode, list, _Fresh], OpRule]] = {
     "softmax": _softmax, "_softmax": _softmax, "log_softmax": _softmax, "_log_softmax": _softmax,
     "cross_entropy_loss": _cross_entropy, "nll_loss": _cross_entropy,
     "nll_loss_forward": _cross_entropy,
+    **{op: _pointwise_loss for op in _POINTWISE_LOSS_REDUCTION_ARG},
     "scaled_dot_product_attention": _sdpa,
     "view": _view, "_unsafe_view": _view, "reshape": _view, "flatten": _view, "unflatten": _view,
     "squeeze": _squeeze_unsqueeze, "unsqueeze": _squeeze_unsqueeze,
