@@ -22,6 +22,8 @@ redistribution against the plain collective on the same tensor.
 
 from __future__ import annotations
 
+import contextlib
+
 import statistics
 import time
 from typing import Any, Callable
@@ -72,23 +74,27 @@ def median_of(runs: list[Any]) -> Any:
     return statistics.median(runs)
 
 
-def _fwd_and_step(module: nn.Module, x: torch.Tensor,
-                  sync: Callable[[], None]) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of one call of ``module`` on ``x``."""
+def _fwd_and_step(module: nn.Module, x: torch.Tensor, sync: Callable[[], None],
+                  context: Callable[[], Any] = contextlib.nullcontext) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of one call of ``module`` on ``x``, each
+    inside ``context()``."""
     def fwd() -> None:
-        module(x)
+        with context():
+            module(x)
 
     def both() -> None:
-        out = module(x)
-        (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
+        with context():
+            out = module(x)
+            (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
     return (median_time(fwd, sync, _REPS, _CALLS, warmup=10),
             median_time(both, sync, _REPS, _CALLS, warmup=10))
 
 
-def _added(wrapped: nn.Module, plain: nn.Module, x: torch.Tensor,
-           sync: Callable[[], None]) -> tuple[float, float]:
-    """(forward, backward) seconds that ``wrapped`` takes beyond ``plain`` on ``x``."""
-    w_fwd, w_both = _fwd_and_step(wrapped, x, sync)
+def _added(wrapped: nn.Module, plain: nn.Module, x: torch.Tensor, sync: Callable[[], None],
+           context: Callable[[], Any] = contextlib.nullcontext) -> tuple[float, float]:
+    """(forward, backward) seconds that ``wrapped`` (run inside ``context()``) takes
+    beyond ``plain`` on ``x``."""
+    w_fwd, w_both = _fwd_and_step(wrapped, x, sync, context)
     p_fwd, p_both = _fwd_and_step(plain, x, sync)
     return w_fwd - p_fwd, (w_both - w_fwd) - (p_both - p_fwd)
 
@@ -96,8 +102,10 @@ def _added(wrapped: nn.Module, plain: nn.Module, x: torch.Tensor,
 def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
     """Host seconds per call that DTensor adds to a tensor-parallel Linear (the mean of
     a column-wise and a row-wise one), to a sequence-parallel LayerNorm and to any
-    other op (per pointwise op of a chain run on a DTensor), forward and backward, on
-    ``mesh`` (one process: :func:`host_overhead`)."""
+    other op (per pointwise op of a chain run on a DTensor inside the runtime's
+    :func:`~autopar.runtime.dtensor_layout.plain_as_replicated`, as a tensor-parallel
+    step runs), forward and backward, on ``mesh`` (one process: :func:`host_overhead`)."""
+    from autopar.runtime.dtensor_layout import plain_as_replicated
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
@@ -108,7 +116,7 @@ def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
            for style in (ColwiseParallel(), RowwiseParallel())]
     norm = _added(parallelize_module(nn.LayerNorm(8).to(dev), mesh, SequenceParallel()),
                   nn.LayerNorm(8).to(dev), x, sync)
-    op = _added(_OnDTensor(_Pointwise(), mesh), _Pointwise(), x, sync)
+    op = _added(_OnDTensor(_Pointwise(), mesh), _Pointwise(), x, sync, plain_as_replicated)
     return {"linear_fwd": statistics.fmean(f for f, _ in lin),
             "linear_bwd": statistics.fmean(b for _, b in lin),
             "norm_fwd": norm[0], "norm_bwd": norm[1],

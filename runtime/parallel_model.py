@@ -16,7 +16,7 @@ from autopar.errors import ConfigError
 from autopar.plans import Plan
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
-from autopar.runtime.dtensor_layout import plain_as_replicated
+from autopar.runtime.dtensor_layout import tp_context
 from autopar.runtime.tensor_parallel import reduce_partial_gradients
 
 __all__ = ["ParallelModel", "apply_plan"]
@@ -71,7 +71,7 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             raise ConfigError("a pipelined model runs only through step(inputs, targets); "
                               "each rank holds only its own stages")
-        with plain_as_replicated():
+        with tp_context(self.plan.degree("tp")):
             return self.module(*inputs, **kwargs)
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -112,6 +112,7 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             return self.pipeline.step(xs, targets)
         n, mb, dp = self.plan.num_microbatches, self.plan.microbatch_size, self.plan.degree("dp")
+        tp = self.plan.degree("tp")
         rank = self.mesh.get_local_rank("dp")
         mine = slice(rank * n * mb, (rank + 1) * n * mb)
         xs = tuple(to_device(x[mine], self.device) if isinstance(x, torch.Tensor) else x
@@ -124,7 +125,7 @@ class ParallelModel(nn.Module):
                 self.module.set_requires_gradient_sync(i == n - 1)
             part = slice(i * mb, (i + 1) * mb)
             local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
-            with plain_as_replicated():  # plain tensors the forward makes meet DTensors
+            with tp_context(tp):  # plain tensors the forward makes meet DTensors
                 loss = self._loss(self(*local), targets[part]) / n
                 loss.backward()
             total += loss.detach().float()

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import apply_data_parallel
-from autopar.runtime.dtensor_layout import plain_as_replicated
+from autopar.runtime.dtensor_layout import tp_context
 from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
 from autopar.runtime.pipeline_split import StageCut, StageGraph, split_stages
@@ -282,7 +282,7 @@ class PipelineRuntime:
         self._check_shapes(xs)
         kwargs = {name: x[part].to(self.device) for name, x in zip(self.input_names, xs)}
         losses: list[torch.Tensor] = []
-        with plain_as_replicated():  # tensors a stage makes meet DTensors as replicated
+        with tp_context(plan.degree("tp")):  # tensors a stage makes meet DTensors
             self.schedule.step(target=targets[part].to(self.device), losses=losses, **kwargs)
         for m in self.modules:
             if not isinstance(m, FSDPModule):
