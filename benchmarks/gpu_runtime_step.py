@@ -43,8 +43,10 @@ import torch
 import torch.distributed as dist
 
 
-def _configs(tiny: bool) -> list[tuple[str, Any, int, int]]:
-    """(kind, config, batch, seq) of the models to run."""
+def _configs(tiny: bool, slice_layers: int = 8) -> list[tuple[str, Any, int, int]]:
+    """(kind, config, batch, seq) of the models to run: the ~1.3B GPT and ~1.5B Llama
+    (module docstring), and ``llama8b``: ``slice_layers`` layers of Llama 3 8B (Meta's
+    release config) with its whole embedding and head, at one sequence of 8,192."""
     from autopar.examples import gpt, llama
 
     if tiny:
@@ -56,6 +58,9 @@ def _configs(tiny: bool) -> list[tuple[str, Any, int, int]]:
         ("llama", llama.LlamaConfig(vocab_size=128256, max_seq_len=2048, dim=2048,
                                     n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                                     rope_theta=500000.0), 4, 2048),
+        ("llama8b", llama.LlamaConfig(vocab_size=128256, max_seq_len=8192, dim=4096,
+                                      n_layers=slice_layers, n_heads=32, n_kv_heads=8,
+                                      ffn_dim=14336, rope_theta=500000.0), 1, 8192),
     ]
 
 
@@ -63,7 +68,7 @@ def _model(kind: str, cfg: Any) -> torch.nn.Module:
     from autopar.examples import gpt, llama
 
     with torch.device("meta"):
-        return gpt.GPT(cfg) if kind == "gpt" else llama.Llama(cfg)
+        return gpt.GPT(cfg) if kind == "gpt" else llama.Llama(cfg)  # llama, llama8b
 
 
 CASES: tuple[tuple[str, dict[str, Any] | None], ...] = (
@@ -266,13 +271,25 @@ def run_one(kind: str, cfg: Any, batch: int, seq: int, steps: int, case: str,
     }
 
 
+def start_one_rank_group() -> bool:
+    """Start a process group of this process alone (NCCL on a GPU, else gloo) and
+    return whether CUDA is in use."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    return cuda
+
+
 def main() -> int:
     """Run every model, write the JSON, print one line per model."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="a tiny model, to check the script")
-    ap.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
+    ap.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama, llama8b")
     ap.add_argument("--cases", default=",".join(c for c, _ in CASES),
                     help="comma-separated names from CASES")
     ap.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
@@ -280,16 +297,13 @@ def main() -> int:
                     help="comma-separated cases whose kernels are profiled")
     ap.add_argument("--trace-memory", default="",
                     help="comma-separated cases whose peak is broken down by allocation site")
+    ap.add_argument("--slice-layers", type=int, default=8,
+                    help="layers of the llama8b slice (embedding and head kept whole)")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    if cuda:
-        torch.cuda.set_device(0)
+    cuda = start_one_rank_group()
     results: list[dict[str, Any]] = []
     cases = args.cases.split(",")
-    for kind, cfg, batch, seq in _configs(args.tiny):
+    for kind, cfg, batch, seq in _configs(args.tiny, args.slice_layers):
         if kind not in args.models.split(","):
             continue
         for case, spec in [c for c in CASES if c[0] in cases]:

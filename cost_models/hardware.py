@@ -29,7 +29,7 @@ MEASURED_FORMAT = "autopar-profile/1"
 """The format tag of profiles written by ``autopar profile``."""
 
 ALIASES = {"h100": "h100-sxm", "h100-80g": "h100-sxm", "a100": "a100-80g",
-           "a100-sxm": "a100-80g"}
+           "a100-sxm": "a100-80g", "h200-sxm": "h200", "h200-141g": "h200"}
 
 
 @dataclass(frozen=True)
