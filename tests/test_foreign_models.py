@@ -40,6 +40,8 @@ CASES = [  # (model, search space forced on the planner)
     ("llama", {"dp": 2, "tp": 2, "zero": 3}),
     ("encoder", {"dp": 2, "tp": 2}),  # sequence-first nn.MultiheadAttention
     ("encoder_bf", {"dp": 1, "tp": 4, "sequence_parallel": True}),
+    ("encoder", {"pp": 2, "dp": 2}),  # stages cut from nn.TransformerEncoder's export
+    ("encoder_bf", {"pp": 2, "dp": 1, "tp": 2}),
 ]
 
 
@@ -79,7 +81,7 @@ def test_foreign_models_train_as_in_one_process() -> None:
     results = run_distributed(4, parallel, CASES, timeout_s=900)[0]
     for (kind, space), (losses, info) in zip(CASES, results):
         assert losses == pytest.approx(refs[kind], abs=1e-5), (kind, space, info)
-        for axis in ("dp", "tp"):
+        for axis in ("dp", "tp", "pp"):
             if axis in space:
                 assert info["mesh"].get(axis, 1) == space[axis], (kind, space, info)
         if space.get("sequence_parallel"):
