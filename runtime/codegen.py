@@ -2,11 +2,13 @@
 
 ``emit_program(plan, "path/to/model.py:factory")`` returns the text of a ``torchrun``
 script that needs torch alone: it imports the user's factory by file path, builds
-the model on ``meta``, builds the DeviceMesh, applies tensor / sequence parallelism
-as a per-module plan of parallel styles (one ``parallelize_module`` per block, as in
-torchtitan's ``parallelize.py``), checkpoints the recomputed blocks, wraps every block
-and the root with ``fully_shard``, materializes only the local shards and trains
-(``--steps --lr --optimizer --seed --data --save --load``). It lays the model out
+the model on ``meta`` (on the CPU, under the program's seed, when a module that owns
+tensors has no ``reset_parameters()``), builds the DeviceMesh, applies tensor /
+sequence parallelism as a per-module plan of parallel styles (one
+``parallelize_module`` per block, as in torchtitan's ``parallelize.py``), checkpoints
+the recomputed blocks, wraps every block and the root with ``fully_shard``,
+materializes only the local shards of a meta model and trains (``--steps --lr
+--optimizer --seed --data --save --load``). It lays the model out
 exactly as :func:`autopar.runtime.apply_plan` does, so both train alike.
 
 All program text lives in :mod:`autopar.runtime.codegen_templates`; this module only

@@ -36,18 +36,20 @@ SPLIT_STAGES = Template("\n\n\n".join(inspect.getsource(f) for f in (
     _export.StageSplitError, _export.outlined_paths, _export.export_program,
     _export._called_once, _export._owner, _export._leaf_paths, _export._Outliner,
     _export.outlined_graph, _export.retarget_devices, _split._pinned, _split.assign_stages,
-    _split._live, _split.stage_graph, _split.cut_program)) + '''
+    _split._live, _split.stage_graph, _split.cut_program, _split._model_device)) + '''
 
 
 def split_stages(model: nn.Module,
                  device: torch.device) -> tuple[list[fx.GraphModule], list[str]]:
     """Cut the model into one GraphModule per entry of STAGE_BLOCKS (cut_program), from
     its program exported by torch.export for one micro-batch of synthetic inputs on the
-    meta device (only their shapes matter); also return the names of the model's
-    inputs, which every stage takes as keywords. A stage calls the model's own blocks
-    under their own paths, so the per-block layout above addresses them unchanged."""
+    model's device (meta or the CPU; only their shapes matter); also return the names of
+    the model's inputs, which every stage takes as keywords. A stage calls the model's
+    own blocks under their own paths, so the per-block layout above addresses them
+    unchanged."""
     dtype = torch.long if INPUT_IS_TOKENS else torch.float32
-    example = (torch.zeros((MICROBATCH_SIZE,) + INPUT_SHAPE, dtype=dtype, device="meta"),)
+    where = _model_device(model)
+    example = (torch.zeros((MICROBATCH_SIZE,) + INPUT_SHAPE, dtype=dtype, device=where),)
     blocks = [block for stage in STAGE_BLOCKS for block in stage]
     program = export_program(model, example, outlined_paths(model, blocks))
     return cut_program(model, program, STAGE_BLOCKS, device)''')
@@ -165,16 +167,21 @@ OWN_OUTPUTS = Template(inspect.getsource(_pipeline._own_outputs))
 
 BUILD = Template('''\
     mesh = build_mesh(device_type)
-    graphs, input_names = split_stages(build_model(), device)
+    model, on_meta = build_model(args.seed)
+    graphs, input_names = split_stages(model, device)
 $untie    torch.manual_seed(args.seed)  # every rank initializes alike
     stages: dict[int, nn.Module] = {}  # this rank's stages by index
     for index, stage in enumerate(graphs):
         if STAGE_RANKS[index] == mesh.get_local_rank("pp"):
-$layout            materialize_stage(stage, device)  # only this rank's stages
+            if not on_meta:
+                stage.to(device)  # laid out from its own weights
+$layout            if on_meta:
+                materialize_stage(stage, device)  # only this rank's stages
             stages[index] = stage
 $groups    schedule = build_schedule([
         PipelineStage(stage, index, len(STAGE_BLOCKS), device, group=mesh.get_group("pp"))
         for index, stage in stages.items()])
 $sync    model = nn.ModuleDict({str(index): stage for index, stage in stages.items()})
 ''')
-"""The start of ``main`` for a pipelined plan: split, lay out own stages, schedule."""
+"""The start of ``main`` for a pipelined plan: split, lay out own stages (materialized if
+the model started on meta), schedule."""

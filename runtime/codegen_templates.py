@@ -2,8 +2,9 @@
 
 :mod:`autopar.runtime.codegen` fills these with a plan's values; every piece of
 program text lives here, so the shape of the emitted program is read in one place,
-except the materialization of a meta model, which is the runtime's own code
-(:mod:`autopar.runtime.materialize`) copied in, so that the two cannot drift apart.
+except the check whether the model can start on meta and the materialization of a meta
+model, which are the runtime's own code (:mod:`autopar.runtime.materialize`) copied in,
+so that the two cannot drift apart.
 Each section is a top-level definition of the program; :data:`PROGRAM` puts them in
 order. ``$name`` marks a value, ``$$`` a literal dollar sign.
 """
@@ -60,12 +61,34 @@ def import_file(name: str) -> Any:
     return module
 
 
-def build_model() -> nn.Module:
-    """The user's model from $model_file:$factory, built on the meta device (no memory)."""
+def call_factory() -> nn.Module:
+    """The model that $model_file:$factory returns, on the default device."""
+    model = getattr(import_file(MODEL_FILE), MODEL_FACTORY)()
+    return model[0] if isinstance(model, (tuple, list)) else model
+
+
+''' + inspect.getsource(_materialize.without_reset_parameters) + '''
+
+def build_model(seed: int) -> tuple[nn.Module, bool]:
+    """The user's model and whether it is on the meta device. It starts on meta (no
+    memory; materialize() initializes only this rank's shards after layout) when every
+    module that owns tensors has reset_parameters(); else it is built on the CPU under
+    ``seed``, alike on every rank and as one process builds it, and laid out from those
+    weights."""
     with torch.device("meta"):
-        model = getattr(import_file(MODEL_FILE), MODEL_FACTORY)()
-    return model[0] if isinstance(model, (tuple, list)) else model''')
-"""Import the user's factory by file path and build the model on ``meta``."""
+        model = call_factory()
+    missing = without_reset_parameters(model)
+    if missing is None:
+        return model, True
+    if dist.get_rank() == 0:
+        print(f"building the model on the CPU, not on meta: module {missing} owns tensors "
+              "but has no reset_parameters(), which would let it start on meta without a "
+              "full copy on every rank", flush=True)
+    torch.manual_seed(seed)
+    return call_factory(), False''')
+"""Import the user's factory by file path and build the model: on ``meta`` when the
+runtime's own check (:func:`autopar.runtime.materialize.without_reset_parameters`, copied
+in) finds every module able to initialize itself there, else on the CPU."""
 
 BUILD_MESH = Template('''\
 def build_mesh(device_type: str) -> DeviceMesh:
@@ -242,11 +265,15 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 BUILD = Template('''\
     mesh = build_mesh(device_type)
-    model = build_model()
-$layout    torch.manual_seed(args.seed)  # every rank initializes alike
-    materialize(model, device)
+    model, on_meta = build_model(args.seed)
+    if not on_meta:
+        model.to(device)  # laid out from its own weights
+$layout    if on_meta:
+        torch.manual_seed(args.seed)  # every rank initializes alike
+        materialize(model, device)
 ''')
-"""The start of ``main`` without a pipeline: lay the whole model out, materialize it."""
+"""The start of ``main`` without a pipeline: lay the whole model out, then materialize
+it if it started on meta."""
 
 MAIN = Template('''\
 def parse_args() -> argparse.Namespace:

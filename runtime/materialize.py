@@ -8,9 +8,10 @@ that a model's own ``reset_parameters()`` (GPT's std-0.02 embeddings in
 :mod:`autopar.examples.gpt`) has the last word over its submodules' defaults. A meta
 model therefore gets a fresh initialization, not the weights of any earlier instance;
 an initialization written only in a constructor is not replayed, so put it in
-``reset_parameters()``. A parameter shared by several modules (tied embeddings) is
-initialized by its first owner in module order, as when a model ties its weights after
-construction.
+``reset_parameters()`` (:func:`without_reset_parameters` names a module that lacks
+one; an emitted program then builds the model on the CPU instead). A parameter shared
+by several modules (tied embeddings) is initialized by its first owner in module
+order, as when a model ties its weights after construction.
 
 On CPU meshes DTensor random initialization runs on each rank's local generator, so
 seed every rank alike (``torch.manual_seed``) before ``apply_plan`` to get identical
@@ -24,8 +25,8 @@ from torch import nn
 
 from autopar.errors import LoweringError
 
-__all__ = ["is_meta_model", "check_materializable", "tied_aliases", "materialize",
-           "materialize_stage"]
+__all__ = ["is_meta_model", "without_reset_parameters", "check_materializable",
+           "tied_aliases", "materialize", "materialize_stage"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -41,17 +42,27 @@ def is_meta_model(model: nn.Module) -> bool:
     return bool(meta)
 
 
-def check_materializable(model: nn.Module) -> None:
-    """Every module that directly owns parameters or buffers of a meta model must have
-    ``reset_parameters()``, or its tensors would stay uninitialized."""
+def without_reset_parameters(model: nn.Module) -> str | None:
+    """The first module, in module order, that directly owns parameters or buffers but
+    has no ``reset_parameters()`` to initialize them after a meta start, written
+    ``'path' (Class)``; None when the model can start on meta."""
     for path, m in model.named_modules():
         owns = any(True for _ in m.parameters(recurse=False)) or \
             any(True for _ in m.buffers(recurse=False))
         if owns and not callable(getattr(m, "reset_parameters", None)):
-            name = path or "the root module"
-            raise LoweringError(f"module '{name}' ({type(m).__name__}) of the meta model owns "
-                                "tensors but has no reset_parameters() to initialize them; add "
-                                "one, or build the model on a real device before apply_plan")
+            return f"'{path or 'the root module'}' ({type(m).__name__})"
+    return None
+
+
+def check_materializable(model: nn.Module) -> None:
+    """Every module that directly owns parameters or buffers of a meta model must have
+    ``reset_parameters()``, or its tensors would stay uninitialized
+    (:func:`without_reset_parameters`, which emitted programs also run)."""
+    missing = without_reset_parameters(model)
+    if missing is not None:
+        raise LoweringError(f"module {missing} of the meta model owns tensors but has no "
+                            "reset_parameters() to initialize them; add one, or build the "
+                            "model on a real device before apply_plan")
 
 
 def tied_aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:

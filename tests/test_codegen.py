@@ -88,14 +88,24 @@ def reference_losses(cases: list[tuple[str, dict, str, float, int]], data: str) 
     return out
 
 
-def torchrun(program: Path, *args: str) -> list[float]:
-    """Run ``program`` on 4 gloo processes; return the losses rank 0 printed."""
+def torchrun_output(program: Path, *args: str) -> str:
+    """Run ``program`` on 4 gloo processes; return what they printed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-port", str(free_port()), str(program), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [float(v) for v in re.findall(r"^step \d+ loss (\S+)", proc.stdout, re.M)]
+    return proc.stdout
+
+
+def printed_losses(stdout: str) -> list[float]:
+    """The losses a program printed, one per step."""
+    return [float(v) for v in re.findall(r"^step \d+ loss (\S+)", stdout, re.M)]
+
+
+def torchrun(program: Path, *args: str) -> list[float]:
+    """Run ``program`` on 4 gloo processes; return the losses rank 0 printed."""
+    return printed_losses(torchrun_output(program, *args))
 
 
 def emit_to(tmp: Path, name: str, plan: Plan, factory: str) -> Path:

@@ -66,11 +66,41 @@ def import_file(name: str) -> Any:
     return module
 
 
-def build_model() -> nn.Module:
-    """The user's model from codegen_models.py:tiny_gpt, built on the meta device (no memory)."""
-    with torch.device("meta"):
-        model = getattr(import_file(MODEL_FILE), MODEL_FACTORY)()
+def call_factory() -> nn.Module:
+    """The model that codegen_models.py:tiny_gpt returns, on the default device."""
+    model = getattr(import_file(MODEL_FILE), MODEL_FACTORY)()
     return model[0] if isinstance(model, (tuple, list)) else model
+
+
+def without_reset_parameters(model: nn.Module) -> str | None:
+    """The first module, in module order, that directly owns parameters or buffers but
+    has no ``reset_parameters()`` to initialize them after a meta start, written
+    ``'path' (Class)``; None when the model can start on meta."""
+    for path, m in model.named_modules():
+        owns = any(True for _ in m.parameters(recurse=False)) or \
+            any(True for _ in m.buffers(recurse=False))
+        if owns and not callable(getattr(m, "reset_parameters", None)):
+            return f"'{path or 'the root module'}' ({type(m).__name__})"
+    return None
+
+
+def build_model(seed: int) -> tuple[nn.Module, bool]:
+    """The user's model and whether it is on the meta device. It starts on meta (no
+    memory; materialize() initializes only this rank's shards after layout) when every
+    module that owns tensors has reset_parameters(); else it is built on the CPU under
+    ``seed``, alike on every rank and as one process builds it, and laid out from those
+    weights."""
+    with torch.device("meta"):
+        model = call_factory()
+    missing = without_reset_parameters(model)
+    if missing is None:
+        return model, True
+    if dist.get_rank() == 0:
+        print(f"building the model on the CPU, not on meta: module {missing} owns tensors "
+              "but has no reset_parameters(), which would let it start on meta without a "
+              "full copy on every rank", flush=True)
+    torch.manual_seed(seed)
+    return call_factory(), False
 
 
 def build_mesh(device_type: str) -> DeviceMesh:
@@ -457,12 +487,15 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     mesh = build_mesh(device_type)
-    model = build_model()
+    model, on_meta = build_model(args.seed)
+    if not on_meta:
+        model.to(device)  # laid out from its own weights
     apply_tp(model, mesh["tp"])
     apply_ac(model)
     apply_fsdp(model, mesh["dp"])
-    torch.manual_seed(args.seed)  # every rank initializes alike
-    materialize(model, device)
+    if on_meta:
+        torch.manual_seed(args.seed)  # every rank initializes alike
+        materialize(model, device)
     if args.optimizer == "adamw":
         # one fused kernel per step on a GPU (torchtitan's default), as the plan prices it
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
