@@ -69,6 +69,7 @@ class Cluster:
             "intra_node_bandwidth": self.intra_node_bandwidth,
             "inter_node_bandwidth": self.inter_node_bandwidth,
             "profile": self.profile, "memory_gb": self.memory_gb,
+            "accuracy": self.hardware().accuracy,
         }
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from autopar.cost_models.hardware import accuracy_text
 from autopar.plans import Plan
 
 
@@ -179,6 +180,8 @@ def plan_summary(plan: Plan) -> str:
         f"{plan.throughput:.2f} samples/s   MFU {plan.mfu * 100:.1f}%",
     ]
     lines += _breakdown_lines(plan.breakdown)
+    if "accuracy" in c:  # plans made before the record existed have none
+        lines.append(f"  ({accuracy_text(str(c.get('profile') or c.get('gpu')), c['accuracy'])})")
     m = plan.memory
     lines.append(f"memory per device    {fmt_bytes(m.get('total', 0.0))}   ("
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m.items() if k != "total" and v)

@@ -79,6 +79,14 @@ class HardwareProfile:
     SM resources, beside the compute stream); a CPU profile measures it per process
     count (gloo moves data on the same cores that compute)."""
 
+    accuracy: dict[str, Any] = field(default_factory=dict)
+    """How well this profile's predictions held where they were checked on its GPU:
+    ``step_error_pct`` (worst one-GPU training step), ``layer_mape_pct`` and
+    ``term_mape_pct`` (per term: gemm, attention, memory) of
+    ``benchmarks/layer_accuracy.py``, with ``date``, ``source`` and optionally
+    ``scope`` (which cases the figures cover); empty for a profile never checked on its
+    GPU (:func:`accuracy_text`)."""
+
     host_overhead_s: dict[str, float] = field(default_factory=dict)
     """Host seconds the parallel wrappers add (:mod:`autopar.cost_models.profiler_host`):
     DTensor per call of a tensor-parallel Linear and of a sequence-parallel norm
@@ -382,6 +390,32 @@ def _per_process(data: dict, origin: str) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _accuracy(data: dict, origin: str) -> dict[str, Any]:
+    """The profile's ``accuracy`` record (see :attr:`HardwareProfile.accuracy`)."""
+    acc = data.get("accuracy", {})
+    if not isinstance(acc, dict) or (acc and "source" not in acc):
+        raise PlanFormatError(f"hardware profile {origin}: 'accuracy' must be an object with "
+                              "a 'source' naming where its figures were measured")
+    return dict(acc)
+
+
+def accuracy_text(name: str, accuracy: dict[str, Any]) -> str:
+    """One line on how far to trust a plan's figures on profile ``name``."""
+    if not accuracy:
+        return (f"profile {name} was never checked against runs on its GPU: its figures "
+                "are datasheet and first-principles estimates")
+    parts = []
+    if "step_error_pct" in accuracy:
+        parts.append(f"one-GPU steps within {accuracy['step_error_pct']:.1f}%")
+    if "layer_mape_pct" in accuracy:
+        terms = accuracy.get("term_mape_pct", {})
+        detail = ", ".join(f"{k} {v:.0f}%" for k, v in terms.items())
+        parts.append(f"layers MAPE {accuracy['layer_mape_pct']:.1f}%"
+                     + (f" ({detail})" if detail else "")
+                     + (f", {accuracy['scope']}" if "scope" in accuracy else ""))
+    return f"profile {name} measured {accuracy.get('date', '?')}: " + "; ".join(parts)
+
+
 def parse_profile(text: str, origin: str = "<text>", folder: Any = None) -> HardwareProfile:
     """Parse profile JSON text; raises PlanFormatError naming the bad field. A
     ``tables`` file is read relative to ``folder``."""
@@ -408,6 +442,7 @@ def parse_profile(text: str, origin: str = "<text>", folder: Any = None) -> Hard
             comm_overlap=(_num(data, "comm_overlap", origin, src) if "comm_overlap" in data
                           else 1.0),
             host_overhead_s=(_table(data, "host_overhead_s", origin, src)
-                                if "host_overhead_s" in data else {}))
+                                if "host_overhead_s" in data else {}),
+            accuracy=_accuracy(data, origin))
     except KeyError as e:
         raise PlanFormatError(f"hardware profile {origin} is missing the field {e}") from None

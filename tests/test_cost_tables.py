@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +164,33 @@ def test_h200_profile_prices_memory_bound_ops_at_its_own_bandwidth():
     assert copy[0] < 0.8 * copy[1]
     gemm = [gemm_time(p.tables, 4096, 4096, 4096, "bf16") for p in (h200, H100)]
     assert gemm[0] == pytest.approx(gemm[1], rel=0.05)
+
+
+def test_plan_summary_states_the_profiles_measured_error():
+    """A plan on a profile checked against runs says how far its figures held; one on
+    a datasheet-only profile says it was never checked."""
+    from autopar.examples.mlp import MLP
+
+    x = torch.randn(8, 784)
+    lines = {}
+    for gpu in ("h100-sxm", "a100-80g"):
+        plan = autopar.estimate(MLP(), (x,), autopar.Spec(dp=1), precision="bf16",
+                                cluster=autopar.Cluster(gpu, 1, 1))
+        lines[gpu] = plan.summary()
+    acc = H100.accuracy
+    assert (f"(profile h100-sxm measured {acc['date']}: one-GPU steps within "
+            f"{acc['step_error_pct']:.1f}%; layers MAPE {acc['layer_mape_pct']:.1f}%") \
+        in lines["h100-sxm"]
+    assert ("(profile a100-80g was never checked against runs on its GPU: its figures are "
+            "datasheet and first-principles estimates)") in lines["a100-80g"]
+
+
+def test_accuracy_record_needs_its_source(tmp_path):
+    from autopar.cost_models import hardware
+
+    data = json.loads((Path(hardware.__file__).parent / "profiles" / "a100-80g.json").read_text())
+    data["accuracy"] = {"layer_mape_pct": 5.0}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFormatError, match="'accuracy' must be an object with a 'source'"):
+        load_profile(str(path))

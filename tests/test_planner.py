@@ -134,9 +134,10 @@ def test_malformed_plan_file():
 
 
 def test_unknown_gpu():
-    with pytest.raises(ConfigError, match=r"unknown GPU 'h200x'; known profiles: a100-80g, cpu, "
-                                          r"h100-sxm \(or pass the path of a profile JSON file\)"):
-        autopar.Cluster(gpu="h200x")
+    with pytest.raises(ConfigError, match=r"unknown GPU 'h300'; known profiles: a100-80g, cpu, "
+                                          r"h100-sxm, h200 \(or pass the path of a profile JSON "
+                                          r"file\)"):
+        autopar.Cluster(gpu="h300")
 
 
 def test_tp_must_divide_heads():
