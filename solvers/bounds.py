@@ -11,7 +11,13 @@ because the objective per micro-batch is Σ(compute + comm) + resharding +
 max(0, Σ micro_param_comm − overlap · Σ compute) ≥ max(Σ compute, Σ micro_param_comm)
 + Σ comm (overlap ≤ 1; resharding, the exposed per-step traffic and the host step are
 ≥ 0); ``extra_r`` is the recomputed forward of mode r, which runs in backward and so
-counts as compute. Memory is bounded as in
+counts as compute. Where the profile has host figures the step is also at least the
+host's share, n·Σ(h_F + h_B) + h_O (the last term of the exposed host time H of
+:mod:`autopar.solvers.problem`), so per micro-batch
+
+    T_lb(r) ≥ Σ_v m_v min_i (host + param_host)
+
+(recomputation only adds host time). Memory is bounded as in
 :func:`autopar.solvers.problem.least_memory`, each node on its own:
 
     M_lb(r) = fixed + max(Σ_v min_i (C_v,i,r + m_v · backward_start_v,i),
@@ -42,11 +48,13 @@ class ComboBound:
     time_per_microbatch_s: float
     param_time_per_microbatch_s: float
     memory_bytes: float
+    host_time_per_microbatch_s: float = 0.0
 
     @property
     def time_s(self) -> float:
-        """The per-micro-batch time bound: the larger of the two sums."""
-        return max(self.time_per_microbatch_s, self.param_time_per_microbatch_s)
+        """The per-micro-batch time bound: the largest of the three sums."""
+        return max(self.time_per_microbatch_s, self.param_time_per_microbatch_s,
+                   self.host_time_per_microbatch_s)
 
 
 def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: int = 1,
@@ -72,10 +80,11 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
 
     base = _Sums()
     per_group = [{r: _Sums() for r in grp.allowed} for grp in p.recompute]
-    param_time = 0.0
+    param_time = host_time = 0.0
     for v, node in enumerate(p.nodes):
         m = node.multiplicity
         param_time += m * min(s.micro_param_comm_s + s.comm_s for s in node.strategies)
+        host_time += m * min(s.host_s + s.param_host_s for s in node.strategies)
         ss = node.strategies
         if v not in grouped:
             base.add([m * (s.device_s + s.comm_s) for s in ss], [mem(v, i) for i in range(len(ss))],
@@ -103,7 +112,7 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
                            capacity)
         if t < float("inf") and tree:
             t = max(t, tree_bound(p, mode_extra(p, modes)))
-        out.append(ComboBound(modes, t, param_time, least))
+        out.append(ComboBound(modes, t, param_time, least, host_time))
     return out
 
 

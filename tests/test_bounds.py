@@ -89,3 +89,26 @@ def test_hull_and_knapsack_on_a_known_instance():
     # buying 4 bytes at 0.375 s/byte costs 1.5 s; more than the hull frees is infeasible
     assert knapsack_bound(segs, t, m, capacity=6.0) == pytest.approx(2.5)
     assert knapsack_bound(segs, t, m, capacity=1.0) == float("inf")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_combo_bounds_hold_with_host_time(seed):
+    """With host figures (a GPU profile) the bound also counts the host's least share
+    per micro-batch, and still never exceeds any assignment; on some seeds the host
+    share is what bounds the step."""
+    rng = random.Random(2000 + seed)
+    p = _with_group(seed)
+    scale = rng.choice([0.5, 2.0, 8.0])
+    p = replace(p, nodes=[replace(n, strategies=[
+        replace(s, host_s=rng.uniform(0, scale), host_bwd_s=0.0,
+                param_host_s=rng.uniform(0, scale / 4)) for s in n.strategies])
+        for n in p.nodes])
+    host_bound_binds = False
+    for cb in combo_bounds(p):
+        host_bound_binds |= cb.host_time_per_microbatch_s > cb.time_per_microbatch_s
+        times = [ev.step_time_s for choice in _assignments(p)
+                 for ev in [evaluate(p, list(choice), list(cb.modes))]
+                 if ev.feasible and ev.memory_bytes <= p.memory_budget]
+        if times:
+            assert p.num_microbatches * cb.time_s <= min(times) * (1 + 1e-12)
+    assert host_bound_binds or scale < 8.0
