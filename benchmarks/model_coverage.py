@@ -381,22 +381,24 @@ def main() -> int:
     if args.merge and json_path.exists():
         families = json.loads(json_path.read_text())["families"]
     t0 = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    source = autopar_source()
     for name in names:
         for plan in plans:
             cell = spawn_cell(name, plan, args.timeout)
             families.setdefault(name, {})[plan] = cell
             print(f"{name:<12} {plan:<7} {cell['wall_s']:6.0f} s  {_short(cell, 200)}",
                   flush=True)
-    doc = {"date": datetime.date.today().isoformat(), "autopar": autopar_source(),
-           "torch": torch.__version__,
-           "transformers": transformers.__version__, "python": platform.python_version(),
-           "machine": machine(),
-           "command": "python benchmarks/model_coverage.py " + " ".join(sys.argv[1:]),
-           "wall_s": time.perf_counter() - t0,
-           "families": {n: families[n] for n in [*FAMILIES, *families] if n in families}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "model_coverage.md").write_text(markdown(doc))
+            # written after every cell, so that a run stopped early keeps what it found
+            doc = {"date": datetime.date.today().isoformat(), "autopar": source,
+                   "torch": torch.__version__, "transformers": transformers.__version__,
+                   "python": platform.python_version(), "machine": machine(),
+                   "command": "python benchmarks/model_coverage.py " + " ".join(sys.argv[1:]),
+                   "wall_s": time.perf_counter() - t0,
+                   "families": {n: families[n] for n in [*FAMILIES, *families]
+                                if n in families}}
+            json_path.write_text(json.dumps(doc, indent=1) + "\n")
+            (args.out / "model_coverage.md").write_text(markdown(doc))
     return 0
 
 
