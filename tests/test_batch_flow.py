@@ -20,7 +20,7 @@ from autopar.sharding import Mesh
 from autopar.strategies.analysis import analyze
 from autopar.strategies.batch_flow import BATCH, reshape_batch
 from autopar.strategies.build import Settings, build_problem
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool
 from tests.foreign_models import TinyLlama
 
 VOCAB, BATCH_SIZE, SEQ, STEPS, LR = 128, 8, 16, 3, 0.1
@@ -232,8 +232,8 @@ def rank_main() -> dict[str, list[float]]:
 
 
 @pytest.mark.multirank
-def test_data_parallel_training_matches_single_process() -> None:
+def test_data_parallel_training_matches_single_process(rank_pool: RankPool) -> None:
     pytest.importorskip("transformers")
-    got = run_distributed(2, rank_main, timeout_s=400)[0]
+    got = rank_pool.run(2, rank_main, timeout_s=400)[0]
     for kind in RUN_KINDS:
         assert got[kind] == pytest.approx(reference(kind), abs=1e-5), kind

@@ -19,7 +19,7 @@ from autopar.cli import main as cli_main
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.codegen import emit_program, model_facts
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import RankPool, free_port
 from tests.handmade_plans import megatron_plan, pipeline_plan
 
 TESTS = Path(__file__).resolve().parent
@@ -167,12 +167,12 @@ def test_cli_codegen(tmp_path: Path) -> None:
 
 
 @pytest.mark.multirank
-def test_programs_match_apply_plan_and_resume(tmp_path: Path) -> None:
+def test_programs_match_apply_plan_and_resume(rank_pool: RankPool, tmp_path: Path) -> None:
     """Under torchrun, each emitted program's losses equal apply_plan's (4 steps); the
     ZeRO-3 program run 2 steps + --save, then --load + 2 steps, gives the same 4."""
     data = str(write_batch(tmp_path / "batch.pt"))
     specs = [(f, kw, opt, lr, 4) for f, kw, opt, lr in CASES.values()]
-    expected = run_distributed(4, reference_losses, specs, data)[0]
+    expected = rank_pool.run(4, reference_losses, specs, data)[0]
     (gpt_name, (gpt, gpt_kw, gpt_opt, gpt_lr)), (_, (llama, llama_kw, opt, lr)) = CASES.items()
     common = ["--data", data, "--seed", str(SEED)]
     program = emit_to(tmp_path, "gpt", make_plan(gpt, gpt_kw), gpt)

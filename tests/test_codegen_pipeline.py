@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from autopar.plans import Plan
 from autopar.runtime.codegen import emit_program, model_facts
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool
 from tests.handmade_plans import pipeline_plan
 from tests.test_codegen import (MODELS, SEED, TOL, emit_to, pyflakes, reference_losses, torchrun,
                                 write_batch)
@@ -54,12 +54,12 @@ def test_pipelined_programs_are_clean(tmp_path: Path) -> None:
 
 
 @pytest.mark.multirank
-def test_pipelined_programs_match_apply_plan(tmp_path: Path) -> None:
+def test_pipelined_programs_match_apply_plan(rank_pool: RankPool, tmp_path: Path) -> None:
     """Under torchrun, each pipelined program's losses equal apply_plan's; the first
     case's program resumed with --load after --save continues the curve."""
     data = str(write_batch(tmp_path / "batch.pt"))
     specs = [(f, kw, opt, lr, STEPS) for f, kw, opt, lr in CASES.values()]
-    expected = run_distributed(4, reference_losses, specs, data)[0]
+    expected = rank_pool.run(4, reference_losses, specs, data)[0]
     common = ["--data", data, "--seed", str(SEED)]
     for k, (name, (factory, kwargs, opt, lr)) in enumerate(CASES.items()):
         program = emit_to(tmp_path, f"case{k}", make_plan(factory, kwargs), factory)

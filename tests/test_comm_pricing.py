@@ -14,6 +14,7 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.strategies.analysis import analyze, unit_shares
 from autopar.strategies.build import Settings, build_problem
+from tests.dist_utils import RankPool
 
 
 def _gpt_graph(n_layers: int = 2):
@@ -114,9 +115,7 @@ def _backward_collectives() -> dict[str, int]:
 
 
 @pytest.mark.multirank
-def test_dtensor_reduces_the_summed_partial_gradient_once() -> None:
+def test_dtensor_reduces_the_summed_partial_gradient_once(rank_pool: RankPool) -> None:
     """What the pricing above assumes: the three partial input gradients are added
     before the norm's backward reduces them, in one all-reduce."""
-    from autopar.launch import run_distributed
-
-    assert run_distributed(2, _backward_collectives, timeout_s=120)[0] == {"all_reduce": 1}
+    assert rank_pool.run(2, _backward_collectives, timeout_s=120)[0] == {"all_reduce": 1}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autopar.demo import sgd_losses
-from autopar.launch import run_distributed
+from tests.dist_utils import RankPool
 from tests.foreign_models import example_batch, lm_loss, nano_gpt, tiny_llama
 from tests.test_batch_flow import EncoderLM
 
@@ -76,9 +76,9 @@ def parallel(cases: list[tuple[str, dict]]) -> list[tuple[list[float], dict]]:
 
 
 @pytest.mark.multirank
-def test_foreign_models_train_as_in_one_process() -> None:
+def test_foreign_models_train_as_in_one_process(rank_pool: RankPool) -> None:
     refs = {kind: single_process(kind) for kind in FACTORIES}
-    results = run_distributed(4, parallel, CASES, timeout_s=900)[0]
+    results = rank_pool.run(4, parallel, CASES, timeout_s=900)[0]
     for (kind, space), (losses, info) in zip(CASES, results):
         assert losses == pytest.approx(refs[kind], abs=1e-5), (kind, space, info)
         for axis in ("dp", "tp", "pp"):
@@ -140,7 +140,7 @@ def runtime_on_meta(cases: list[tuple[str, str]]) -> list[list[float]]:
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_emitted_programs_train_as_the_runtime(tmp_path: Path) -> None:
+def test_emitted_programs_train_as_the_runtime(rank_pool: RankPool, tmp_path: Path) -> None:
     """Each program prints the runtime's losses when its model starts on meta, and the
     single process's built under the program's seed when it does not (saying why)."""
     from autopar.runtime.codegen import emit_program
@@ -149,7 +149,7 @@ def test_emitted_programs_train_as_the_runtime(tmp_path: Path) -> None:
     plans = [make_plan(kind, space) for kind, space in PROGRAM_CASES]
     meta = [starts_on_meta(kind) for kind, _ in PROGRAM_CASES]
     assert meta == [kind == "nano" for kind, _ in PROGRAM_CASES]
-    on_meta = iter(run_distributed(4, runtime_on_meta, [
+    on_meta = iter(rank_pool.run(4, runtime_on_meta, [
         (kind, plan.to_json()) for (kind, _), plan, m in zip(PROGRAM_CASES, plans, meta) if m],
         timeout_s=600)[0])
     expected = [next(on_meta) if m else single_process(kind, SEED)

@@ -14,9 +14,9 @@ from autopar.capture import capture
 from autopar.demo import reference_step, sgd_losses
 from autopar.errors import PlanFormatError
 from autopar.examples.gpt import GPT, GPTConfig
-from autopar.launch import run_distributed
 from autopar.sharding import check_placement, layout_name, shard_dim, shard_pieces
 from autopar.strategies.analysis import analyze
+from tests.dist_utils import RankPool
 from tests.foreign_models import (FusedQKVAttention, NanoGPT, TinyLlama, example_batch,
                                   fused_qkv_gpt, lm_loss)
 
@@ -209,12 +209,12 @@ def train(cases: list[tuple[str, dict]]) -> list[tuple[list[float], dict]]:
 
 
 @pytest.mark.multirank
-def test_fused_qkv_split_per_head_trains_as_in_one_process() -> None:
+def test_fused_qkv_split_per_head_trains_as_in_one_process(rank_pool: RankPool) -> None:
     """NanoGPT (fused nn.Linear) and HF GPT-2 (fused Conv1D) under tp=4 and dp2 x tp2
     (ZeRO-1 over FSDP2): the planner splits the fused weight per head, attention runs
     with no all-gather, and 3 SGD steps equal one process within 1e-5."""
     refs = {kind: single_process(kind) for kind in FACTORIES}
-    got = run_distributed(4, train, CASES, timeout_s=900)[0]
+    got = rank_pool.run(4, train, CASES, timeout_s=900)[0]
     for (kind, space), (losses, info) in zip(CASES, got):
         assert losses == pytest.approx(refs[kind], abs=1e-5), (kind, space, info)
         assert info["placement"] == FUSED[kind][2], (kind, space, info)
@@ -248,7 +248,7 @@ SEED = 3
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_emitted_program_splits_per_head_as_the_runtime(tmp_path) -> None:
+def test_emitted_program_splits_per_head_as_the_runtime(rank_pool: RankPool, tmp_path) -> None:
     """The emitted program of a plan that splits NanoGPT's fused qkv per head lays it
     out with the runtime's functions and trains as the runtime does."""
     from pathlib import Path
@@ -262,7 +262,7 @@ def test_emitted_program_splits_per_head_as_the_runtime(tmp_path) -> None:
                         example_targets=y, loss_fn=lm_loss, precision="fp32",
                         memory_budget=budget, dp=1, tp=4)
     assert plan.params["h.0.attn.c_attn.weight"][-1] == "S(0)/3"
-    want = run_distributed(4, _runtime_on_meta, [plan.to_json()], timeout_s=600)[0][0]
+    want = rank_pool.run(4, _runtime_on_meta, [plan.to_json()], timeout_s=600)[0][0]
     data = tmp_path / "batch.pt"
     torch.save({"inputs": x, "targets": y}, data)
     models = Path(__file__).with_name("foreign_models.py")

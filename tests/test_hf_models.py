@@ -11,7 +11,7 @@ import autopar
 from autopar.capture import capture
 from autopar.demo import reference_step, sgd_losses
 from autopar.strategies.analysis import analyze
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,8 +85,8 @@ def rank_main() -> dict:
 
 
 @pytest.mark.multirank
-def test_parallel_training_matches_single_process() -> None:
-    got = run_distributed(2, rank_main, timeout_s=400)[0]
+def test_parallel_training_matches_single_process(rank_pool: RankPool) -> None:
+    got = rank_pool.run(2, rank_main, timeout_s=400)[0]
     for (kind, tp), losses in got.items():
         assert losses == pytest.approx(reference(kind), abs=1e-5), (kind, tp)
 
@@ -129,11 +129,11 @@ def train_four(cases: list[tuple[str, dict]]) -> list[tuple[list[float], dict]]:
 
 
 @pytest.mark.multirank
-def test_conv1d_and_hf_llama_under_tensor_and_sequence_parallelism() -> None:
+def test_conv1d_and_hf_llama_under_tensor_and_sequence_parallelism(rank_pool: RankPool) -> None:
     """HF GPT-2 trains with its Conv1D weights split (column then row parallel), and
     HF Llama sequence-parallel with ZeRO-3 and selective recomputation (its KV cache
     turned off for training)."""
-    got = run_distributed(4, train_four, CASES_4, timeout_s=600)[0]
+    got = rank_pool.run(4, train_four, CASES_4, timeout_s=600)[0]
     for (kind, space), (losses, info) in zip(CASES_4, got):
         assert losses == pytest.approx(reference(kind), abs=1e-5), (kind, space, info)
         assert info["sp"] == bool(space.get("sequence_parallel")), (kind, space, info)

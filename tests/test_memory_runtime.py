@@ -29,7 +29,7 @@ from autopar.runtime.precision import precision_reference, single_rank_mesh
 from autopar.runtime.recompute import (CheckpointedForward, checkpoint_block,
                                        recompute_mode, selective_policy)
 from tests import test_pipeline_runtime as pipe_tests
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool
 from tests.handmade_plans import megatron_plan, pipeline_plan
 from tests.test_runtime import (BATCH, TOL, full, global_batch, make_model, reference,
                                 train_steps)
@@ -189,9 +189,9 @@ def rank_main() -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    """Results of every rank of the 4-rank group (spawned once)."""
-    return run_distributed(4, rank_main, timeout_s=400)
+def ranks(rank_pool: RankPool) -> list[dict]:
+    """Results of every rank of the 4-rank group (run once)."""
+    return rank_pool.run(4, rank_main, timeout_s=400)
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autopar.demo import reference_step, sgd_losses
-from autopar.launch import run_distributed
+from tests.dist_utils import RankPool
 
 TINY = {
     "gpt": dict(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4),
@@ -66,9 +66,9 @@ CASES_4 = [
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_four_ranks_match_single_process(kind):
+def test_four_ranks_match_single_process(rank_pool: RankPool, kind):
     ref = reference(kind)
-    results = run_distributed(4, run_many, kind, CASES_4, timeout_s=600)[0]
+    results = rank_pool.run(4, run_many, kind, CASES_4, timeout_s=600)[0]
     for case, (losses, info) in zip(CASES_4, results):
         assert losses == pytest.approx(ref, abs=1e-5), (case, info, losses, ref)
     # the forced layouts really were applied
@@ -80,10 +80,10 @@ def test_four_ranks_match_single_process(kind):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
-def test_one_and_two_ranks_match_single_process(world):
+def test_one_and_two_ranks_match_single_process(rank_pool: RankPool, world):
     ref = reference("gpt")
     cases = [{}, {"dp": 1, "tp": world}, {"dp": world, "tp": 1, "zero": 3 if world > 1 else 0}]
-    results = run_distributed(world, run_many, "gpt", cases, timeout_s=600)[0]
+    results = rank_pool.run(world, run_many, "gpt", cases, timeout_s=600)[0]
     for case, (losses, _) in zip(cases, results):
         assert losses == pytest.approx(ref, abs=1e-5), (case, losses, ref)
 
@@ -98,10 +98,10 @@ PIPELINES_4 = [
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_planned_pipelines_match_single_process(kind):
+def test_planned_pipelines_match_single_process(rank_pool: RankPool, kind):
     """Plans the solver made with pipelining, run by autopar.parallelize."""
     ref = reference(kind)
-    results = run_distributed(4, run_many, kind, PIPELINES_4, timeout_s=600)[0]
+    results = rank_pool.run(4, run_many, kind, PIPELINES_4, timeout_s=600)[0]
     for case, (losses, info) in zip(PIPELINES_4, results):
         assert losses == pytest.approx(ref, abs=1e-5), (case, info, losses, ref)
         assert info["mesh"]["pp"] == case["pp"] and info["schedule"] is not None

@@ -25,7 +25,7 @@ from autopar.plans import Plan
 from autopar.runtime import apply_plan
 from autopar.runtime.pipeline import split_for_plan
 from autopar.runtime.pipeline_split import pipeline_blocker
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool
 from tests.foreign_models import BATCH, SEQ, VOCAB, NanoGPT, TinyLlama, lm_loss, nano_gpt
 from tests.foreign_models import example_batch as data
 
@@ -145,8 +145,8 @@ def test_cut_stages_chained_equal_the_model(plans, kind: str) -> None:
 
 
 @pytest.mark.multirank
-def test_pipelined_training_matches_single_process(plans) -> None:
-    got = run_distributed(4, rank_main, {n: p.to_json() for n, p in plans.items()},
+def test_pipelined_training_matches_single_process(rank_pool: RankPool, plans) -> None:
+    got = rank_pool.run(4, rank_main, {n: p.to_json() for n, p in plans.items()},
                           timeout_s=500)
     for name in plans:
         want = reference(name)
@@ -167,7 +167,7 @@ def runtime_on_meta(text: str) -> list[float]:
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_emitted_program_cuts_the_same_stages(tmp_path: Path) -> None:
+def test_emitted_program_cuts_the_same_stages(rank_pool: RankPool, tmp_path: Path) -> None:
     """The emitted program of NanoGPT under pp2 x dp2 (root code on both end stages,
     wte tied across them) cuts its meta model by the runtime's code and prints the
     runtime's losses."""
@@ -178,7 +178,7 @@ def test_emitted_program_cuts_the_same_stages(tmp_path: Path) -> None:
     plan = autopar.plan(model, (x,), cluster=CPU4, precision="fp32", optimizer="sgd",
                         example_targets=y, loss_fn=lm_loss, tp=1, pp=2, dp=2,
                         schedule="1f1b", microbatch_size=1)
-    want = run_distributed(4, runtime_on_meta, plan.to_json(), timeout_s=300)[0]
+    want = rank_pool.run(4, runtime_on_meta, plan.to_json(), timeout_s=300)[0]
     data_file = tmp_path / "batch.pt"
     torch.save({"inputs": x, "targets": y}, data_file)
     program = tmp_path / "nanogpt_pp2.py"

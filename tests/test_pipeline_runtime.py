@@ -22,7 +22,7 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.runtime import apply_plan
 from autopar.runtime.pipeline import check_pipeline, split_for_plan
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool
 from tests.handmade_plans import pipeline_plan
 from tests.test_runtime import (BATCH, SEQ, TOL, global_batch, single_process_run,
                                 train_steps)
@@ -109,9 +109,9 @@ def rank_main() -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    """Results of every rank of the 4-rank group (spawned once)."""
-    return run_distributed(4, rank_main, timeout_s=400)
+def ranks(rank_pool: RankPool) -> list[dict]:
+    """Results of every rank of the 4-rank group (run once)."""
+    return rank_pool.run(4, rank_main, timeout_s=400)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -21,7 +21,7 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.plans import Plan
 from autopar.runtime import ParallelModel, apply_plan, check_plan
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool
 from tests.handmade_plans import megatron_plan
 
 pytestmark = pytest.mark.multirank
@@ -167,13 +167,13 @@ def rank_main(world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> dict[int, list[dict]]:
-    """Results of every rank of the 1-, 2- and 4-rank groups (spawned lazily, once)."""
+def ranks(rank_pool: RankPool) -> dict[int, list[dict]]:
+    """Results of every rank of the 1-, 2- and 4-rank groups (each run lazily, once)."""
     cache: dict[int, list[dict]] = {}
 
     def get(world: int) -> list[dict]:
         if world not in cache:
-            cache[world] = run_distributed(world, rank_main, world, timeout_s=400)
+            cache[world] = rank_pool.run(world, rank_main, world, timeout_s=400)
         return cache[world]
     return get  # type: ignore[return-value]
 

@@ -19,7 +19,7 @@ from autopar.capture import capture
 from autopar.cli import main as cli_main
 from autopar.demo import sgd_losses
 from autopar.examples import zoo
-from autopar.launch import run_distributed
+from tests.dist_utils import RankPool
 from tests.foreign_models import NanoGPT, lm_loss
 
 CPU2 = autopar.Cluster(gpu="cpu", gpus_per_node=2)
@@ -186,12 +186,11 @@ def parallel_lm_losses(space: dict) -> tuple[list[float], dict[str, int], str]:
 
 
 @pytest.mark.multirank
-def test_lm_loss_under_data_parallelism_matches_single_process():
+def test_lm_loss_under_data_parallelism_matches_single_process(rank_pool: RankPool):
     model = nanogpt()
     x, y = tokens()
     ref = sgd_losses(model.parameters(), lm_step(model, x, y), STEPS, LR)
-    ranks = run_distributed(2, parallel_lm_losses, {"dp": 2, "tp": 1, "zero": 0},
-                            timeout_s=300)
+    ranks = rank_pool.run(2, parallel_lm_losses, {"dp": 2, "tp": 1, "zero": 0}, timeout_s=300)
     for losses, mesh, error in ranks:
         assert mesh == {"dp": 2, "tp": 1}
         assert losses == pytest.approx(ref, abs=1e-5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autopar.demo import reference_step, sgd_losses
-from autopar.launch import run_distributed
+from tests.dist_utils import RankPool
 from tests.test_batch_flow import GatedLM
 
 transformers = pytest.importorskip("transformers")
@@ -51,9 +51,9 @@ def train(kinds: list[str]) -> list[list[float]]:
 
 
 @pytest.mark.multirank
-def test_ops_dtensor_cannot_shard_run_replicated() -> None:
+def test_ops_dtensor_cannot_shard_run_replicated(rank_pool: RankPool) -> None:
     kinds = sorted(MODELS)
-    got = run_distributed(4, train, kinds, timeout_s=600)[0]
+    got = rank_pool.run(4, train, kinds, timeout_s=600)[0]
     for kind, losses in zip(kinds, got):
         model, x, y = make(kind)
         ref = sgd_losses(model.parameters(), reference_step(model, x, y), STEPS, LR)
