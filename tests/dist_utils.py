@@ -6,13 +6,16 @@ pipelining package), more than most multi-rank tests spend training. The ``rank_
 fixture (``tests/conftest.py``) hands out one :class:`RankPool`; ``rank_pool.run(4, fn,
 ...)`` runs ``fn`` on the pool's 4 ranks as :func:`run_distributed` would on 4 fresh
 ones, starting them on first use only. Every task starts from the random state of a
-fresh process; a failing or timed-out task ends its group, and the next call starts a
-new one, so a hung collective never leaks into another test.
+fresh process, and the process groups it made are destroyed after it; a failing or
+timed-out task ends its ranks, and the next call starts new ones, so a hung collective
+never leaks into another test.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
+import gc
 import os
 import pickle
 import queue
@@ -31,7 +34,7 @@ __all__ = ["RankFailure", "RankPool", "run_distributed", "free_port"]
 
 GROUP_TIMEOUT_S = 900
 """How long a pooled rank waits in a collective before gloo gives up (the parent ends
-the group sooner, after the task's own ``timeout_s``)."""
+the ranks sooner, after the task's own ``timeout_s``)."""
 
 
 def _next_task(tasks: Any) -> bytes | None:
@@ -45,6 +48,33 @@ def _next_task(tasks: Any) -> bytes | None:
                 return None
 
 
+def _release_task_groups() -> None:
+    """Destroy the process groups a task made (the sub-groups of its device meshes) and
+    free them, so that their gloo threads end: each group keeps a thread that wakes
+    every few milliseconds, and a few hundred of them take a core.
+
+    DTensor caches the device meshes a task used (sharding propagation, in Python and
+    C++; redistribution plans; ``functools`` caches keyed on meshes), and a later mesh
+    of the same shape compares equal to a cached one whatever its groups: the caches
+    are cleared, or a later task would get a mesh of destroyed groups. The default
+    group stays, so group names are never reused. Private API (torch 2.13): the cache
+    clearing functions and ``_world.pg_map``, the registry of live groups."""
+    from torch.distributed.distributed_c10d import _world
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    for obj in gc.get_objects():
+        if (type(obj) is functools._lru_cache_wrapper
+                and getattr(obj, "__module__", "").startswith("torch.distributed")):
+            obj.cache_clear()
+    for group in list(_world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()
+
+
 def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
     """Body of one pooled rank: join the group, then run tasks until killed or orphaned."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -53,16 +83,14 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
     seed = torch.initial_seed()
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    try:
-        while (task := _next_task(tasks)) is not None:
-            torch.manual_seed(seed)  # the random state of a fresh process
-            try:
-                fn, args, kwargs = pickle.loads(task)
-                results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
-            except BaseException:  # report to the parent instead of leaving it waiting
-                results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+    while (task := _next_task(tasks)) is not None:
+        torch.manual_seed(seed)  # the random state of a fresh process
+        try:
+            fn, args, kwargs = pickle.loads(task)
+            results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
+        except BaseException:  # report to the parent instead of leaving it waiting
+            results.put((rank, False, traceback.format_exc()))
+        _release_task_groups()
 
 
 def _end(procs: list[Any], wait_s: float) -> None:
