@@ -17,7 +17,7 @@ from autopar.solvers.ilp import solve_ilp
 from autopar.solvers.problem import evaluate
 from autopar.strategies.analysis import analyze
 from autopar.strategies.build import Settings, build_problem
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool
 
 
 def _measure() -> dict[str, float]:
@@ -29,9 +29,9 @@ def _measure() -> dict[str, float]:
 
 
 @pytest.mark.multirank
-def test_wrappers_cost_host_time_on_a_mesh_of_one() -> None:
+def test_wrappers_cost_host_time_on_a_mesh_of_one(rank_pool: RankPool) -> None:
     """Every figure is measured, and DTensor makes a tiny Linear slower than plain."""
-    got = run_distributed(1, _measure, timeout_s=300)[0]
+    got = rank_pool.run(1, _measure, timeout_s=300)[0]
     assert set(got) == set(HOST_KEYS) | set(DTENSOR_OP_KEYS)
     assert all(v >= 0.0 for v in got.values())
     assert got["linear_fwd"] + got["linear_bwd"] > 10e-6
@@ -48,7 +48,7 @@ def _measure_redistribute() -> dict[str, float]:
 
 
 @pytest.mark.multirank
-def test_dtensor_redistribution_costs_host_time_on_two_processes() -> None:
+def test_dtensor_redistribution_costs_host_time_on_two_processes(rank_pool: RankPool) -> None:
     """An activation's redistribution through DTensor, per collective kind, against the
     plain collective (each figure the difference, clamped at 0): gathering sequence
     shards costs DTensor more than the plain all-gather (it gathers along dimension 0
@@ -57,7 +57,7 @@ def test_dtensor_redistribution_costs_host_time_on_two_processes() -> None:
     times and must find the extra cost on some rank in one of them."""
     found = False
     for _ in range(3):
-        got = run_distributed(2, _measure_redistribute, timeout_s=300)
+        got = rank_pool.run(2, _measure_redistribute, timeout_s=300)
         for figures in got:
             assert set(figures) == set(REDISTRIBUTE_KEYS)
             assert all(0.0 <= v < 0.05 for v in figures.values())

@@ -3,7 +3,7 @@ measured by :func:`autopar.runtime.memory_probe.measure_step_memory` for plans w
 and without recomputation, every ZeRO stage, tensor parallelism and pipelines (under
 GPipe the last rank is the fullest: it holds its own copy of the tied embedding).
 
-One spawned 4-rank gloo group (fp32 on CPU, AdamW) runs each plan on a tiny GPT whose
+One 4-rank gloo group (fp32 on CPU, AdamW) runs each plan on a tiny GPT whose
 activations and training state are of the same size: one warm-up step (AdamW creates
 its state in it), then one measured step ``step(); opt.step(); opt.zero_grad()``. The
 prediction is ``plan.memory_per_device_bytes``; the measurement is the largest peak
@@ -12,12 +12,14 @@ over the ranks. Run ``python -m tests.test_memory_accuracy`` for the table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import autopar
 from autopar.examples.gpt import GPT, GPTConfig
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RankPool, run_distributed
 
 pytestmark = pytest.mark.multirank
 
@@ -85,37 +87,43 @@ def make_plans() -> dict[str, autopar.Plan]:
 
 
 def measure(texts: dict[str, str]) -> dict[str, dict]:
-    """Run inside each rank: the measured step memory of every plan."""
+    """Run inside each rank: the measured step memory of every plan (a pipelined one
+    with :func:`_pipeline_tracker`; the probe's own tracker is restored after)."""
     from autopar.runtime import apply_plan
     from autopar.runtime import memory_probe
 
+    own_tracker = memory_probe._tracker
     out = {}
     x, y = batch()
-    for name, text in texts.items():
-        plan = autopar.Plan.from_json(text)
-        pm = apply_plan(make_model(), plan)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    try:
+        for name, text in texts.items():
+            plan = autopar.Plan.from_json(text)
+            pm = apply_plan(make_model(), plan)
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
-        def step() -> None:
-            pm.step(x, y)
-            opt.step()
-            opt.zero_grad()
-        step()  # AdamW creates its state
-        if plan.pipeline is not None:
-            memory_probe._tracker = _pipeline_tracker
-        mem = memory_probe.measure_step_memory(step, modules=[pm], optimizers=[opt],
-                                               device="cpu")
-        out[name] = {"peak": mem.peak_bytes, "breakdown": dict(mem.breakdown)}
-        del pm, opt
+            def step() -> None:
+                pm.step(x, y)
+                opt.step()
+                opt.zero_grad()
+            step()  # AdamW creates its state
+            pipelined = plan.pipeline is not None
+            memory_probe._tracker = _pipeline_tracker if pipelined else own_tracker
+            mem = memory_probe.measure_step_memory(step, modules=[pm], optimizers=[opt],
+                                                   device="cpu")
+            out[name] = {"peak": mem.peak_bytes, "breakdown": dict(mem.breakdown)}
+            del pm, opt
+    finally:
+        memory_probe._tracker = own_tracker
     return out
 
 
-def accuracy_table() -> list[tuple[str, float, float, dict, dict]]:
+def accuracy_table(run: Callable[..., list] = run_distributed
+                   ) -> list[tuple[str, float, float, dict, dict]]:
     """(plan, predicted bytes, measured bytes (max over ranks), predicted breakdown,
-    measured breakdown of the fullest rank) for every plan."""
+    measured breakdown of the fullest rank) for every plan, measured on the ranks that
+    ``run`` (:func:`run_distributed` or :meth:`RankPool.run`) starts."""
     plans = make_plans()
-    ranks = run_distributed(WORLD, measure, {n: p.to_json() for n, p in plans.items()},
-                            timeout_s=600)
+    ranks = run(WORLD, measure, {n: p.to_json() for n, p in plans.items()}, timeout_s=600)
     rows = []
     for name, plan in plans.items():
         worst = max(ranks, key=lambda r: r[name]["peak"])[name]
@@ -125,9 +133,9 @@ def accuracy_table() -> list[tuple[str, float, float, dict, dict]]:
 
 
 @pytest.fixture(scope="module")
-def table() -> list[tuple[str, float, float, dict, dict]]:
-    """The accuracy table (one spawned group for every plan)."""
-    return accuracy_table()
+def table(rank_pool: RankPool) -> list[tuple[str, float, float, dict, dict]]:
+    """The accuracy table (one 4-rank group for every plan)."""
+    return accuracy_table(rank_pool.run)
 
 
 def test_predicted_peak_within_ten_percent_of_measured(table) -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.demo import sgd_losses
-from autopar.launch import run_distributed
+from tests.dist_utils import RankPool
 
 LOSSES = {
     "mse": lambda out, y: F.mse_loss(out, y),
@@ -51,8 +51,8 @@ def _parallel(cases: list[tuple[str, dict]]) -> list[list[float]]:
 
 
 @pytest.mark.multirank
-def test_pointwise_losses_train_as_in_one_process() -> None:
-    results = run_distributed(2, _parallel, CASES, timeout_s=300)[0]
+def test_pointwise_losses_train_as_in_one_process(rank_pool: RankPool) -> None:
+    results = rank_pool.run(2, _parallel, CASES, timeout_s=300)[0]
     for (loss, space), losses in zip(CASES, results):
         assert losses == pytest.approx(_single(loss), abs=1e-5), (loss, space)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 import socket
 from pathlib import Path
@@ -11,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from autopar.cost_models.hardware import load_profile
 from autopar.cost_models.profiler import load_partial, partial_path, run_profile
@@ -19,6 +17,7 @@ from autopar.cost_models.profiler_dispatch import DISPATCH_KEYS
 from autopar.cost_models.profiler_host import DTENSOR_OP_KEYS, HOST_KEYS
 from autopar.cost_models.profiler_comm import fit_alpha_beta, fit_table, ring_factor
 from autopar.cost_models.profiler_grid import Grid
+from tests.dist_utils import RankPool
 
 TINY = Grid(gemm=((32, 32, 32, "fp32", "square"), (64, 16, 32, "fp32", "ffn_col_tp2")),
             attention=((1, 2, 2, 32, 16, "fp32"),), pointwise=((1024, "fp32"),),
@@ -131,28 +130,16 @@ def test_resume_refuses_another_device(tmp_path: Path):
         load_partial(part, "some CPU")
 
 
-def _comm_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _comm_rows() -> list[dict]:
+    """Run inside each rank: the profiler's timing rows of every collective."""
     from autopar.cost_models.profiler_comm import measure_collectives
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = measure_collectives([1024, 16384, 262144], torch.device("cpu"), reps=3)
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+    return measure_collectives([1024, 16384, 262144], torch.device("cpu"), reps=3)
 
 
 @pytest.mark.multirank
-def test_collectives_on_two_gloo_ranks(tmp_path: Path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "rows.json"
-    mp.spawn(_comm_worker, args=(2, port, str(out)), nprocs=2)
-    rows = json.loads(out.read_text())
+def test_collectives_on_two_gloo_ranks(rank_pool: RankPool):
+    rows = rank_pool.run(2, _comm_rows)[0]
     assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter",
                                        "all_to_all", "send_recv"}
     assert all("error" not in r and r["seconds"] > 0 and r["world"] == 2 for r in rows)
