@@ -85,13 +85,15 @@ def test_op_time_uses_tables_and_launch_floor():
 
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
-    """A measured CPU profile written by the profiler on a small grid (seconds)."""
+    """A measured CPU profile written by the profiler on a small grid (seconds), its host
+    figures measured once (their median over rounds: test_profiler.py)."""
     from autopar.cost_models.profiler_grid import Grid
 
     grid = Grid(gemm=tuple((m, m, m, "fp32", "square") for m in (32, 64, 128, 256)),
                 attention=((2, 4, 4, 64, 16, "fp32"),), pointwise=((4096, "fp32"), (65536, "fp32")),
                 rows=((64, 128, "fp32"),), embedding=((64, 128, 64, "fp32"),),
-                cross_entropy=((64, 128, "fp32"),), comm_sizes=(), budget_s=0.002)
+                cross_entropy=((64, 128, "fp32"),), comm_sizes=(), budget_s=0.002,
+                host_rounds=1)
     out = tmp_path_factory.mktemp("prof") / "cpu.profile.json"
     old = torch.get_num_threads()
     torch.set_num_threads(1)
