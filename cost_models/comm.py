@@ -1,4 +1,4 @@
-"""Collective communication time: α-β models per link level.
+"""Collective communication time: α-β models, or NCCL's algorithms, per link level.
 
 With n devices in the group, B bytes, link bandwidth β (bytes/s per device and
 direction) and per-step latency α (Thakur, Rabenseifner & Gropp, "Optimization of
@@ -15,6 +15,24 @@ inter-node link (each GPU has its own NIC on the machines profiled, so the per-d
 inter-node bandwidth is the bottleneck of a ring across nodes). A link may carry
 separate measured α-β fits per collective kind (:meth:`LinkSpec.for_kind`; the ``cpu``
 profile's gloo all-gather and reduce-scatter), used in place of its own figures.
+
+Where a link lists NCCL's algorithms (``LinkSpec.algorithms``: the GPU profiles), a
+collective costs what NCCL's own tuning model charges for its fastest algorithm
+(``NVIDIA/nccl`` ``src/graph/tuning.cc``, ``ncclTopoTuneModel``/``ncclTopoGetAlgoTime``):
+
+    t = min over algorithms a serving the kind of
+        base_a + steps · step_a + traffic / busbw_a     (ring LL, LL128, Simple)
+        base_a + B / algbw_a                            (NVLink SHARP all-reduce)
+
+with ``steps`` and ``traffic`` the ring's (2(n-1) steps and 2(n-1)/n · B for an
+all-reduce, n-1 and (n-1)/n · B for the others, 1 and B for send/recv). The low-latency
+protocols win small messages at a fraction of the bandwidth, Simple wins large ones at
+the achieved bus bandwidth, so the achieved bus bandwidth grows with the message size
+and saturates below the link's line rate, as nccl-tests shows. The latencies are
+NCCL's model constants, the bandwidths published nccl-tests figures (each cited in the
+profile); NCCL's channel count ramp at medium sizes is not modelled, so 4-256 MB
+collectives may run somewhat slower than priced. The sum stays closed-form: the planner
+prices collectives many thousands of times.
 """
 
 from __future__ import annotations
@@ -22,7 +40,20 @@ from __future__ import annotations
 from autopar.cost_models.hardware import HardwareProfile, LinkSpec
 from autopar.errors import ConfigError
 
+INF = float("inf")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def ring_shape(kind: str, nbytes: float, group_size: int) -> tuple[int, float]:
+    """(steps, bytes each device moves on the wire) of a ring collective of ``kind`` on
+    a buffer of ``nbytes`` over ``group_size`` devices (module docstring)."""
+    n = group_size
+    if kind == "send_recv":
+        return 1, nbytes
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n * nbytes
+    return n - 1, (n - 1) / n * nbytes
+
 
 def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
     """Seconds for one collective (see module docstring)."""
@@ -30,27 +61,35 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -
         raise ConfigError(f"unknown collective {kind!r}; expected one of {', '.join(KINDS)}")
     link = link.for_kind(kind)
     n = group_size
-    if kind == "send_recv":
-        return link.latency + nbytes / link.bandwidth
-    if n <= 1 or nbytes <= 0:
+    if kind != "send_recv" and (n <= 1 or nbytes <= 0):
         return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
-    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+    steps, traffic = ring_shape(kind, nbytes, n)
+    best = INF
+    for a in link.algorithms:  # CollectiveAlgorithm.time inlined: the planner's hottest call
+        if not a.kinds or kind in a.kinds:
+            moved = traffic if a.bus else nbytes
+            t = a.base_latency + steps * a.step_latency + moved / a.bandwidth
+            if t < best:
+                best = t
+    if best < INF:
+        return best
+    return steps * link.latency + traffic / link.bandwidth
 
 
 def bucketed_time(kind: str, nbytes: float, group_size: int, link: LinkSpec,
                   share: float) -> float:
-    """One parameter's part of a collective it shares with others: its bandwidth term in
-    full, and the latency term of one collective times ``share``, the parameter's share
-    of the collective's tensors, so the parts of the tensors in one collective add up to
-    one collective. Parameter collectives are issued per bucket, not per tensor: FSDP2
-    issues one per ``fully_shard`` unit and kind
-    (:func:`autopar.strategies.analysis.unit_shares`)."""
-    link = link.for_kind(kind)
-    bandwidth_only = collective_time(kind, nbytes, group_size, LinkSpec(link.bandwidth, 0.0))
-    latency = collective_time(kind, nbytes, group_size, link) - bandwidth_only
-    return bandwidth_only + latency * min(1.0, share)
+    """One parameter's part of a collective it shares with others: ``share`` (the
+    parameter's share of the collective's bytes) times the time of the whole
+    collective, of ``nbytes / share`` bytes, so the parts of the tensors in one
+    collective add up to one collective (under the α-β model: its bandwidth term in full
+    and ``share`` of one latency term). Parameter collectives are issued per bucket, not
+    per tensor: FSDP2 issues one per ``fully_shard`` unit and kind
+    (:func:`autopar.strategies.analysis.unit_shares`), which is also the size that picks
+    NCCL's algorithm."""
+    share = min(1.0, share)
+    if share <= 0.0:  # a vanishing share of an unbounded bucket: the bandwidth term alone
+        share = 1e-12
+    return share * collective_time(kind, nbytes / share, group_size, link)
 
 
 def group_link(mesh_sizes: tuple[int, ...], axis: int, gpus_per_node: int,
@@ -72,13 +111,7 @@ def fit_alpha_beta(sizes: list[float], times: list[float], kind: str,
     """Least-squares α and β from measured (bytes, seconds) of one collective kind."""
     import numpy as np
 
-    n = group_size
-    if kind == "all_reduce":
-        a_coef, b_coef = 2 * (n - 1), 2 * (n - 1) / n
-    elif kind == "send_recv":
-        a_coef, b_coef = 1.0, 1.0
-    else:
-        a_coef, b_coef = (n - 1), (n - 1) / n
+    a_coef, b_coef = ring_shape(kind, 1.0, group_size)
     x = np.array([[a_coef, b_coef * s] for s in sizes], dtype=float)
     y = np.array(times, dtype=float)
     (alpha, inv_beta), *_ = np.linalg.lstsq(x, y, rcond=None)

@@ -11,7 +11,8 @@ by ``autopar profile`` (relative to the profile's folder). A file written by
 :func:`profile_from_measured` takes what it measured (GEMM peak per dtype, copy
 bandwidth, launch overhead, collective α-β fits, the tables) over a base profile that
 supplies the rest (device memory where not measured, interconnect a single process
-cannot measure), each field's source saying which is which.
+cannot measure), each field's source saying which is which. A profile may name a
+shipped ``base`` profile and give only the fields it changes (``h100-sxm-500w``).
 """
 
 from __future__ import annotations
@@ -33,15 +34,55 @@ ALIASES = {"h100": "h100-sxm", "h100-80g": "h100-sxm", "a100": "a100-80g",
 
 
 @dataclass(frozen=True)
+class CollectiveAlgorithm:
+    """One way NCCL runs a collective on a link (an algorithm with a protocol: ring with
+    LL, LL128 or Simple; NVLink SHARP), priced as NCCL's own tuning model prices it
+    (``src/graph/tuning.cc``): ``base_latency + steps · step_latency + bytes / rate``.
+    ``bandwidth`` is the achieved bus bandwidth (bytes/s) where ``bus`` is true, so the
+    bytes are the collective's ring traffic (``2(n-1)/n · B`` for an all-reduce), else
+    the achieved algorithm bandwidth (bytes of the buffer per second: NVLink SHARP,
+    whose traffic per GPU does not grow with the group). ``kinds`` names the
+    collectives it serves (empty: every kind)."""
+
+    name: str
+    base_latency: float
+    step_latency: float
+    bandwidth: float
+    bus: bool = True
+    kinds: tuple[str, ...] = ()
+
+    def serves(self, kind: str) -> bool:
+        """Whether this algorithm runs collectives of ``kind``."""
+        return not self.kinds or kind in self.kinds
+
+    def time(self, steps: int, traffic: float, nbytes: float) -> float:
+        """Seconds for a collective of ``steps`` ring steps moving ``traffic`` bytes per
+        device on the wire (``nbytes``, the buffer, where ``bus`` is false)."""
+        moved = traffic if self.bus else nbytes
+        return self.base_latency + steps * self.step_latency + moved / self.bandwidth
+
+
+@dataclass(frozen=True)
 class LinkSpec:
     """One link level: ``bandwidth`` in bytes/s per device and direction, ``latency``
     (α) in seconds per message step. ``kinds`` optionally holds separate measured fits
     ``(kind, bandwidth, latency)`` for collectives whose implementation differs (gloo's
-    all-gather and reduce-scatter on a CPU); other kinds use the link's own figures."""
+    all-gather and reduce-scatter on a CPU); other kinds use the link's own figures.
+    ``algorithms``, where given, price collectives in place of the α-β figures: NCCL's
+    algorithms and protocols with their achieved bandwidths, the fastest one for each
+    size (:func:`autopar.cost_models.comm.collective_time`)."""
 
     bandwidth: float
     latency: float
     kinds: tuple[tuple[str, float, float], ...] = ()
+    algorithms: tuple[CollectiveAlgorithm, ...] = ()
+
+    def scaled(self, bandwidth: float) -> "LinkSpec":
+        """This link with its line rate set to ``bandwidth``, its algorithms' achieved
+        bandwidths scaled by the same ratio."""
+        r = bandwidth / self.bandwidth if self.bandwidth else 1.0
+        return replace(self, bandwidth=bandwidth, algorithms=tuple(
+            replace(a, bandwidth=a.bandwidth * r) for a in self.algorithms))
 
     def for_kind(self, kind: str) -> "LinkSpec":
         """The α-β figures of collective ``kind`` on this link."""
@@ -167,10 +208,10 @@ class HardwareProfile:
         """A copy with bandwidths (GB/s per device) or memory (GB) replaced."""
         hw, src = self, dict(self.sources)
         if intra_node_bandwidth is not None:
-            hw = replace(hw, intra_node=replace(hw.intra_node, bandwidth=intra_node_bandwidth * 1e9))
+            hw = replace(hw, intra_node=hw.intra_node.scaled(intra_node_bandwidth * 1e9))
             src["intra_node.bandwidth"] = "overridden by Cluster(intra_node_bandwidth=...)"
         if inter_node_bandwidth is not None:
-            hw = replace(hw, inter_node=replace(hw.inter_node, bandwidth=inter_node_bandwidth * 1e9))
+            hw = replace(hw, inter_node=hw.inter_node.scaled(inter_node_bandwidth * 1e9))
             src["inter_node.bandwidth"] = "overridden by Cluster(inter_node_bandwidth=...)"
         if memory_gb is not None:
             hw = replace(hw, memory_bytes=memory_gb * 1e9)
@@ -240,7 +281,27 @@ def _tables_ref(data: dict, origin: str, folder: Any, sources: dict[str, str]) -
         raise PlanFormatError(f"hardware profile {origin}: its tables file {ref['file']!r} "
                               "cannot be read") from None
     sources["tables"] = str(ref.get("source", ref["file"]))
-    return tables_from_profile(_json_object(text, ref["file"]), ref["file"])
+    tables = tables_from_profile(_json_object(text, ref["file"]), ref["file"])
+    if "compute_scale" not in ref:
+        return tables
+    scale = _num(ref, "compute_scale", origin, sources, "tables.")
+    if not 0 < scale <= 1:
+        raise PlanFormatError(f"hardware profile {origin}: 'tables.compute_scale' must lie "
+                              f"in (0, 1], got {scale}")
+    return scaled_compute(tables, scale)
+
+
+def scaled_compute(tables: ComputeTables, scale: float) -> ComputeTables:
+    """``tables`` with its tensor-core work (GEMMs, attention) running at ``scale`` of
+    the measured rate, its memory-bound ops unchanged: the same device at a lower SM
+    clock (a power limit), which leaves the HBM clock as it is."""
+    return replace(
+        tables, memo={},
+        gemm={d: tuple((m, n, k, t / scale) for m, n, k, t in rows)
+              for d, rows in tables.gemm.items()},
+        attention={key: tuple((bh, sq, hd, rate * scale) for bh, sq, hd, rate in rows)
+                   for key, rows in tables.attention.items()},
+        source=f"{tables.source}; GEMM and attention rates x {scale:g}")
 
 
 def profile_from_measured(doc: dict, base: HardwareProfile,
@@ -347,7 +408,40 @@ def _link(data: dict, key: str, origin: str, sources: dict[str, str]) -> LinkSpe
         raise PlanFormatError(f"hardware profile {origin}: field '{key}' must hold "
                               "'bandwidth' and 'latency'")
     return LinkSpec(_num(t, "bandwidth", origin, sources, f"{key}."),
-                    _num(t, "latency", origin, sources, f"{key}."))
+                    _num(t, "latency", origin, sources, f"{key}."),
+                    algorithms=_algorithms(t, key, origin, sources))
+
+
+def _algorithms(link: dict, key: str, origin: str,
+                sources: dict[str, str]) -> tuple[CollectiveAlgorithm, ...]:
+    """A link's optional ``algorithms`` block: per name, ``base_latency`` and
+    ``step_latency`` (seconds), ``bus_bandwidth`` or ``algorithm_bandwidth`` (bytes/s)
+    and optionally ``kinds`` (see :class:`CollectiveAlgorithm`)."""
+    block = link.get("algorithms")
+    if block is None:
+        return ()
+    if not isinstance(block, dict) or not block:
+        raise PlanFormatError(f"hardware profile {origin}: field '{key}.algorithms' must map "
+                              "algorithm names to their latencies and bandwidth")
+    out = []
+    for name, e in block.items():
+        pre = f"{key}.algorithms.{name}."
+        bus = isinstance(e, dict) and "bus_bandwidth" in e
+        if not isinstance(e, dict) or bus == ("algorithm_bandwidth" in e):
+            raise PlanFormatError(f"hardware profile {origin}: field '{pre[:-1]}' must hold "
+                                  "'base_latency', 'step_latency' and one of 'bus_bandwidth' "
+                                  "or 'algorithm_bandwidth'")
+        kinds = e.get("kinds", [])
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise PlanFormatError(f"hardware profile {origin}: field '{pre}kinds' must list "
+                                  "collective kinds")
+        rate = _num(e, "bus_bandwidth" if bus else "algorithm_bandwidth", origin, sources, pre)
+        if rate <= 0:
+            raise PlanFormatError(f"hardware profile {origin}: '{pre[:-1]}' has no bandwidth")
+        out.append(CollectiveAlgorithm(
+            str(name), _num(e, "base_latency", origin, sources, pre),
+            _num(e, "step_latency", origin, sources, pre), rate, bus, tuple(kinds)))
+    return tuple(out)
 
 
 def _per_process(data: dict, origin: str) -> dict[int, dict[str, Any]]:
@@ -416,10 +510,42 @@ def accuracy_text(name: str, accuracy: dict[str, Any]) -> str:
     return f"profile {name} measured {accuracy.get('date', '?')}: " + "; ".join(parts)
 
 
+def _derived(data: dict, origin: str, seen: tuple[str, ...] = ()) -> dict:
+    """A profile naming a shipped ``base`` profile is that profile with its own fields
+    over it: a field replaces the base's, except a table (no ``value`` of its own:
+    ``matmul_efficiency``, a link) whose entries replace the base's one by one; a field
+    set to ``null`` is dropped (``"tables": null``: not the base's measurements). The
+    ``tables`` file of a base is read from the shipped folder."""
+    base = data.get("base")
+    if base is None:
+        return data
+    key = ALIASES.get(str(base).lower(), str(base).lower())
+    if not isinstance(base, str) or key not in available_profiles() or key in seen:
+        raise PlanFormatError(f"hardware profile {origin}: 'base' must name a shipped profile "
+                              f"({', '.join(available_profiles())}), without a cycle; got {base!r}")
+    text = (_shipped_folder() / f"{key}.json").read_text()
+    out = dict(_derived(_json_object(text, f"{key}.json"), f"{key}.json", seen + (key,)))
+    for k, v in data.items():
+        if k == "base":
+            continue
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and "value" not in v and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = v
+    ref = out.get("tables")
+    if "tables" not in data and isinstance(ref, dict) and isinstance(ref.get("file"), str):
+        out["tables"] = {**ref, "file": str(Path(str(_shipped_folder())) / ref["file"])}
+    out["provenance"] = {**out.get("provenance", {}), **data.get("provenance", {}),
+                         "base_profile": key}
+    return out
+
+
 def parse_profile(text: str, origin: str = "<text>", folder: Any = None) -> HardwareProfile:
     """Parse profile JSON text; raises PlanFormatError naming the bad field. A
     ``tables`` file is read relative to ``folder``."""
-    data = _json_object(text, origin)
+    data = _derived(_json_object(text, origin), origin)
     src: dict[str, str] = {}
     tables = _tables_ref(data, origin, folder, src)
     try:

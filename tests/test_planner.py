@@ -135,7 +135,8 @@ def test_malformed_plan_file():
 
 def test_unknown_gpu():
     with pytest.raises(ConfigError, match=r"unknown GPU 'h300'; known profiles: a100-80g, cpu, "
-                                          r"h100-sxm, h200 \(or pass the path of a profile JSON "
+                                          r"h100-sxm, h100-sxm-500w, h200 \(or pass the path of a "
+                                          r"profile JSON "
                                           r"file\)"):
         autopar.Cluster(gpu="h300")
 
