@@ -17,8 +17,9 @@ each measured on chains of tiny ops, where the wall time is the host's:
 * per parameter FSDP2 lays out, per micro-batch: ``fsdp_param_fwd`` / ``fsdp_param_bwd``;
 * per parameter per step, the optimizer step and ``zero_grad``: ``optimizer_param`` on
   plain tensors, ``optimizer_param_fsdp`` on DTensors (FSDP2's or tensor parallelism's);
-* per op under selective recomputation: ``sac_op_fwd`` / ``sac_op_bwd``
-  (:mod:`autopar.strategies.recompute`).
+* per op under full recomputation: ``ckpt_op_fwd`` / ``ckpt_op_bwd`` (the checkpoint's
+  saved-tensor hooks and re-run bookkeeping), and under selective recomputation:
+  ``sac_op_fwd`` / ``sac_op_bwd`` (:mod:`autopar.strategies.recompute`).
 
 A profile without these figures (or a CPU profile, where the host is the device and the
 figures add to the op times instead) charges no host time.
@@ -84,11 +85,12 @@ def optimizer_host_time(hw: HardwareProfile, params: int, dtensor: bool) -> floa
     return params * hw.host_overhead_s.get(key, 0.0)
 
 
-def selective_host_time(hw: HardwareProfile) -> tuple[float, float]:
-    """(forward, backward) host seconds selective recomputation adds per op of the
-    checkpointed region (its dispatch mode, both passes), beyond the recomputed op's
-    own forward."""
+def checkpoint_host_time(hw: HardwareProfile, mode: str) -> tuple[float, float]:
+    """(forward, backward) host seconds recomputation ``mode`` (``full`` or
+    ``selective``) adds per op of the checkpointed region beyond the recomputed op's own
+    forward: the checkpoint's hooks, and under ``selective`` its dispatch mode, in both
+    passes (0 where the profile lacks the figure)."""
     if not charges_host(hw):
         return 0.0, 0.0
-    h = hw.host_overhead_s
-    return h.get("sac_op_fwd", 0.0), h.get("sac_op_bwd", 0.0)
+    h, key = hw.host_overhead_s, "sac_op" if mode == "selective" else "ckpt_op"
+    return h.get(f"{key}_fwd", 0.0), h.get(f"{key}_bwd", 0.0)

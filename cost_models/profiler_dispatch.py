@@ -11,6 +11,10 @@ recording as in training:
 - ``op_<kind>_fwd`` / ``op_<kind>_bwd`` for the kinds of :data:`OP_KINDS`: one op's
   forward call, and its node's backward (what autograd's engine spends on it, the
   backward kernels' launches included);
+- ``ckpt_op_fwd`` / ``ckpt_op_bwd``: what a full ``torch.utils.checkpoint`` region
+  (non-reentrant) adds per op: its saved-tensor hooks in the forward, and in backward
+  the unpacking and the re-run's bookkeeping beyond the recomputed op's own forward
+  dispatch;
 - ``sac_op_fwd`` / ``sac_op_bwd``: what ``torch.utils.checkpoint`` with a selective
   policy (the runtime's :func:`autopar.runtime.recompute.selective_context`) adds per
   op: every op of the region runs through its ``TorchDispatchMode`` in the forward,
@@ -33,13 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.cost_models.profiler_host import median_time
+from autopar.cost_models.profiler_host import median_difference, median_time, paired_times
 
 OP_KINDS = ("matmul", "attention", "norm", "pointwise", "view", "embedding")
 """Op kinds whose host time is measured (:func:`op_kind` maps a graph op to one)."""
 
 DISPATCH_KEYS = tuple(f"op_{k}_{p}" for k in OP_KINDS for p in ("fwd", "bwd")) + (
-    "sac_op_fwd", "sac_op_bwd", "optimizer_param", "optimizer_param_fsdp")
+    "ckpt_op_fwd", "ckpt_op_bwd", "sac_op_fwd", "sac_op_bwd", "optimizer_param",
+    "optimizer_param_fsdp")
 """The figures :func:`dispatch_overhead` measures."""
 
 _CHAIN, _REPS, _CALLS = 32, 5, 20
@@ -124,11 +129,16 @@ def _embedding(make: Callable[[], tuple[Any, torch.Tensor]],
     return {"op_embedding_fwd": f / _CHAIN, "op_embedding_bwd": max(0.0, b - f) / _CHAIN}
 
 
-def sac_dispatch(dev: torch.device, sync: Callable[[], None],
-                 pointwise_fwd: float) -> dict[str, float]:
-    """``sac_op_fwd`` / ``sac_op_bwd``: per op, what the selective-checkpoint region
-    adds to a chain of pointwise ops (module docstring); ``pointwise_fwd`` is the plain
-    op's forward host time, taken out of the re-run."""
+def checkpoint_dispatch(dev: torch.device, sync: Callable[[], None],
+                        pointwise_fwd: float) -> dict[str, float]:
+    """``ckpt_op_fwd`` / ``ckpt_op_bwd`` and ``sac_op_fwd`` / ``sac_op_bwd``: per op,
+    what a full (``torch.utils.checkpoint``, non-reentrant: saved-tensor hooks that pack
+    in forward and re-run the region on the first unpack) and a selective checkpoint
+    region (the same with the runtime's
+    :func:`~autopar.runtime.recompute.selective_context` dispatch mode) add to a chain of
+    pointwise ops (module docstring), from paired repetitions; ``pointwise_fwd`` is the
+    plain op's forward host time, taken out of the backward's re-run (it is priced as
+    the op's forward issued again)."""
     from torch.utils.checkpoint import checkpoint
 
     from autopar.runtime.recompute import selective_context
@@ -142,16 +152,21 @@ def sac_dispatch(dev: torch.device, sync: Callable[[], None],
             t = t * w
         return t
 
-    def region(t: torch.Tensor) -> torch.Tensor:
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return checkpoint(chain, t, use_reentrant=False)
+
+    def selective(t: torch.Tensor) -> torch.Tensor:
         return checkpoint(chain, t, use_reentrant=False, context_fn=selective_context)
-    got = []
-    for fn in (chain, region):
-        f = median_time(lambda: fn(x), sync, _REPS, _CALLS, warmup=5)
-        b = median_time(lambda: fn(x).float().sum().backward(), sync, _REPS, _CALLS, warmup=5)
-        got.append((f, b - f))
-    (pf, pb), (sf, sb) = got
-    return {"sac_op_fwd": max(0.0, sf - pf) / _CHAIN,
-            "sac_op_bwd": max(0.0, (sb - pb) / _CHAIN - pointwise_fwd)}
+    fns = [g for fn in (chain, full, selective)
+           for g in ((lambda fn=fn: fn(x)), (lambda fn=fn: fn(x).float().sum().backward()))]
+    times = paired_times(fns, sync, 2 * _REPS + 1, _CALLS, warmup=5)
+    fwd = times[0::2]
+    bwd = [[b - f for f, b in zip(tf, tb)] for tf, tb in zip(times[0::2], times[1::2])]
+    out: dict[str, float] = {}
+    for k, key in ((1, "ckpt_op"), (2, "sac_op")):
+        out[f"{key}_fwd"] = max(0.0, median_difference(fwd[0], fwd[k])) / _CHAIN
+        out[f"{key}_bwd"] = max(0.0, median_difference(bwd[0], bwd[k]) / _CHAIN - pointwise_fwd)
+    return out
 
 
 def optimizer_dispatch(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
@@ -188,6 +203,6 @@ def dispatch_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
     process alone, for the FSDP2 figure)."""
     dev = torch.device(mesh.device_type)
     out = op_dispatch(dev, sync)
-    out.update(sac_dispatch(dev, sync, out["op_pointwise_fwd"]))
+    out.update(checkpoint_dispatch(dev, sync, out["op_pointwise_fwd"]))
     out.update(optimizer_dispatch(mesh, sync))
     return out

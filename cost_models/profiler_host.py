@@ -50,17 +50,37 @@ def median_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int = 7,
     ``loops`` calls of ``fn``, timed from one ``sync`` to the next (a barrier: every
     process starts together, and a run lasts until the slowest process is done, as a
     step does)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        for _ in range(loops):
+    return statistics.median(paired_times([fn], sync, reps, loops, warmup)[0])
+
+
+def paired_times(fns: list[Callable[[], Any]], sync: Callable[[], None], reps: int = 11,
+                 loops: int = 1, warmup: int = 1) -> list[list[float]]:
+    """Seconds per call of each of ``fns`` (``loops`` calls timed from one ``sync`` to
+    the next), measured ``reps`` times round-robin: each repetition times every function
+    once, in turn, so a change of the host's speed during the measurement (clock
+    scaling, another process) touches all of them alike. A figure taken as the
+    difference of two functions is then the median of per-repetition differences
+    (:func:`median_difference`), which is steadier than the difference of two medians
+    taken at different times (on one H100 machine the latter gave selective
+    checkpointing's per-op backward as 55, 126 and 167 µs in three rounds)."""
+    for fn in fns:
+        for _ in range(warmup):
             fn()
-        sync()
-        times.append((time.perf_counter() - t) / loops)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            sync()
+            t = time.perf_counter()
+            for _ in range(loops):
+                fn()
+            sync()
+            out.append((time.perf_counter() - t) / loops)
+    return times
+
+
+def median_difference(a: list[float], b: list[float]) -> float:
+    """Median over repetitions of ``b[i] - a[i]`` (times from :func:`paired_times`)."""
+    return statistics.median(y - x for x, y in zip(a, b))
 
 
 def median_of(runs: list[Any]) -> Any:
@@ -74,10 +94,11 @@ def median_of(runs: list[Any]) -> Any:
     return statistics.median(runs)
 
 
-def _fwd_and_step(module: nn.Module, x: torch.Tensor, sync: Callable[[], None],
-                  context: Callable[[], Any] = contextlib.nullcontext) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of one call of ``module`` on ``x``, each
-    inside ``context()``."""
+def _fwd_and_step(module: nn.Module, x: torch.Tensor,
+                  context: Callable[[], Any] = contextlib.nullcontext) -> tuple[Callable[[], None],
+                                                                              Callable[[], None]]:
+    """(forward, forward + backward) of one call of ``module`` on ``x``, each inside
+    ``context()``."""
     def fwd() -> None:
         with context():
             module(x)
@@ -86,17 +107,17 @@ def _fwd_and_step(module: nn.Module, x: torch.Tensor, sync: Callable[[], None],
         with context():
             out = module(x)
             (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
-    return (median_time(fwd, sync, _REPS, _CALLS, warmup=10),
-            median_time(both, sync, _REPS, _CALLS, warmup=10))
+    return fwd, both
 
 
 def _added(wrapped: nn.Module, plain: nn.Module, x: torch.Tensor, sync: Callable[[], None],
            context: Callable[[], Any] = contextlib.nullcontext) -> tuple[float, float]:
     """(forward, backward) seconds that ``wrapped`` (run inside ``context()``) takes
-    beyond ``plain`` on ``x``."""
-    w_fwd, w_both = _fwd_and_step(wrapped, x, sync, context)
-    p_fwd, p_both = _fwd_and_step(plain, x, sync)
-    return w_fwd - p_fwd, (w_both - w_fwd) - (p_both - p_fwd)
+    beyond ``plain`` on ``x``, from paired repetitions (:func:`paired_times`)."""
+    pf, pb, wf, wb = paired_times([*_fwd_and_step(plain, x), *_fwd_and_step(wrapped, x, context)],
+                                  sync, 2 * _REPS + 1, _CALLS, warmup=10)
+    backward = [(b1 - f1) for f1, b1 in zip(wf, wb)]
+    return median_difference(pf, wf), median_difference([b - f for f, b in zip(pf, pb)], backward)
 
 
 def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:

@@ -115,7 +115,8 @@ FIGURES = {"op_matmul_fwd": 11e-6, "op_matmul_bwd": 13e-6, "op_attention_fwd": 1
            "op_pointwise_fwd": 31e-6, "op_pointwise_bwd": 37e-6, "op_view_fwd": 41e-6,
            "op_view_bwd": 43e-6, "op_embedding_fwd": 47e-6, "op_embedding_bwd": 53e-6,
            "fsdp_param_fwd": 59e-6, "fsdp_param_bwd": 61e-6, "sac_op_fwd": 67e-6,
-           "sac_op_bwd": 71e-6, "optimizer_param": 73e-6, "optimizer_param_fsdp": 79e-6}
+           "sac_op_bwd": 71e-6, "optimizer_param": 73e-6, "optimizer_param_fsdp": 79e-6,
+           "ckpt_op_fwd": 83e-6, "ckpt_op_bwd": 89e-6}
 """Distinct host figures (seconds), so that every count shows in the sum."""
 
 
@@ -130,9 +131,9 @@ def _gpt(mode: str, n_mb: int):
     return g, built, len(list(model.parameters()))
 
 
-def _ops_host(g, selective: bool) -> tuple[float, float]:
+def _ops_host(g, mode: str) -> tuple[float, float]:
     """(forward + backward per micro-batch, of it the recomputation's) host seconds of
-    every op instance of ``g`` by its kind's figure."""
+    every op instance of ``g`` by its kind's figure, under recomputation ``mode``."""
     total = extra = 0.0
     for n in g.nodes:
         if n.kind != "op":
@@ -140,24 +141,27 @@ def _ops_host(g, selective: bool) -> tuple[float, float]:
         kind = op_kind(n.target, n.flops, n.bytes)
         total += FIGURES[f"op_{kind}_fwd"] + (FIGURES[f"op_{kind}_bwd"] if n.requires_grad
                                               else 0.0)
-        if selective and n.layer is not None:
-            extra += FIGURES["sac_op_fwd"] + FIGURES["sac_op_bwd"]
-            if op_name(n.target) not in SELECTIVE_SAVE_OPS:
+        if mode != "none" and n.layer is not None:
+            hook = "sac_op" if mode == "selective" else "ckpt_op"
+            extra += FIGURES[f"{hook}_fwd"] + FIGURES[f"{hook}_bwd"]
+            if mode == "full" or op_name(n.target) not in SELECTIVE_SAVE_OPS:
                 extra += FIGURES[f"op_{kind}_fwd"]
     return total, extra
 
 
-@pytest.mark.parametrize("mode,n_mb", [("none", 1), ("none", 4), ("selective", 2)])
+@pytest.mark.parametrize("mode,n_mb", [("none", 1), ("none", 4), ("selective", 2),
+                                        ("full", 2)])
 def test_builder_charges_each_op_parameter_and_mode(mode: str, n_mb: int) -> None:
     """One bf16 device (FSDP2 lays the parameters out): per micro-batch every op's
     figure by kind and FSDP2's per parameter, per step the optimizer's per DTensor
     parameter; selective recomputation adds its dispatch figures to every op of the
-    blocks and re-issues the forward of the ops it recomputes."""
+    blocks and re-issues the forward of the ops it recomputes; full recomputation adds
+    the checkpoint's hook figures to every op of the blocks and re-issues every forward."""
     g, built, params = _gpt(mode, n_mb)
     sol = solve_ilp(built.problem)
     assert sol.modes == [RECOMPUTE.index(mode)] * len(built.problem.recompute)
     ev = evaluate(built.problem, sol.choice, sol.modes)
-    ops, extra = _ops_host(g, mode == "selective")
+    ops, extra = _ops_host(g, mode)
     fsdp = params * (FIGURES["fsdp_param_fwd"] + FIGURES["fsdp_param_bwd"])
     expect = n_mb * (ops + extra + fsdp) + params * FIGURES["optimizer_param_fsdp"]
     assert ev.host_s == pytest.approx(expect, rel=1e-9)

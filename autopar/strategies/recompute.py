@@ -22,7 +22,8 @@ layer instance (bytes per device, seconds):
   policy keeps the matrix-product output, not the collective's). Resharding on edges
   inside the layer (zero for the Megatron layouts) is not re-charged.
 * host seconds, on a GPU profile (:mod:`autopar.cost_models.host`): full re-issues the
-  op's forward in backward (its forward host time); selective runs every op of the
+  op's forward in backward (its forward host time) and pays the checkpoint's hooks per
+  op in both passes (``ckpt_op_fwd``, ``ckpt_op_bwd``); selective runs every op of the
   block through its dispatch mode in both passes (``sac_op_fwd``, ``sac_op_bwd``) and
   re-issues the forward of the ops it recomputes.
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.cost_models.host import charges_host, selective_host_time
+from autopar.cost_models.host import charges_host, checkpoint_host_time
 from autopar.flops import op_name
 from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.solvers.problem import RecomputeGroup, StrategyCost
@@ -109,10 +110,9 @@ def _host(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> tuple[float,
     if mode == "none" or n.kind != "op":
         return 0.0, 0.0
     again = sc.host_s - sc.host_bwd_s  # the op's forward, issued again
-    if mode == "full":
-        return 0.0, again
-    sac_f, sac_b = selective_host_time(b.st.hw)
-    return sac_f, sac_b + (0.0 if op_name(n.target) in SELECTIVE_SAVE_OPS else again)
+    hook_f, hook_b = checkpoint_host_time(b.st.hw, mode)
+    saved = mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS
+    return hook_f, hook_b + (0.0 if saved else again)
 
 
 def recompute_groups(b: "_Builder", index: dict[str, int], details: list[list["NodeStrategy"]],
