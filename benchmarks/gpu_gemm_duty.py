@@ -11,9 +11,22 @@ device time of the GEMM kernel (torch.profiler, CUDA activity) is measured:
   (a memory-bound kernel of ~0.2 ms on an H100);
 - ``after_idle``: each GEMM after a ~0.3 ms device sleep (``torch.cuda._sleep``).
 
-The SM clock (nvidia-smi) is read before and after. Run on a GPU::
+The SM clock (nvidia-smi) is read before and after. With ``--layouts`` it measures
+instead, per shape and after ``HEAT_S`` of back-to-back GEMMs (the device as warm and
+power-limited as in a training step), each operand layout of a layer's three GEMMs
+with ``autopar profile``'s own timer (CUDA events and CUDA-graph replay), so the rows
+compare with the profile's table, which times ``torch.mm`` of row-major operands
+(``NN``) only:
+
+- ``NT``: ``x @ w.T``, the forward of ``F.linear`` (m tokens, n out, k in features);
+- ``NN``: ``dy @ w``, its input gradient, timed at the forward's (m, n, k);
+- ``TN``: ``dy.T @ x``, its weight gradient, timed at the forward's (m, n, k);
+- ``NN`` again at the end, to show the drift of the clocks over the shape's rows.
+
+Run on a GPU::
 
     python benchmarks/gpu_gemm_duty.py --out gemm_duty.json
+    python benchmarks/gpu_gemm_duty.py --layouts --out gemm_layouts.json
 """
 
 from __future__ import annotations
@@ -32,6 +45,10 @@ SHAPES = ((8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336),
           (8192, 49152, 12288))
 """(m, n, k): tokens × out features × in features, as F.linear computes them."""
 REPS = 40
+HEAT_S = 1.0
+"""Seconds of back-to-back GEMMs before a shape's layout rows (chosen: the SM clock of an
+H100 under a 700 W limit falls from 1980 to ~1500 MHz within ~50 ms of a large GEMM
+stream, h100_gemm_duty.json)."""
 
 
 def _clock() -> str:
@@ -92,11 +109,101 @@ def measure(m: int, n: int, k: int) -> dict[str, Any]:
     return out
 
 
+def layout_operands(m: int, n: int, k: int, layout: str) -> Callable[[], Any]:
+    """The product of :data:`SHAPES`' (m, n, k) in one operand layout (module
+    docstring): ``NT`` the forward, ``NN`` and ``TN`` the two backward products."""
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    if layout == "NT":
+        a, b = rand(m, k), rand(n, k)
+        return lambda: torch.mm(a, b.t())
+    if layout == "NN":
+        a, b = rand(m, k), rand(k, n)
+        return lambda: torch.mm(a, b)
+    a, b = rand(k, m), rand(k, n)
+    return lambda: torch.mm(a.t(), b)
+
+
+def measure_layouts(m: int, n: int, k: int, operands: bool = False) -> dict[str, Any]:
+    """One shape's layout rows (module docstring), seconds per product; with
+    ``operands``, its rows per operand values (:data:`OPERANDS`) instead."""
+    import time
+
+    from autopar.cost_models.profiler_core import Timer
+
+    timer = Timer(torch.device("cuda"))
+    # every operand made before any CUDA graph is captured (torch.randn after a capture
+    # fails: "Offset increment outside graph capture encountered unexpectedly")
+    if operands:
+        products = operand_products(m, n, k)
+        heat, names = products["randn"], OPERANDS + ("randn_again",)
+    else:
+        products = {name: layout_operands(m, n, k, name) for name in ("NN", "NT", "TN")}
+        heat, names = products["NT"], ("NN", "NT", "TN", "NN_again")
+    end = time.perf_counter() + HEAT_S
+    while time.perf_counter() < end:
+        for _ in range(10):
+            heat()
+        torch.cuda.synchronize()
+    out: dict[str, Any] = {"shape": [m, n, k], "flops": 2.0 * m * n * k, "heat_s": HEAT_S}
+    with torch.cuda.stream(torch.cuda.Stream()):  # as `autopar profile` times: graphs
+        for name in names:  # are captured on a side stream
+            clock = _clock()
+            meas = timer.measure(products[name.removesuffix("_again")])
+            out[name] = {"seconds": meas.seconds, "graph_seconds": meas.graph_seconds,
+                         "graph_error": meas.graph_error,
+                         "clock_before": clock, "clock_after": _clock()}
+    return out
+
+
+OPERANDS = ("randn", "linear_init", "std_0.02", "zeros")
+"""Operand values of ``--operands`` (``x @ w.T``): both standard normal, as ``autopar
+profile`` draws them; ``x`` standard normal and ``w`` as ``nn.Linear`` initializes it
+(uniform within ±1/√k); ``w`` normal with std 0.02 (GPT-2's and Llama's init); zeros."""
+
+
+def operand_products(m: int, n: int, k: int) -> dict[str, Callable[[], Any]]:
+    """``x @ w.T`` at (m, n, k) for each of :data:`OPERANDS`."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws = {"randn": torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
+          "linear_init": (torch.rand(n, k, device="cuda") * 2 - 1).mul_(k ** -0.5).bfloat16(),
+          "std_0.02": torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
+          "zeros": torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)}
+    zx = torch.zeros_like(x)
+    return {name: (lambda w=w, a=(zx if name == "zeros" else x): torch.mm(a, w.t()))
+            for name, w in ws.items()}
+
+
+def main_layouts(out_path: str, operands: bool = False) -> int:
+    """``--layouts``: every shape's layout rows, written after each shape."""
+    from autopar.cost_models.profiler_core import provenance
+
+    rows = []
+    for shape in SHAPES:
+        r = measure_layouts(*shape, operands=operands)
+        rows.append(r)
+        names = OPERANDS + ("randn_again",) if operands else ("NN", "NT", "TN", "NN_again")
+        rates = "  ".join(f"{k} {r['flops'] / (r[k]['graph_seconds'] or r[k]['seconds']) / 1e12:4.0f}"
+                          for k in names)
+        print(f"{shape}: TFLOP/s (graph) {rates}  clock {r[names[-1]]['clock_after']}",
+              flush=True)
+        with open(out_path, "w") as f:
+            json.dump({"provenance": provenance(torch.device("cuda")), "heat_s": HEAT_S,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
 def main() -> int:
     """Measure every shape and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--layouts", action="store_true",
+                    help="time each operand layout with the profile's timer instead")
+    ap.add_argument("--operands", action="store_true",
+                    help="as --layouts, for x @ w.T with each kind of operand values")
     args = ap.parse_args()
+    if args.layouts or args.operands:
+        return main_layouts(args.out, args.operands)
     from autopar.cost_models.profiler_core import provenance
 
     rows = []

@@ -7,7 +7,10 @@ recomputation modes): the case's :class:`~layer_cases.LayerSlice` is scored with
 ``autopar.estimate`` (one device, ``dp=1``, the case's recomputation, bf16 = autocast
 over fp32 parameters, as autopar trains), laid out with ``apply_plan`` and timed:
 ``ParallelModel.step`` (forward, loss and backward) with a synchronize after it, median
-of the timed steps after two warm-up steps, gradients dropped between steps. One more
+of the timed steps after two warm-up steps, gradients dropped between steps (with
+``--sustain S``, steps run back to back for S seconds before the timed ones, so the
+device is as warm and power-limited as in a long training run; the SM clock and
+power before and after the timed steps are recorded). One more
 step runs under ``torch.profiler`` (CUDA activity) for the device time per kernel kind
 (:data:`gpu_runtime_step.KERNEL_KINDS`); the step's wall time minus its kernel time is
 time the GPU waited on the host. ``torch.cuda.max_memory_allocated`` gives the peak.
@@ -73,8 +76,10 @@ def load_or_predict(case: LayerCase, gpu: str, plans: Path | None) -> Any:
     return predict(case, gpu)
 
 
-def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None) -> dict[str, Any]:
+def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None,
+             sustain_s: float = 0.0) -> dict[str, Any]:
     """Plan, lay out, time and profile one case (module docstring)."""
+    from gpu_gemm_duty import _clock
     from autopar.runtime import apply_plan
     from gpu_runtime_step import kernel_breakdown
 
@@ -97,8 +102,15 @@ def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None) -
         sync()
 
     times = []
+    clocks: dict[str, str] = {}
     for i in range(steps + 2):
+        if i == 2 and sustain_s > 0:
+            end = time.perf_counter() + sustain_s
+            while time.perf_counter() < end:
+                pm.zero_grad(set_to_none=True)
+                step()
         if i == 2 and cuda:
+            clocks["before"] = _clock()
             torch.cuda.reset_peak_memory_stats()
         pm.zero_grad(set_to_none=True)
         sync()
@@ -106,6 +118,8 @@ def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None) -
         step()
         if i >= 2:
             times.append(time.perf_counter() - t)
+    if cuda:
+        clocks["after"] = _clock()
     pm.zero_grad(set_to_none=True)
     kernels = kernel_breakdown(step) if cuda else None
     peak = torch.cuda.max_memory_allocated() if cuda else None
@@ -118,7 +132,8 @@ def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None) -
         "predicted_breakdown": plan.breakdown,
         "predicted_peak_bytes": plan.memory_per_device_bytes,
         "measured_fwd_bwd_s": med, "times_s": times, "measured_peak_bytes": peak,
-        "kernels": kernels, "model_flops": flops,
+        "kernels": kernels, "model_flops": flops, "sustain_s": sustain_s,
+        "clock_sm_power": clocks,
         "tflops_per_s": flops / med / 1e12,
     }
 
@@ -134,6 +149,8 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="start no new case after this many seconds (0: no limit)")
     ap.add_argument("--plans", type=Path, help="folder of plans made with --write-plans")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                    help="run steps back to back for S seconds before the timed ones")
     ap.add_argument("--write-plans", type=Path, metavar="DIR",
                     help="only plan every case (h100-sxm profile) into DIR, then stop")
     args = ap.parse_args()
@@ -155,14 +172,14 @@ def main() -> int:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]
     doc: dict[str, Any] = {"provenance": provenance(torch.device("cuda" if cuda else "cpu")),
-                           "steps": args.steps, "rows": []}
+                           "steps": args.steps, "sustain_s": args.sustain, "rows": []}
     start = time.perf_counter()
     for case in cases:
         if args.time_limit and time.perf_counter() - start > args.time_limit:
             doc["stopped_early"] = f"time limit {args.time_limit} s reached before {case.name}"
             break
         try:
-            row = run_case(case, gpu, args.steps, args.plans)
+            row = run_case(case, gpu, args.steps, args.plans, args.sustain)
             print(f"{case.name:34s} measured {row['measured_fwd_bwd_s'] * 1e3:9.2f} ms  "
                   f"predicted {row['predicted_fwd_bwd_s'] * 1e3:9.2f} ms  "
                   f"{row['tflops_per_s']:6.1f} TFLOP/s", flush=True)

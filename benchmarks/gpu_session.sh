@@ -14,7 +14,16 @@
 #   <gpu>_layers.json               benchmarks/gpu_layers.py
 #   <gpu>_llama8b_slice.json        benchmarks/gpu_runtime_step.py, 8 layers of Llama 3 8B
 #   log                             everything printed
+#
+# ``bash benchmarks/gpu_session.sh steady`` measures instead, on one machine in one call
+# (about 5 minutes), what the cost model's accuracy at steady state needs: the full
+# profile grid with its host figures (<gpu>.profile.json), the layer cases after 1 s of
+# back-to-back steps each, as a long training run holds the device
+# (<gpu>_layers_steady.json), and two cases of the 8-layer slice
+# (<gpu>_llama8b_slice_steady.json). The operand layouts and values of a GEMM are
+# separate one-off runs: ``benchmarks/gpu_gemm_duty.py --layouts`` / ``--operands``.
 set -u
+MODE=${1:-all}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/log") 2>&1
@@ -26,6 +35,18 @@ nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total,driver_versio
 gpu=$(python3 -c "import torch; print('h200' if 'H200' in torch.cuda.get_device_name() else 'h100-sxm')")
 echo "profile: $gpu"
 start=$SECONDS
+if [ "$MODE" = steady ]; then
+    (cd /tmp && timeout 220 autopar profile --out "$OUT/$gpu.profile.json")
+    echo "profile took $((SECONDS - start)) s"; start=$SECONDS
+    (cd benchmarks && timeout 170 python3 gpu_layers.py --plans ../.gpu/plans --sustain 1 \
+        --out "$OUT/${gpu}_layers_steady.json" --time-limit 150)
+    echo "layers took $((SECONDS - start)) s"; start=$SECONDS
+    (cd benchmarks && timeout 60 python3 gpu_runtime_step.py --models llama8b \
+        --slice-layers 8 --cases plan,selective --fused \
+        --out "$OUT/${gpu}_llama8b_slice_steady.json")
+    echo "slice took $((SECONDS - start)) s"
+    exit 0
+fi
 if [ "$gpu" = h200 ]; then
     timeout 200 autopar profile --out "$OUT/$gpu.profile.json" --time-limit 120
 else

@@ -1,9 +1,10 @@
 """The cost model against full-size layers measured on a GPU, per layer and per term,
 from committed data (no GPU needed).
 
-Reads the results of ``gpu_layers.py`` (default ``results/h100_layers.json``: Llama 3
-8B / 70B and GPT-3 175B layers at tensor-parallel shard shapes, run by autopar's
-runtime on one H100) and prices every case again with the current cost model and the
+Reads the results of ``gpu_layers.py`` (default ``results/h100_layers_steady.json``:
+Llama 3 8B / 70B and GPT-3 175B layers at tensor-parallel shard shapes, run by
+autopar's runtime on one H100 after 1 s of back-to-back steps each, measured in the
+call that measured the h100-sxm profile) and prices every case again with the current cost model and the
 hardware profile named by ``--profile`` (default: the one the data was measured for).
 Per case it prints the measured and predicted forward+backward time and, per term:
 
@@ -19,7 +20,7 @@ time is the plan's forward+backward time, which is what the case's total compare
 The MAPE is over the cases that ran, and apart for the device-bound ones (measured
 host wait under 10% of the step) and the host-bound ones::
 
-    python benchmarks/layer_accuracy.py [--data results/h100_layers.json]
+    python benchmarks/layer_accuracy.py [--data results/h100_layers_steady.json]
                                         [--profile h100-sxm] [--out results/layer_accuracy.json]
 """
 
@@ -140,7 +141,7 @@ def main() -> int:
     """Price the measured cases again and print/write the comparison."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=RESULTS / "h100_layers.json")
+    ap.add_argument("--data", type=Path, default=RESULTS / "h100_layers_steady.json")
     ap.add_argument("--profile", help="hardware profile (default: the data's own)")
     ap.add_argument("--out", type=Path, help="JSON to write (default: print only)")
     args = ap.parse_args()

@@ -158,14 +158,18 @@ def test_malformed_profile_one_clear_error(tmp_path):
 
 def test_h200_profile_prices_memory_bound_ops_at_its_own_bandwidth():
     """The H200 profile reads its own measured tables: a 1 GiB copy (4.21 TB/s there,
-    2.95 on the H100, measured) is priced faster, a 4096^3 GEMM (same tensor cores)
-    within 5%."""
+    2.95 on the H100, measured) is priced faster; the layer GEMMs (same tensor cores,
+    same clocks) agree within 5% on average, as one point of a table moves by up to ~5%
+    between runs of one GPU (benchmarks/results/README.md)."""
     h200 = load_profile("h200-sxm")
     assert h200.name == "h200" and h200.tables is not None
     copy = [memory_bound_time(p.tables, "copy", 2**30, "bf16", "fwd") for p in (h200, H100)]
     assert copy[0] < 0.8 * copy[1]
-    gemm = [gemm_time(p.tables, 4096, 4096, 4096, "bf16") for p in (h200, H100)]
-    assert gemm[0] == pytest.approx(gemm[1], rel=0.05)
+    shapes = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 14336, 4096),
+              (8192, 4096, 14336), (8192, 28672, 8192), (8192, 49152, 12288))
+    ratios = [gemm_time(h200.tables, *s, "bf16") / gemm_time(H100.tables, *s, "bf16")
+              for s in shapes]
+    assert math.prod(ratios) ** (1 / len(ratios)) == pytest.approx(1.0, rel=0.05)
 
 
 def test_plan_summary_states_the_profiles_measured_error():
