@@ -74,10 +74,25 @@ def test_a_gradient_partial_over_data_parallelism_is_not_an_activation_collectiv
     assert e.cost and all(c == 0.0 for c in e.cost.values())
 
 
+def _charged(built, field: str) -> float:
+    """The least ``field`` of each node's strategies, summed over the graph."""
+    return sum(n.multiplicity * min(getattr(s, field) for s in n.strategies)
+               for n in built.problem.nodes)
+
+
+def _unit_sizes(g) -> tuple[int, int]:
+    """Elements of one block's parameters and of the root unit's (the rest)."""
+    block = sum(p.meta.numel for k, p in g.params.items() if k.startswith("blocks.0."))
+    root = sum(p.meta.numel for k, p in g.params.items() if not k.startswith("blocks."))
+    return block, root
+
+
 def test_fsdp_collectives_cost_one_latency_per_unit() -> None:
     """FSDP2 issues one gradient all-reduce per ``fully_shard`` unit (each block, and
     the root for the rest): the parameters' charges add up to exactly one collective of
-    each unit's bytes."""
+    each unit's bytes; the blocks' may hide behind the backward (per step), the root's,
+    complete only when the backward ends, is on the critical path (1/n of it per
+    micro-batch, n = 1 here)."""
     n_layers = 2
     g = _gpt_graph(n_layers)
     shares = unit_shares(g)
@@ -85,14 +100,13 @@ def test_fsdp_collectives_cost_one_latency_per_unit() -> None:
         assert sum(v for k, v in shares.items() if k.startswith(unit)) == pytest.approx(1.0)
     assert sum(v for k, v in shares.items() if not k.startswith("blocks.")) == pytest.approx(1.0)
     built = _built((2, 1), n_layers=n_layers)
-    charged = sum(n.multiplicity * min(s.step_param_comm_s for s in n.strategies)
-                  for n in built.problem.nodes)
+    hidden, critical = _charged(built, "step_param_comm_s"), _charged(built, "comm_s")
     link = load_profile("h100-sxm").intra_node
-    block = sum(p.meta.numel for k, p in g.params.items() if k.startswith("blocks.0."))
-    root = sum(p.meta.numel for k, p in g.params.items() if not k.startswith("blocks."))
-    expect = n_layers * collective_time("all_reduce", 4.0 * block, 2, link) + \
-        collective_time("all_reduce", 4.0 * root, 2, link)
-    assert charged == pytest.approx(expect, rel=1e-9)
+    block, root = _unit_sizes(g)
+    assert hidden == pytest.approx(
+        n_layers * collective_time("all_reduce", 4.0 * block, 2, link), rel=1e-9)
+    assert critical == pytest.approx(collective_time("all_reduce", 4.0 * root, 2, link),
+                                     rel=1e-9)
 
 
 def _backward_collectives() -> dict[str, int]:
@@ -119,3 +133,22 @@ def test_dtensor_reduces_the_summed_partial_gradient_once(rank_pool: RankPool) -
     """What the pricing above assumes: the three partial input gradients are added
     before the norm's backward reduces them, in one all-reduce."""
     assert rank_pool.run(2, _backward_collectives, timeout_s=120)[0] == {"all_reduce": 1}
+
+
+def test_zero3_gathers_blocks_twice_and_the_root_once_on_the_critical_path() -> None:
+    """ZeRO-3 lays blocks out with ``reshard_after_forward`` (gathered in forward and
+    again in backward) and the root without (gathered once per micro-batch); the blocks'
+    traffic may hide behind compute, the root's opens the forward and closes the
+    backward, on the critical path."""
+    n_layers = 2
+    g = _gpt_graph(n_layers)
+    built = _built((2, 1), zero=3, n_layers=n_layers)
+    hidden, critical = _charged(built, "micro_param_comm_s"), _charged(built, "comm_s")
+    link = load_profile("h100-sxm").intra_node
+    block, root = _unit_sizes(g)
+
+    def unit(numel: float, gathers: int) -> float:  # fp32: 4 bytes gathered and reduced
+        return gathers * collective_time("all_gather", 4.0 * numel, 2, link) + \
+            collective_time("reduce_scatter", 4.0 * numel, 2, link)
+    assert hidden == pytest.approx(n_layers * unit(block, 2), rel=1e-9)
+    assert critical == pytest.approx(unit(root, 1), rel=1e-9)

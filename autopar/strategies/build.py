@@ -47,6 +47,7 @@ from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import OpNode, TensorMeta
+from autopar.plans import fsdp_unit
 from autopar.sharding import Mesh, layout_name, shard_count, shard_dim, shard_pieces
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
 from autopar.strategies.analysis import GraphAnalysis
@@ -99,11 +100,13 @@ class Settings:
           FSDP", VLDB 2023, §3.3). DDP's bucketed all-reduce (``step_param_comm_s``)
           likewise overlaps the backward (Li et al., "PyTorch Distributed", VLDB 2020,
           §3.2.3). The solver hides them behind ``overlap`` x compute summed over
-          the step (:mod:`autopar.solvers.problem`). That is optimistic twice: the
-          root unit's all-gather at the start of each forward and its reduce-scatter
-          at the end of each backward have no compute beside them (exposed every
-          micro-batch, not priced so), and a unit whose traffic outlasts its
-          neighbours' compute is hidden by slack elsewhere in the sum.
+          the step (:mod:`autopar.solvers.problem`), except the root unit's, whose
+          all-gather opens each forward and whose reduce-scatter closes each
+          backward with no compute beside them: they are priced on the critical path
+          (:meth:`_Builder._param_costs`). Still optimistic: a block unit whose
+          traffic outlasts its neighbours' compute is hidden by slack elsewhere in the
+          sum, and the first block's all-gather (behind only the embedding) and the
+          last reduce-scatter are counted as hidden.
         * On a GPU profile ``comm_overlap`` is 1 (NCCL's kernels beside the compute
           stream); the slowdown concurrent NCCL kernels cause to the GEMMs they
           share SMs and HBM with is not priced.
@@ -168,6 +171,9 @@ class _Builder:
         self.dtype = st.precision
         self._metas: dict[str, TensorMeta | None] = {}
         self.unit_share = an.unit_share
+        blocks = [lay.path for lay in self.g.layers]
+        self.root_params = frozenset(name for name in self.g.params
+                                     if fsdp_unit(blocks, name) == "")
         self.saved_owner = saved_owner if saved_owner is not None else self._saved_owner()
 
     # ---- shapes ---------------------------------------------------------------
@@ -604,8 +610,20 @@ class _Builder:
         return one / st.num_microbatches
 
     def _param_costs(self, n: OpNode, ins, grads) -> tuple[float, float, float, float]:
-        """(per-micro-batch dp comm, per-step dp comm, tp gradient comm, gathered bytes)."""
+        """(per-micro-batch dp comm that may hide behind compute, per-step dp comm that
+        may, per-micro-batch parameter comm on the critical path, gathered bytes).
+
+        On the critical path: tensor parallelism's partial-gradient reductions, and the
+        data-parallel collectives of the root ``fully_shard`` unit (the parameters
+        outside the blocks: embeddings, head, final norm). The root's all-gather is the
+        first thing a forward waits for and its gradients are complete only when the
+        backward ends (the embedding's comes last), so its reduce-scatter (ZeRO 1-3)
+        or all-reduce (ZeRO-0, once per step: charged as 1/n per micro-batch) has no
+        compute left to hide behind. The runtime keeps the root gathered from forward
+        to backward (:mod:`autopar.runtime.data_parallel`), so under ZeRO-3 it is
+        gathered once per micro-batch, where a block is gathered twice."""
         micro = step = tp = gather = 0.0
+        n_micro = max(1, self.st.num_microbatches)
         dpa = self.dp_axis
         for pos, i in enumerate(n.inputs):
             node = self.g.node(i)
@@ -624,17 +642,25 @@ class _Builder:
             dpn, link = self.mesh.sizes[dpa], self.links[dpa]
             grad_bytes = local * 4.0  # gradients are reduced in fp32 (MixedPrecisionPolicy)
             w = local * self.pbytes.gathered if self.pbytes.gathered else local * 4.0
+            root = node.target in self.root_params
+            if self.st.zero == 0:
+                t = bucketed_time("all_reduce", grad_bytes, dpn, link, share)
+                if root:
+                    tp += t / n_micro
+                else:
+                    step += t
+                continue
+            gathers = 2 if self.st.zero == 3 and not root else 1
+            t = gathers * bucketed_time("all_gather", w, dpn, link, share) + \
+                bucketed_time("reduce_scatter", grad_bytes, dpn, link, share)
+            if root:
+                tp += t
+            else:
+                micro += t
             if self.st.zero == 3:
-                micro += 2 * bucketed_time("all_gather", w, dpn, link, share)
-                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link, share)
                 gather += w
                 if self.st.offload:
                     micro += offload_transfer_time(local / dpn, self.st.hw)
-            elif self.st.zero in (1, 2):
-                micro += bucketed_time("all_gather", w, dpn, link, share)
-                micro += bucketed_time("reduce_scatter", grad_bytes, dpn, link, share)
-            else:
-                step += bucketed_time("all_reduce", grad_bytes, dpn, link, share)
         return micro, step, tp, gather
 
     def _saved_owner(self) -> dict[tuple[str, int], str]:
