@@ -17,7 +17,16 @@ host's share, n·Σ(h_F + h_B) + h_O (the last term of the exposed host time H o
 
     T_lb(r) ≥ Σ_v m_v min_i (host + param_host)
 
-(recomputation only adds host time). Memory is bounded as in
+(recomputation only adds host time). Once per step, no assignment avoids the
+optimizer and the gradient traffic that the backward cannot hide (E_step of
+:mod:`autopar.solvers.problem`, bounded with each node's least traffic and most
+backward compute, the mode's recomputed forward included):
+
+    S_lb(r) = Σ_v m_v min_i optimizer + max(0, Σ_v m_v min_i step_param_comm
+                                              − overlap · Σ_v m_v max_i (bwd_compute + extra_r))
+
+so a step of n micro-batches takes at least n·max(compute, parameter sums) + S_lb(r)
+(:func:`step_bound`). Memory is bounded as in
 :func:`autopar.solvers.problem.least_memory`, each node on its own:
 
     M_lb(r) = fixed + max(Σ_v min_i (C_v,i,r + m_v · backward_start_v,i),
@@ -49,6 +58,8 @@ class ComboBound:
     param_time_per_microbatch_s: float
     memory_bytes: float
     host_time_per_microbatch_s: float = 0.0
+    optimizer_s: float = 0.0
+    exposed_step_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -80,13 +91,17 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
 
     base = _Sums()
     per_group = [{r: _Sums() for r in grp.allowed} for grp in p.recompute]
-    param_time = host_time = 0.0
+    param_time = host_time = optimizer = step_comm = bwd = 0.0
+    bwd_by_mode = [{r: 0.0 for r in grp.allowed} for grp in p.recompute]
     for v, node in enumerate(p.nodes):
         m = node.multiplicity
         param_time += m * min(s.micro_param_comm_s + s.comm_s for s in node.strategies)
         host_time += m * min(s.host_s + s.param_host_s for s in node.strategies)
+        optimizer += m * min(s.optimizer_s for s in node.strategies)
+        step_comm += m * min(s.step_param_comm_s for s in node.strategies)
         ss = node.strategies
         if v not in grouped:
+            bwd += m * max(s.device_bwd_s for s in ss)
             base.add([m * (s.device_s + s.comm_s) for s in ss], [mem(v, i) for i in range(len(ss))],
                      [m * s.backward_start_bytes for s in ss], [s.recompute_bytes for s in ss])
             continue
@@ -94,6 +109,8 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
         grp = p.recompute[g]
         f = scale if pp > 1 else 1.0
         for r in grp.allowed:
+            bwd_by_mode[g][r] += m * max(s.device_bwd_s + grp.extra_s[k][i][r]
+                                         for i, s in enumerate(ss))
             per_group[g][r].add(
                 [m * (s.device_s + s.comm_s + grp.extra_s[k][i][r]) for i, s in enumerate(ss)],
                 [mem(v, i) + grp.memory(k, i, r, m) * f for i in range(len(ss))],
@@ -112,7 +129,9 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
                            capacity)
         if t < float("inf") and tree:
             t = max(t, tree_bound(p, mode_extra(p, modes)))
-        out.append(ComboBound(modes, t, param_time, least, host_time))
+        most_bwd = bwd + sum(bwd_by_mode[g][r] for g, r in enumerate(modes))
+        out.append(ComboBound(modes, t, param_time, least, host_time, optimizer,
+                              max(0.0, step_comm - p.overlap * most_bwd)))
     return out
 
 
@@ -188,6 +207,28 @@ def fitting_bound(bounds: list[ComboBound], budget: float) -> float:
     """The least per-micro-batch time bound over the combinations whose memory bound
     fits ``budget`` (inf when none does)."""
     return min((b.time_s for b in bounds if b.memory_bytes <= budget * (1 + 1e-9)),
+               default=float("inf"))
+
+
+def step_bound(bounds: list[ComboBound], budget: float, n: int, pp: int = 1) -> float:
+    """The least bound on a step of ``n`` micro-batches over the combinations whose
+    memory bound fits ``budget`` (inf when none does).
+
+    Without a pipeline: max(n·max(compute, parameter sums) + S_lb, n·host) (module
+    docstring). On ``pp`` ranks each rank runs its stages' n micro-batches one
+    operation at a time, so the schedule takes at least the mean rank's share, and
+    then each rank steps its optimizer: max((n·max(compute, parameter sums) +
+    Σ optimizer) / pp, n·host / pp). (The gradient traffic of a pipeline rank hides
+    behind its own stages' backward, which this bound does not know, so it is left
+    out there.)"""
+    def one(b: ComboBound) -> float:
+        dev = n * max(b.time_per_microbatch_s, b.param_time_per_microbatch_s)
+        host = n * b.host_time_per_microbatch_s
+        if pp == 1:
+            return max(dev + b.optimizer_s + b.exposed_step_s, host)
+        return max(dev + b.optimizer_s, host) / pp
+
+    return min((one(b) for b in bounds if b.memory_bytes <= budget * (1 + 1e-9)),
                default=float("inf"))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh
-from autopar.solvers.bounds import combo_bounds, fitting_bound
+from autopar.solvers.bounds import combo_bounds, step_bound
 from autopar.solvers.ilp import Solution, solve_ilp
 from autopar.plans import RECOMPUTE
 from autopar.solvers.pipeline_search import (PipelineOutcome, in_flight, pipeline_problem,
@@ -336,9 +336,9 @@ def _mesh_key(c: Candidate) -> tuple:
 
 def _bounds(cands: list[Candidate], built_by: dict, budget: float) -> list[float]:
     """Each candidate's lower bound on the step time (inf: nothing fits in memory):
-    its micro-batches times the least per-micro-batch bound of the recomputation
-    modes whose memory bound fits (:mod:`autopar.solvers.bounds`), spread perfectly
-    over the pipeline's ranks."""
+    the least :func:`~autopar.solvers.bounds.step_bound` of the recomputation modes
+    whose memory bound fits — its micro-batches' work and its once-per-step optimizer
+    and exposed gradient traffic, spread perfectly over the pipeline's ranks."""
     per: dict[tuple, float] = {}
     out = []
     for c in cands:
@@ -350,8 +350,9 @@ def _bounds(cands: list[Candidate], built_by: dict, budget: float) -> list[float
         key = (_mesh_key(c), c.pp, held)
         if key not in per:
             acts = [[ns.memory.get("activations", 0.0) for ns in ds] for ds in built.strategies]
-            per[key] = fitting_bound(combo_bounds(built.problem, acts, c.pp, held), budget)
-        out.append(c.num_microbatches * per[key] / c.pp)
+            per[key] = step_bound(combo_bounds(built.problem, acts, c.pp, held), budget,
+                                  c.num_microbatches, c.pp)
+        out.append(per[key])
     return out
 
 
