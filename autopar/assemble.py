@@ -42,6 +42,7 @@ from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
 from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, NodeStrategy
+from autopar.strategies.rules import loss_reduction
 
 
 def chosen_strategies(g: Graph, built: Built, sol: Solution) -> dict[str, NodeStrategy]:
@@ -156,7 +157,8 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         precision=st.precision, optimizer=st.optimizer, params=params, activations=acts,
         modules=modules, blocks=blocks, step_time_s=ev.step_time_s, breakdown=breakdown,
         memory=memory, throughput=global_batch / ev.step_time_s if ev.step_time_s else 0.0,
-        mfu=mfu, solver=dict(sol.stats), notes=[], recompute=recompute, offload=st.offload)
+        mfu=mfu, solver=dict(sol.stats), notes=[], recompute=recompute, offload=st.offload,
+        loss_reduction=loss_reduction(g))
 
 
 def memory_breakdown(built: Built, sol: Solution) -> dict[str, float]:

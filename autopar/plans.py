@@ -167,6 +167,9 @@ class Plan:
         inputs: the shape (one global batch, batch first) and dtype of each of the
             model's inputs the plan was made for, e.g. ``{"shape": [8, 1024], "dtype":
             "int64"}``: a pipeline's stages are exported for these shapes.
+        loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``
+            (:func:`autopar.strategies.rules.loss_reduction`); the runtime scales a
+            summed loss so that averaging over ranks and micro-batches keeps the sum.
     """
 
     model: str
@@ -196,6 +199,7 @@ class Plan:
     offload: bool = False
     runners_up: list[dict[str, Any]] = field(default_factory=list)
     inputs: list[dict[str, Any]] = field(default_factory=list)
+    loss_reduction: str = "mean"
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -306,6 +310,8 @@ def _check_plan(plan: Plan) -> None:
         if mode not in RECOMPUTE:
             raise PlanFormatError(f"block {block!r} has recomputation {mode!r}; expected one of "
                                   f"{', '.join(RECOMPUTE)}")
+    if plan.loss_reduction not in ("mean", "sum"):
+        raise PlanFormatError(f"loss_reduction {plan.loss_reduction!r} is not 'mean' or 'sum'")
     if plan.offload and plan.zero != 3:
         raise PlanFormatError("offload needs zero=3 (FSDP2 offloads sharded parameters)")
     if plan.zero not in (0, 1, 2, 3):

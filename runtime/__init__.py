@@ -18,11 +18,11 @@ The runtime consumes a Plan and never calls a solver.
 from autopar.runtime.lower import check_plan, lower, lower_pipeline
 from autopar.runtime.memory_probe import StepMemory, measure_step_memory
 from autopar.runtime.pipeline import PipelineRuntime, check_pipeline
-from autopar.runtime.parallel_model import ParallelModel, apply_plan
+from autopar.runtime.parallel_model import ParallelModel, apply_plan, loss_scale
 from autopar.runtime.recompute import apply_ac, checkpoint_block
 from autopar.runtime.tensor_parallel import TPLayout, apply_tensor_parallel, tp_layout
 
-__all__ = ["ParallelModel", "apply_plan", "lower", "check_plan", "TPLayout", "tp_layout",
+__all__ = ["ParallelModel", "apply_plan", "loss_scale", "lower", "check_plan", "TPLayout", "tp_layout",
            "apply_tensor_parallel",
            "lower_pipeline", "check_pipeline", "PipelineRuntime", "apply_ac", "checkpoint_block",
            "StepMemory", "measure_step_memory"]

@@ -402,19 +402,29 @@ def _pipeline_title(plan: Plan) -> str:
     return f",\n{pipe.schedule} pipeline of {len(pipe.stages)} stages"
 
 
-def _loss_section(loss_spec: str | None, loss_file: str | None) -> tuple[str, str]:
+def _loss_section(plan: Plan, loss_spec: str | None,
+                  loss_file: str | None) -> tuple[str, str]:
     """The program's ``loss_fn`` and the constants it reads: the user's function of
-    ``loss_spec``, checked to exist now, or the default cross-entropy."""
+    ``loss_spec``, checked to exist now (scaled as the runtime scales a loss that sums
+    over the batch: :func:`~autopar.runtime.parallel_model.loss_scale`), or the
+    default cross-entropy."""
     if loss_spec is None:
         return T.LOSS.template, ""
     from autopar.examples.zoo import load_callable
+    from autopar.runtime.parallel_model import loss_scale
 
     load_callable(loss_spec)
     path, _, name = loss_spec.rpartition(":")
     where = loss_file if loss_file is not None else path
-    text = T.USER_LOSS.substitute(loss_name=name, loss_file=Path(path).name)
-    return text, (f'\nLOSS_FILE = "{where}"  # a relative path is read from this program\'s '
-                  f'folder\nLOSS_FUNCTION = "{name}"')
+    scale = loss_scale(plan)
+    template = T.USER_SUM_LOSS if scale != 1.0 else T.USER_LOSS
+    text = template.substitute(loss_name=name, loss_file=Path(path).name)
+    constants = (f'\nLOSS_FILE = "{where}"  # a relative path is read from this program\'s '
+                 f'folder\nLOSS_FUNCTION = "{name}"')
+    if scale != 1.0:
+        constants += (f"\nLOSS_SCALE = {scale:g}  # the loss sums over the batch: "
+                      "micro-batches x dp")
+    return text, constants
 
 
 def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
@@ -468,7 +478,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
                    f"    total /= {plan.degree('dp')}  # the mean over dp\n")
     what = "token ids" if facts.input_is_tokens else "features"
     optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
-    loss_text, loss_constants = _loss_section(loss_spec, loss_file)
+    loss_text, loss_constants = _loss_section(plan, loss_spec, loss_file)
     extra = loss_constants + extra
     sections += [T.DATA.substitute(synthetic_what=what), loss_text]
     if pipelined:

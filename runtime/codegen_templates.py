@@ -213,6 +213,15 @@ def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return getattr(import_file(LOSS_FILE), LOSS_FUNCTION)(output, targets)''')
 """The user's own loss function, imported by file path as the model is."""
 
+USER_SUM_LOSS = Template('''\
+def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """The user's loss, $loss_name from $loss_file. It sums over the batch, and the step
+    takes the mean over micro-batches and dp ranks (of the loss, and FSDP2 of the
+    gradients): each is scaled by their count, LOSS_SCALE, to keep the sum."""
+    return LOSS_SCALE * getattr(import_file(LOSS_FILE), LOSS_FUNCTION)(output, targets)''')
+"""The user's own loss function when it sums over the batch
+(:func:`autopar.runtime.loss_scale`)."""
+
 TRAIN_STEP = Template('''\
 def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, ...],
                targets: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -75,7 +75,7 @@ class ParallelModel(nn.Module):
             return self.module(*inputs, **kwargs)
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        return _loss(self.loss_fn, output, targets)
+        return _loss(self.loss_fn, output, targets, loss_scale(self.plan))
 
     def _check_batch(self, xs: Sequence[Any], targets: torch.Tensor) -> None:
         gb = self.plan.global_batch
@@ -97,7 +97,8 @@ class ParallelModel(nn.Module):
                               f"by {tp}")
 
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one global batch; returns the global mean loss.
+        """Forward and backward of one global batch; returns the global batch's loss
+        (the mean over its samples, or their sum for a loss that sums: :func:`loss_scale`).
 
         Every rank passes the same global batch (a tensor or a tuple of tensors, batch
         first). Each rank takes its data-parallel slice (tp ranks of one dp group take
@@ -168,7 +169,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     no_kv_cache(model)
     dev = torch.device(device) if device is not None else default_device()
     if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
-        runtime = lower_pipeline(model, plan, dev, functools.partial(_loss, loss_fn),
+        runtime = lower_pipeline(model, plan, dev,
+                                 functools.partial(_loss, loss_fn, scale=loss_scale(plan)),
                                  example_inputs)
         return ParallelModel(nn.ModuleList(runtime.modules), plan, runtime.meshes.mesh,
                              loss_fn=loss_fn, device=dev, pipeline=runtime)
@@ -197,8 +199,21 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device)
 
 
-def _loss(loss_fn: LossFn | None, output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """``loss_fn(output, targets)``, or cross-entropy over the output's logits."""
-    if loss_fn is not None:
-        return loss_fn(output, targets)
-    return default_loss(first_tensor(output), targets)
+def loss_scale(plan: Plan) -> float:
+    """What each rank's loss of one micro-batch is multiplied by before its backward.
+    The step takes the mean over micro-batches and data-parallel ranks (of the loss,
+    and FSDP2 of the gradients), which is the whole batch's loss for a mean; a loss
+    that sums over the batch (``plan.loss_reduction == "sum"``) is the sum of the
+    ranks' and micro-batches' losses, so each is scaled by their count."""
+    if plan.loss_reduction != "sum":
+        return 1.0
+    return float(plan.num_microbatches * plan.degree("dp"))
+
+
+def _loss(loss_fn: LossFn | None, output: Any, targets: torch.Tensor,
+          scale: float = 1.0) -> torch.Tensor:
+    """``loss_fn(output, targets)``, or cross-entropy over the output's logits, times
+    ``scale`` (:func:`loss_scale`)."""
+    loss = loss_fn(output, targets) if loss_fn is not None else \
+        default_loss(first_tensor(output), targets)
+    return loss * scale if scale != 1.0 else loss

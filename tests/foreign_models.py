@@ -63,6 +63,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
+def lm_sum_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over the tokens (``reduction="sum"``)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                           reduction="sum")
+
+
 class CausalSelfAttention(nn.Module):
     """nanoGPT's attention: fused qkv, head shapes read from the input."""
 

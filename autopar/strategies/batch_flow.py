@@ -152,9 +152,16 @@ class BatchFlow:
         """Settle ``n`` split on ``label``; False when a reshape moves the batch
         elsewhere than the rule's label (then it is followed)."""
         out = out_place(rule, label)
-        if out == "P" and self.graph.users(n.name):
-            raise UnsupportedOpError(_message(n, "it reduces over the batch dimension (e.g. "
-                                                 "a batch statistic such as BatchNorm's)"))
+        users = self.graph.users(n.name) if out == "P" else []
+        if users:
+            raise UnsupportedOpError(
+                f"operator {n.target} in module '{n.module_path or '<root>'}' cannot run "
+                f"data-parallel: it sums over the batch dimension and {users[0].target} "
+                "reads the sum, which each rank would compute from its own samples only. "
+                "In a loss, end with the reduction over the batch: a mean (reduction='mean', "
+                ".mean()) or the sum itself (reduction='sum', .sum()), not a sum scaled "
+                "afterwards; in the model's forward, compute it per sample (a batch "
+                "statistic such as BatchNorm's cannot be split).")
         pos, p = next((pos, p) for pos, p in fixed if p != "R")
         inner = self.inner.get(n.inputs[pos], 1)
         if op_of(n.target) in _RESHAPES and out.startswith("S("):

@@ -35,7 +35,7 @@ from autopar.strategies.rule_base import (Fresh as _Fresh, Labels, OpRule, arg a
 from autopar.strategies.rules_moe import MOE_HANDLERS
 
 __all__ = ["Labels", "OpRule", "broadcast_rule", "constant_rule", "fallback_rule", "has_rule",
-           "permute_rule", "rule_for", "view_groups", "view_rule"]
+           "loss_reduction", "permute_rule", "rule_for", "view_groups", "view_rule"]
 
 
 def broadcast_rule(in_metas: list[TensorMeta | None], out: TensorMeta, fresh: _Fresh) -> OpRule:
@@ -322,6 +322,31 @@ _POINTWISE_LOSS_REDUCTION_ARG = {
 }
 """Losses computed element by element and then reduced: the position of their
 ``reduction`` argument (aten schemas: 0 none, 1 mean, 2 sum; mean by default)."""
+
+
+_LOSS_REDUCTION_ARG = {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_nd": 3,
+                       "nll_loss2d": 3, **_POINTWISE_LOSS_REDUCTION_ARG}
+"""Losses with a ``reduction`` argument, and its position (cross-entropy and NLL as the
+pointwise losses: aten schemas)."""
+
+
+def loss_reduction(graph) -> str:
+    """How the captured loss (the graph's ``loss`` node) reduces over the batch: ``"sum"`` when
+    the op that makes it is a sum (``torch.sum``, or a loss with ``reduction="sum"``) to
+    one value, else ``"mean"``. Under data parallelism and micro-batches every rank
+    computes the loss of its own samples; the runtime averages those (and the
+    gradients), which equals the loss of the whole batch for a mean, and for a sum
+    only once each is scaled by their count (:func:`autopar.runtime.loss_scale`)."""
+    n = graph.node(graph.loss)
+    if n.kind != "op" or n.out is None or n.out.numel != 1:
+        return "mean"
+    op = _op(n.target)
+    if op == "sum":
+        return "sum"
+    if op in _LOSS_REDUCTION_ARG:
+        red = _arg(node=n, i=_LOSS_REDUCTION_ARG[op], default=1)
+        return "sum" if red == 2 else "mean"
+    return "mean"
 
 
 def _pointwise_loss(node, in_metas, fresh):
