@@ -8,8 +8,9 @@ ZeRO stages tried over dp > 1: 0, 2 and 3 without a pipeline, 0 and 2 with one
 (ZeRO-3, no pipeline) is tried only when no candidate fits without it: it trades the
 host link's time for device memory and never wins otherwise.
 
-Candidates are visited in a fixed order and ties keep the first found, so the same
-inputs always give the same plan.
+Candidates are visited in a fixed order (those without a pipeline first, each group by
+its lower bound) and ties keep the first found, so the same inputs always give the same
+plan.
 """
 
 from __future__ import annotations
@@ -219,7 +220,11 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute)
     bound = _bounds(cands, built_by, memory_budget)
-    order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
+    # candidates without a pipeline first (one ILP each, and their steps are tight), then
+    # the pipelined ones, whose bounds spread the work perfectly over the ranks and
+    # which, when no split fits the ILP's answer, search their modes (many ILPs): an
+    # incumbent found early prunes most of those
+    order = sorted(range(len(cands)), key=lambda k: (cands[k].pp > 1, bound[k], k))
     solved: dict[tuple, object] = {}
     gap_bound = None
     for done, k in enumerate(order):

@@ -37,6 +37,8 @@ class GraphAnalysis:
     constants: set[str] = field(default_factory=set)
     unit_share: dict[str, float] = field(default_factory=dict)
     output_ops: set[str] = field(default_factory=set)
+    root_params: frozenset[str] = frozenset()
+    """Parameters of the root ``fully_shard`` unit: outside every block."""
 
 
 def analyze(graph: Graph) -> GraphAnalysis:
@@ -74,7 +76,13 @@ def analyze(graph: Graph) -> GraphAnalysis:
         mult[c] = mult.get(c, 0) + 1
     return GraphAnalysis(graph, rules, in_metas, batch_label, batch_dim, module_ops, owner,
                          consumers, saved, mult, constants, unit_shares(graph),
-                         module_outputs(graph, rules))
+                         module_outputs(graph, rules), root_params(graph))
+
+
+def root_params(g: Graph) -> frozenset[str]:
+    """The parameters outside every block: the root ``fully_shard`` unit's."""
+    blocks = [lay.path for lay in g.layers]
+    return frozenset(name for name in g.params if fsdp_unit(blocks, name) == "")
 
 
 def unit_shares(g: Graph) -> dict[str, float]:

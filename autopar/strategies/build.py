@@ -47,7 +47,6 @@ from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import OpNode, TensorMeta
-from autopar.plans import fsdp_unit
 from autopar.sharding import Mesh, layout_name, shard_count, shard_dim, shard_pieces
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie
 from autopar.strategies.analysis import GraphAnalysis
@@ -171,9 +170,7 @@ class _Builder:
         self.dtype = st.precision
         self._metas: dict[str, TensorMeta | None] = {}
         self.unit_share = an.unit_share
-        blocks = [lay.path for lay in self.g.layers]
-        self.root_params = frozenset(name for name in self.g.params
-                                     if fsdp_unit(blocks, name) == "")
+        self.root_params = an.root_params
         self.saved_owner = saved_owner if saved_owner is not None else self._saved_owner()
 
     # ---- shapes ---------------------------------------------------------------
