@@ -236,14 +236,22 @@ def _solve(problem: Problem, bound: float) -> Solution | NoFeasiblePlanError | N
         return e
 
 
+class RefineLater(Exception):
+    """:func:`solve_pipeline` with ``refine=False``: no stage split fits the ILP's
+    answer, and finding one means searching the modes (:func:`refine_modes`, many
+    ILPs)."""
+
+
 def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_stages: int,
                    solved: dict[tuple, tuple[Solution, list[Unit]] | NoFeasiblePlanError] | None = None,
-                   bound: float = float("inf")) -> PipelineOutcome | None:
+                   bound: float = float("inf"), refine: bool = True) -> PipelineOutcome | None:
     """Solve one pipelined candidate (see the module docstring); raises
     NoFeasiblePlanError when no split fits. ``solved`` caches intra-op solutions
     by (problem, pp, in-flight micro-batches), which schedules share. When no assignment
     fits the first rank's in-flight count, the relaxed count decides. Returns None when
-    even a bubble-free pipeline of this solution would take ``bound`` or more."""
+    even a bubble-free pipeline of this solution would take ``bound`` or more. Without
+    ``refine``, raises :class:`RefineLater` where the modes would be searched, so the
+    caller can do it once a better incumbent may prune it."""
     m = built.settings.num_microbatches
     solved = {} if solved is None else solved
     held = in_flight(schedule, pp, m)
@@ -261,6 +269,8 @@ def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_st
         return _outcome(g, built, sol, units, pp=pp, schedule=schedule,
                         virtual_stages=virtual_stages, bound=bound)
     except NoFeasiblePlanError:  # the ILP's rank model fits, no split does: search the modes
+        if not refine:
+            raise RefineLater("no stage split fits the ILP's answer") from None
         return refine_modes(g, built, None, pp=pp, schedule=schedule,
                             virtual_stages=virtual_stages, bound=bound)
 

@@ -8,9 +8,8 @@ ZeRO stages tried over dp > 1: 0, 2 and 3 without a pipeline, 0 and 2 with one
 (ZeRO-3, no pipeline) is tried only when no candidate fits without it: it trades the
 host link's time for device memory and never wins otherwise.
 
-Candidates are visited in a fixed order (those without a pipeline first, each group by
-its lower bound) and ties keep the first found, so the same inputs always give the same
-plan.
+Candidates are visited in a fixed order (by lower bound) and ties keep the first found,
+so the same inputs always give the same plan.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from autopar.sharding import Mesh
 from autopar.solvers.bounds import combo_bounds, step_bound
 from autopar.solvers.ilp import Solution, solve_ilp
 from autopar.plans import RECOMPUTE
-from autopar.solvers.pipeline_search import (PipelineOutcome, in_flight, pipeline_problem,
-                                             refine_modes, solve_pipeline)
+from autopar.solvers.pipeline_search import (PipelineOutcome, RefineLater, in_flight,
+                                             pipeline_problem, refine_modes, solve_pipeline)
 from autopar.solvers.schedules import needs_a_microbatch_per_stage, validate
 from autopar.solvers.problem import evaluate, least_memory
 from autopar.strategies.analysis import GraphAnalysis
@@ -220,25 +219,33 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute)
     bound = _bounds(cands, built_by, memory_budget)
-    # candidates without a pipeline first (one ILP each, and their steps are tight), then
-    # the pipelined ones, whose bounds spread the work perfectly over the ranks and
-    # which, when no split fits the ILP's answer, search their modes (many ILPs): an
-    # incumbent found early prunes most of those
-    order = sorted(range(len(cands)), key=lambda k: (cands[k].pp > 1, bound[k], k))
+    order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     solved: dict[tuple, object] = {}
     gap_bound = None
-    for done, k in enumerate(order):
+    # a pipelined candidate whose ILP answer fits no stage split searches its modes (many
+    # ILPs): that waits until every candidate has been visited once, when the best plan
+    # found prunes most of it; it is then visited again, by its bound, with refine
+    later: list[int] = []
+    for done, k in enumerate([*order, None]):
+        if k is None:  # the deferred searches, in their bounds' order
+            for j in later:
+                limit = kept[-1].step_time_s if len(kept) >= top_k else float("inf")
+                kept = _keep(kept, _score(an, cands[j], built_by[_mesh_key(cands[j])],
+                                          bound[j], limit, solved, outcomes, infeasible),
+                             top_k)
+            break
         if time_limit_s is not None and kept and time.perf_counter() - t0 > time_limit_s:
-            gap_bound = bound[k]  # every candidate left is at least this slow
+            gap_bound = min([bound[k]] + [bound[j] for j in later])
             break
         c = cands[k]
         limit = kept[-1].step_time_s if len(kept) >= top_k else float("inf")
-        scored = _score(an, c, built_by[_mesh_key(c)], bound[k], limit, solved, outcomes,
-                        infeasible)
-        if scored is not None:
-            at = next((i for i, s in enumerate(kept)
-                       if scored.step_time_s < s.step_time_s * (1 - 1e-9)), len(kept))
-            kept = (kept[:at] + [scored] + kept[at:])[:top_k]
+        try:
+            scored = _score(an, c, built_by[_mesh_key(c)], bound[k], limit, solved, outcomes,
+                            infeasible, refine=False)
+        except RefineLater:
+            later.append(k)
+            continue
+        kept = _keep(kept, scored, top_k)
         if progress is not None:
             progress(done + 1, len(order), kept[0].step_time_s if kept else None)
     if not kept:
@@ -259,6 +266,16 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     if gap_bound is not None:
         res.solution.stats["gap"] = max(0.0, 1.0 - gap_bound / best.step_time_s)
     return res
+
+
+def _keep(kept: list[Scored], scored: Scored | None, top_k: int) -> list[Scored]:
+    """``kept`` (the top_k fastest, fastest first) with ``scored`` placed after every
+    plan as fast (ties keep the first found)."""
+    if scored is None:
+        return kept
+    at = next((i for i, s in enumerate(kept)
+               if scored.step_time_s < s.step_time_s * (1 - 1e-9)), len(kept))
+    return (kept[:at] + [scored] + kept[at:])[:top_k]
 
 
 def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
@@ -296,9 +313,11 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
 
 def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, bound: float,
            limit: float, solved: dict, outcomes: list[Outcome],
-           infeasible: list[tuple[Candidate, Built]]) -> Scored | None:
+           infeasible: list[tuple[Candidate, Built]], refine: bool = True) -> Scored | None:
     """Solve candidate ``c`` unless it cannot fit or cannot beat ``limit`` (the time a
-    plan must beat to be kept); record its outcome either way."""
+    plan must beat to be kept); record its outcome either way. Without ``refine``, a
+    pipelined candidate that would search its modes raises RefineLater instead (and
+    records nothing)."""
     def drop(reason: str, fits: bool = True) -> None:
         outcomes.append(Outcome(c, None, None, reason))
         if not fits:
@@ -315,7 +334,8 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
     if c.pp > 1:
         try:
             po = solve_pipeline(an.graph, built, pp=c.pp, schedule=c.schedule,
-                                virtual_stages=c.virtual_stages, solved=solved, bound=limit)
+                                virtual_stages=c.virtual_stages, solved=solved, bound=limit,
+                                refine=refine)
         except NoFeasiblePlanError as e:
             return drop(str(e), fits=False)
         if po is None:
