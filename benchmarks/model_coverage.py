@@ -337,7 +337,11 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{doc['transformers']}, {doc['machine']}. Run cells: {STEPS} SGD steps of a "
             f"tiny fp32 model on {RANKS} gloo ranks against one process, pass within "
             f"{TOL:g}. Meta cells: `autopar.plan` on 8 x 8 H100, global batch "
-            f"{META_GLOBAL_BATCH}. Command: `{doc['command']}` ({doc['wall_s'] / 60:.0f} min).",
+            f"{META_GLOBAL_BATCH}. Command: `{doc['command']}` ({doc['wall_s'] / 60:.0f} min)."
+            + (" Cells this command did not redo come from earlier runs, newest first: "
+               + "; ".join(f"{k.get('date', '?')}, autopar {k.get('autopar', '?')}: "
+                           f"`{k.get('command', '?')}`" for k in doc["kept_from"][::-1]) + "."
+               if doc.get("kept_from") else ""),
             "", "| family | " + " | ".join(heads[p] for p in plans) + " |",
             "|---" * (len(plans) + 1) + "|"]
     for name, cells in doc["families"].items():
@@ -378,8 +382,12 @@ def main() -> int:
 
     json_path = args.out / "model_coverage.json"
     families: dict[str, dict[str, Any]] = {}
+    kept_from: list[dict[str, str]] = []
     if args.merge and json_path.exists():
-        families = json.loads(json_path.read_text())["families"]
+        prev = json.loads(json_path.read_text())
+        families = prev["families"]
+        kept_from = prev.get("kept_from", []) + [
+            {k: prev[k] for k in ("date", "autopar", "command") if k in prev}]
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     source = autopar_source()
@@ -394,7 +402,7 @@ def main() -> int:
                    "torch": torch.__version__, "transformers": transformers.__version__,
                    "python": platform.python_version(), "machine": machine(),
                    "command": "python benchmarks/model_coverage.py " + " ".join(sys.argv[1:]),
-                   "wall_s": time.perf_counter() - t0,
+                   "wall_s": time.perf_counter() - t0, "kept_from": kept_from,
                    "families": {n: families[n] for n in [*FAMILIES, *families]
                                 if n in families}}
             json_path.write_text(json.dumps(doc, indent=1) + "\n")
