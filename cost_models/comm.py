@@ -65,7 +65,7 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -
         return 0.0
     steps, traffic = ring_shape(kind, nbytes, n)
     best = INF
-    for a in link.algorithms:  # CollectiveAlgorithm.time inlined: the planner's hottest call
+    for a in link.algorithms:  # CollectiveAlgorithm's formula, in the planner's hottest call
         if not a.kinds or kind in a.kinds:
             moved = traffic if a.bus else nbytes
             t = a.base_latency + steps * a.step_latency + moved / a.bandwidth

@@ -51,16 +51,6 @@ class CollectiveAlgorithm:
     bus: bool = True
     kinds: tuple[str, ...] = ()
 
-    def serves(self, kind: str) -> bool:
-        """Whether this algorithm runs collectives of ``kind``."""
-        return not self.kinds or kind in self.kinds
-
-    def time(self, steps: int, traffic: float, nbytes: float) -> float:
-        """Seconds for a collective of ``steps`` ring steps moving ``traffic`` bytes per
-        device on the wire (``nbytes``, the buffer, where ``bus`` is false)."""
-        moved = traffic if self.bus else nbytes
-        return self.base_latency + steps * self.step_latency + moved / self.bandwidth
-
 
 @dataclass(frozen=True)
 class LinkSpec:

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.cost_models.profiler_host import median_difference, median_time, paired_times
+from autopar.cost_models.profiler_host import (backward_times, median_difference, median_time,
+                                               paired_times)
 
 OP_KINDS = ("matmul", "attention", "norm", "pointwise", "view", "embedding")
 """Op kinds whose host time is measured (:func:`op_kind` maps a graph op to one)."""
@@ -161,7 +162,7 @@ def checkpoint_dispatch(dev: torch.device, sync: Callable[[], None],
            for g in ((lambda fn=fn: fn(x)), (lambda fn=fn: fn(x).float().sum().backward()))]
     times = paired_times(fns, sync, 2 * _REPS + 1, _CALLS, warmup=5)
     fwd = times[0::2]
-    bwd = [[b - f for f, b in zip(tf, tb)] for tf, tb in zip(times[0::2], times[1::2])]
+    bwd = [backward_times(tf, tb) for tf, tb in zip(times[0::2], times[1::2])]
     out: dict[str, float] = {}
     for k, key in ((1, "ckpt_op"), (2, "sac_op")):
         out[f"{key}_fwd"] = max(0.0, median_difference(fwd[0], fwd[k])) / _CHAIN

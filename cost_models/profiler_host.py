@@ -83,6 +83,12 @@ def median_difference(a: list[float], b: list[float]) -> float:
     return statistics.median(y - x for x, y in zip(a, b))
 
 
+def backward_times(fwd: list[float], both: list[float]) -> list[float]:
+    """Per repetition, the backward's share of a forward + backward (``both``) timed
+    beside the forward alone (``fwd``), from :func:`paired_times`."""
+    return [b - f for f, b in zip(fwd, both)]
+
+
 def median_of(runs: list[Any]) -> Any:
     """The element-wise median of repeated measurements of one shape (numbers, lists and
     dicts of them, nested): each figure is the median of its repetitions."""
@@ -116,8 +122,8 @@ def _added(wrapped: nn.Module, plain: nn.Module, x: torch.Tensor, sync: Callable
     beyond ``plain`` on ``x``, from paired repetitions (:func:`paired_times`)."""
     pf, pb, wf, wb = paired_times([*_fwd_and_step(plain, x), *_fwd_and_step(wrapped, x, context)],
                                   sync, 2 * _REPS + 1, _CALLS, warmup=10)
-    backward = [(b1 - f1) for f1, b1 in zip(wf, wb)]
-    return median_difference(pf, wf), median_difference([b - f for f, b in zip(pf, pb)], backward)
+    return median_difference(pf, wf), median_difference(backward_times(pf, pb),
+                                                        backward_times(wf, wb))
 
 
 def dtensor_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:

@@ -22,7 +22,7 @@ from autopar.runtime.parallel_model import ParallelModel, apply_plan, loss_scale
 from autopar.runtime.recompute import apply_ac, checkpoint_block
 from autopar.runtime.tensor_parallel import TPLayout, apply_tensor_parallel, tp_layout
 
-__all__ = ["ParallelModel", "apply_plan", "loss_scale", "lower", "check_plan", "TPLayout", "tp_layout",
-           "apply_tensor_parallel",
+__all__ = ["ParallelModel", "apply_plan", "loss_scale", "lower", "check_plan", "TPLayout",
+           "tp_layout", "apply_tensor_parallel",
            "lower_pipeline", "check_pipeline", "PipelineRuntime", "apply_ac", "checkpoint_block",
            "StepMemory", "measure_step_memory"]

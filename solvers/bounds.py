@@ -203,13 +203,6 @@ def knapsack_bound(segments: list[tuple[float, float]], fast_time: float, fast_m
     return float("inf")
 
 
-def fitting_bound(bounds: list[ComboBound], budget: float) -> float:
-    """The least per-micro-batch time bound over the combinations whose memory bound
-    fits ``budget`` (inf when none does)."""
-    return min((b.time_s for b in bounds if b.memory_bytes <= budget * (1 + 1e-9)),
-               default=float("inf"))
-
-
 def step_bound(bounds: list[ComboBound], budget: float, n: int, pp: int = 1) -> float:
     """The least bound on a step of ``n`` micro-batches over the combinations whose
     memory bound fits ``budget`` (inf when none does).

@@ -226,28 +226,24 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     # ILPs): that waits until every candidate has been visited once, when the best plan
     # found prunes most of it; it is then visited again, by its bound, with refine
     later: list[int] = []
-    for done, k in enumerate([*order, None]):
-        if k is None:  # the deferred searches, in their bounds' order
-            for j in later:
-                limit = kept[-1].step_time_s if len(kept) >= top_k else float("inf")
-                kept = _keep(kept, _score(an, cands[j], built_by[_mesh_key(cands[j])],
-                                          bound[j], limit, solved, outcomes, infeasible),
-                             top_k)
-            break
+    for done, k in enumerate(order):
         if time_limit_s is not None and kept and time.perf_counter() - t0 > time_limit_s:
             gap_bound = min([bound[k]] + [bound[j] for j in later])
             break
         c = cands[k]
-        limit = kept[-1].step_time_s if len(kept) >= top_k else float("inf")
         try:
-            scored = _score(an, c, built_by[_mesh_key(c)], bound[k], limit, solved, outcomes,
-                            infeasible, refine=False)
+            scored = _score(an, c, built_by[_mesh_key(c)], bound[k], _limit(kept, top_k),
+                            solved, outcomes, infeasible, refine=False)
         except RefineLater:
             later.append(k)
             continue
         kept = _keep(kept, scored, top_k)
         if progress is not None:
             progress(done + 1, len(order), kept[0].step_time_s if kept else None)
+    else:  # every candidate visited: the deferred searches, in their bounds' order
+        for j in later:
+            kept = _keep(kept, _score(an, cands[j], built_by[_mesh_key(cands[j])], bound[j],
+                                      _limit(kept, top_k), solved, outcomes, infeasible), top_k)
     if not kept:
         err = NoFeasiblePlanError(_no_fit_message(an.graph, infeasible, memory_budget, outcomes))
         err.least_bytes = min((lower_bound_memory(an.graph, b, c) for c, b in infeasible),
@@ -266,6 +262,11 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     if gap_bound is not None:
         res.solution.stats["gap"] = max(0.0, 1.0 - gap_bound / best.step_time_s)
     return res
+
+
+def _limit(kept: list[Scored], top_k: int) -> float:
+    """The step time a plan must beat to enter ``kept`` (inf while it has room)."""
+    return kept[-1].step_time_s if len(kept) >= top_k else float("inf")
 
 
 def _keep(kept: list[Scored], scored: Scored | None, top_k: int) -> list[Scored]:
