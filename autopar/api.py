@@ -160,7 +160,7 @@ def _check_pipeline_space(space: dict, num_blocks: int) -> None:
 
 
 def _unsplittable_for_pipelining(model, example_inputs, graph, space: dict) -> str | None:
-    """Why pipeline parallelism is left out of the search, or None. The runtime cuts
+    """Why pipeline parallelism is left out of the plan, or None. The runtime cuts
     stages from the model's exported program at its blocks, and this asks the
     runtime's own cut (:func:`autopar.runtime.pipeline_split.pipeline_blocker`), so a
     model it cannot cut is never offered pp > 1. A pp > 1 the caller asked for raises
@@ -172,7 +172,7 @@ def _unsplittable_for_pipelining(model, example_inputs, graph, space: dict) -> s
         return None
     if space.get("pp") is not None:
         raise ConfigError(f"pp={space['pp']} cannot run: {reason}")
-    return f"pipeline parallelism left out of the search: {reason}"
+    return f"pipeline parallelism left out of the plan: {reason}"
 
 
 def _input_specs(example_inputs, global_batch: int) -> list[dict]:
@@ -205,7 +205,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                 name: str | None = None, example_targets: torch.Tensor | None = None):
     from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
-    from autopar.solvers.search import candidates, search
+    from autopar.solvers.search import SearchResult, candidates, search
     from autopar.strategies.analysis import analyze
 
     unknown = sorted(set(space) - set(SEARCH_KEYS))
@@ -236,21 +236,32 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                        virtual_stages=space.get("virtual_stages"),
                        num_units=len(graph.layers) + 2 if graph.layers else 1,
                        heads=_heads(graph))
-    pp_note = None
-    if any(c.pp > 1 for c in cands):
-        pp_note = _unsplittable_for_pipelining(model, example_inputs, graph, space)
-        cands = [c for c in cands if c.pp == 1] if pp_note else cands
     top_k = space.get("top_k", 1)
     if not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k={top_k!r}: expected a positive integer (1 = the best plan "
                           f"only)")
-    res = search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node, precision=precision,
-                 optimizer=optimizer, memory_budget=budget,
-                 sequence_parallel=space.get("sequence_parallel"),
-                 recompute=_recompute_modes(space.get("recompute")),
-                 offload=_offload(space.get("offload"), space.get("zero")),
-                 time_limit_s=space.get("time_limit_s"), top_k=top_k,
-                 progress=space.get("progress"))
+    pp_note = None
+    asked = (space.get("pp") or 1) > 1
+    if asked:  # a model that cannot be cut is an error
+        _unsplittable_for_pipelining(model, example_inputs, graph, space)
+
+    def run(cands: list) -> SearchResult:
+        return search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node,
+                      precision=precision, optimizer=optimizer, memory_budget=budget,
+                      sequence_parallel=space.get("sequence_parallel"),
+                      recompute=_recompute_modes(space.get("recompute")),
+                      offload=_offload(space.get("offload"), space.get("zero")),
+                      time_limit_s=space.get("time_limit_s"), top_k=top_k,
+                      progress=space.get("progress"))
+
+    res = run(cands)
+    # whether the runtime can cut the model into stages is asked only of a search that
+    # kept a pipeline (a second export): one it cannot cut is searched again without
+    if not asked and any(r.candidate is not None and r.candidate.pp > 1
+                         for r in [res, *res.runners_up]):
+        pp_note = _unsplittable_for_pipelining(model, example_inputs, graph, space)
+        if pp_note:
+            res = run([c for c in cands if c.pp == 1])
     peak = hw.matmul_flops.get(precision, hw.matmul_flops.get("fp32", 1.0))
 
     def make(built, solution, candidate, pipeline) -> "Plan":

@@ -49,7 +49,7 @@ from autopar.solvers.pipeline_search import (boundary_p2p, rank_host_time, rank_
                                              shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
 from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
-from autopar.solvers.search import Candidate, candidate_settings, offload_candidates
+from autopar.solvers.search import Candidate, candidate_settings, tiers
 from autopar.solvers.units import Unit, unit_costs, unit_of_nodes
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, build_problem
@@ -329,17 +329,18 @@ def brute_force_search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_pe
     """The fastest feasible plan over the whole space of ``cands``, as
     :func:`autopar.solvers.search.search` defines it, by enumeration: every candidate's
     problem is built and solved by :func:`solve_exhaustive` (no pipeline) or
-    :func:`solve_pipeline_exhaustive` (pipeline). CPU offload follows the search's
-    rule: only offload candidates with ``offload=True``; with None, the offload
-    variants of the ZeRO-3 candidates only when nothing else fits.
+    :func:`solve_pipeline_exhaustive` (pipeline), one list of
+    :func:`~autopar.solvers.search.tiers` after another, as the search tries them.
 
     Raises NoFeasiblePlanError when no candidate fits."""
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
               recompute=recompute)
-    best = _best_of(an, offload_candidates(cands) if offload else cands, **kw)
-    if best is None and offload is None:
-        best = _best_of(an, offload_candidates(cands), **kw)
+    best = None
+    for tier in tiers(cands, gpus_per_node, offload):
+        best = _best_of(an, tier, **kw)
+        if best is not None:
+            break
     if best is None:
         raise NoFeasiblePlanError("no candidate fits the memory budget")
     return best

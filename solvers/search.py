@@ -4,9 +4,13 @@ micro-batch size, ZeRO stage and pipeline schedule; one intra-op ILP per candida
 Recomputation is chosen inside each ILP (one mode per distinct layer), not here.
 
 ZeRO stages tried over dp > 1: 0, 2 and 3 without a pipeline, 0 and 2 with one
-(ZeRO-1 lowers as ZeRO-2 and costs the same; ask for it with ``zero=1``). CPU offload
-(ZeRO-3, no pipeline) is tried only when no candidate fits without it: it trades the
-host link's time for device memory and never wins otherwise.
+(ZeRO-1 lowers as ZeRO-2 and costs the same; ask for it with ``zero=1``). Two kinds
+of candidate are tried only when no other fits (:func:`tiers`): CPU offload (ZeRO-3,
+no pipeline), which trades the host link's time for device memory, and tensor
+parallelism wider than a node, whose per-layer collectives then cross the inter-node
+network (on an H100 node about a ninth of NVLink's bandwidth per GPU). Narayanan et
+al. (SC'21, §3.3 takeaway #1) find tensor parallelism best up to a node's GPUs and
+pipelining beyond; asking for ``tp`` wider than a node searches it first.
 
 Candidates are visited in a fixed order (by lower bound) and ties keep the first found,
 so the same inputs always give the same plan.
@@ -160,14 +164,33 @@ def offload_candidates(cands: list[Candidate]) -> list[Candidate]:
     return out
 
 
+def tiers(cands: list[Candidate], gpus_per_node: int,
+          offload: bool | None) -> list[list[Candidate]]:
+    """``cands`` in the order the search tries them, each list only when none of the
+    earlier ones has a plan that fits: tensor parallelism within a node first (all of
+    ``cands`` when none is), then the rest; ``offload=True``: only the offload variants
+    (:func:`offload_candidates`), in the same order; None: the offload variants join the
+    second list."""
+    local = [c for c in cands if c.tp <= gpus_per_node] or cands
+    wide = [c for c in cands if c.tp > gpus_per_node and local is not cands]
+    if offload:
+        out = [offload_candidates(local), offload_candidates(wide)]
+    elif offload is None:
+        out = [local, wide + offload_candidates(cands)]
+    else:
+        out = [local, wide]
+    return [t for t in out if t]
+
+
 def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
            precision: str, optimizer: str, memory_budget: float,
            sequence_parallel: bool | None = None, recompute: tuple[str, ...] | None = None,
            offload: bool | None = None, time_limit_s: float | None = None, top_k: int = 1,
            progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
-    """Solve every candidate and return the fastest feasible plan's pieces; when none
-    fits and ``offload`` is not False, try again with CPU offload (``offload=True``:
-    only offload). ``recompute`` limits the recomputation modes (None: all).
+    """Solve every candidate and return the fastest feasible plan's pieces, trying the
+    lists of :func:`tiers` in turn until one has a plan that fits (``offload=True``:
+    only CPU offload; False: never). ``recompute`` limits the recomputation modes
+    (None: all).
 
     ``top_k`` > 1 also keeps the next fastest plans (:attr:`SearchResult.runners_up`):
     pruning then compares bounds with the k-th best time found, so the runners-up are
@@ -180,18 +203,15 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
               recompute=recompute, time_limit_s=time_limit_s, top_k=top_k, progress=progress)
-    first = offload_candidates(cands) if offload else cands
-    try:
-        return _search(an, first, **kw)
-    except NoFeasiblePlanError as e:
-        again = offload_candidates(cands) if offload is None else []
-        if not again:
-            raise
+    failed: NoFeasiblePlanError | None = None
+    for tier in tiers(cands, gpus_per_node, offload) or [[]]:
         try:
-            return _search(an, again, **kw)
-        except NoFeasiblePlanError as e2:  # name the smaller of the two minima
-            worse = getattr(e2, "least_bytes", 0.0) >= getattr(e, "least_bytes", 0.0)
-            raise (e if worse else e2) from None
+            return _search(an, tier, **kw)
+        except NoFeasiblePlanError as e:  # name the smaller of the minima
+            if failed is None or getattr(e, "least_bytes", 0.0) < \
+                    getattr(failed, "least_bytes", 0.0):
+                failed = e
+    raise failed
 
 
 @dataclass

@@ -101,3 +101,24 @@ def test_a_model_the_runtime_cannot_cut_is_planned_without_pipelining(gpt, full)
     assert "block 'inner.blocks.0' is called more than once" in note
     with pytest.raises(ConfigError, match="pp=2 cannot run: .* called more than once"):
         autopar.plan(twice, x, cluster=CLUSTER, global_batch=16, pp=2)
+
+
+def test_tensor_parallelism_wider_than_a_node_only_when_nothing_else_fits(gpt, full):
+    """On 2 nodes of 4, tp=8 is tried only when no plan with tp <= 4 fits (or when asked
+    for); the search's order is the brute-force reference's too (tiers)."""
+    from autopar.solvers.search import candidates, offload_candidates, tiers
+
+    cands = candidates(8, 16, heads=8, num_units=6)
+    wide = [c for c in cands if c.tp == 8]
+    local, rest = tiers(cands, 4, None)
+    assert wide and {c.tp for c in local} == {1, 2, 4}
+    assert rest == wide + offload_candidates(cands)
+    assert tiers(cands, 4, False) == [local, wide]
+    # tp=8 on 8 devices leaves dp=1: no ZeRO-3 to offload, so no second list
+    assert tiers(cands, 4, True) == [offload_candidates(local)]
+    assert tiers(wide, 4, None)[0] == wide  # asked for: searched first
+    model, x = gpt  # 4 heads: tp=4 is wider than nodes of 2
+    pairs = autopar.Cluster("a100-80g", 4, 2)
+    free = autopar.plan(model, x, cluster=pairs, global_batch=16, top_k=10_000)
+    assert max(m["tp"] for m in [free.mesh] + [r["mesh"] for r in free.runners_up]) == 2
+    assert autopar.plan(model, x, cluster=pairs, global_batch=16, tp=4).mesh["tp"] == 4
