@@ -37,6 +37,7 @@ from autopar.errors import CaptureError
 from autopar.flops import flops_and_bytes
 from autopar.graph import Graph, OpNode, ParamInfo, TensorMeta
 from autopar.layers import cut_lists, detect_layers, repeated_lists, replicate_layers
+from autopar.masks import mark_causal_masks
 
 WRAPPED = "model"
 
@@ -503,7 +504,9 @@ def to_graph(ep: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], name: 
     x = inputs[0]
     seq = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() and \
         x.dtype != torch.bool else None
-    return Graph(b.nodes, params, [], {}, b.inputs, loss.name, int(x.shape[0]), seq, name, ep)
+    g = Graph(b.nodes, params, [], {}, b.inputs, loss.name, int(x.shape[0]), seq, name, ep)
+    mark_causal_masks(g, model)
+    return g
 
 
 def _walk(b: _Builder, gm: Any, graph: Any, env: dict, grad: bool) -> Any:
