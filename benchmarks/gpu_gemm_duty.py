@@ -51,7 +51,9 @@ H100 under a 700 W limit falls from 1980 to ~1500 MHz within ~50 ms of a large G
 stream, h100_gemm_duty.json)."""
 
 
-def _clock() -> str:
+def gpu_clock() -> str:
+    """The GPU's SM clock and power draw as ``nvidia-smi`` reports them ("?" without
+    it), recorded beside timings that depend on them."""
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
                                "--format=csv,noheader"], capture_output=True, text=True,
@@ -99,10 +101,10 @@ def measure(m: int, n: int, k: int) -> dict[str, Any]:
     out: dict[str, Any] = {"shape": [m, n, k], "flops": 2.0 * m * n * k}
     for name, body in (("back_to_back", back_to_back), ("interleaved", interleaved),
                        ("after_idle", after_idle)):
-        before = _clock()
+        before = gpu_clock()
         ts = kernel_times(body, name)
         out[name] = {"median_s": statistics.median(ts), "mean_s": statistics.fmean(ts),
-                     "kernels": len(ts), "clock_before": before, "clock_after": _clock()}
+                     "kernels": len(ts), "clock_before": before, "clock_after": gpu_clock()}
     b = out["back_to_back"]["median_s"]
     out["interleaved_over_back_to_back"] = out["interleaved"]["median_s"] / b
     out["after_idle_over_back_to_back"] = out["after_idle"]["median_s"] / b
@@ -148,11 +150,11 @@ def measure_layouts(m: int, n: int, k: int, operands: bool = False) -> dict[str,
     out: dict[str, Any] = {"shape": [m, n, k], "flops": 2.0 * m * n * k, "heat_s": HEAT_S}
     with torch.cuda.stream(torch.cuda.Stream()):  # as `autopar profile` times: graphs
         for name in names:  # are captured on a side stream
-            clock = _clock()
+            clock = gpu_clock()
             meas = timer.measure(products[name.removesuffix("_again")])
             out[name] = {"seconds": meas.seconds, "graph_seconds": meas.graph_seconds,
                          "graph_error": meas.graph_error,
-                         "clock_before": clock, "clock_after": _clock()}
+                         "clock_before": clock, "clock_after": gpu_clock()}
     return out
 
 

@@ -79,7 +79,7 @@ def load_or_predict(case: LayerCase, gpu: str, plans: Path | None) -> Any:
 def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None,
              sustain_s: float = 0.0) -> dict[str, Any]:
     """Plan, lay out, time and profile one case (module docstring)."""
-    from gpu_gemm_duty import _clock
+    from gpu_gemm_duty import gpu_clock
     from autopar.runtime import apply_plan
     from gpu_runtime_step import kernel_breakdown
 
@@ -110,7 +110,7 @@ def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None,
                 pm.zero_grad(set_to_none=True)
                 step()
         if i == 2 and cuda:
-            clocks["before"] = _clock()
+            clocks["before"] = gpu_clock()
             torch.cuda.reset_peak_memory_stats()
         pm.zero_grad(set_to_none=True)
         sync()
@@ -119,7 +119,7 @@ def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None,
         if i >= 2:
             times.append(time.perf_counter() - t)
     if cuda:
-        clocks["after"] = _clock()
+        clocks["after"] = gpu_clock()
     pm.zero_grad(set_to_none=True)
     kernels = kernel_breakdown(step) if cuda else None
     peak = torch.cuda.max_memory_allocated() if cuda else None

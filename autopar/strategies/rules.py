@@ -307,12 +307,11 @@ def _cross_entropy(node, in_metas, fresh):
     else:
         lab = ("n", "c") + tuple(f"e{i}" for i in range(nd - 2))
         tl = ("n",) + lab[2:]
-    red_arg = _arg(node, 3, 1)
-    reduction = red_arg if isinstance(red_arg, int) else 1
-    out = tl if reduction == 0 else ()
+    none = _reduction(node) == 0
+    out = tl if none else ()
     ins: list[Labels | None] = [lab, tl]
     ins += [None] * (len(in_metas) - 2)
-    reduce = frozenset() if reduction == 0 else frozenset(tl)
+    reduce = frozenset() if none else frozenset(tl)
     return OpRule(tuple(ins), out, reduce=reduce, forbid=frozenset({"c"}), kind="loss")
 
 
@@ -325,7 +324,8 @@ _POINTWISE_LOSS_REDUCTION_ARG = {
 
 
 _LOSS_REDUCTION_ARG = {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_nd": 3,
-                       "nll_loss2d": 3, **_POINTWISE_LOSS_REDUCTION_ARG}
+                       "nll_loss2d": 3, "nll_loss_forward": 3,
+                       **_POINTWISE_LOSS_REDUCTION_ARG}
 """Losses with a ``reduction`` argument, and its position (cross-entropy and NLL as the
 pointwise losses: aten schemas)."""
 
@@ -344,9 +344,15 @@ def loss_reduction(graph) -> str:
     if op == "sum":
         return "sum"
     if op in _LOSS_REDUCTION_ARG:
-        red = _arg(node=n, i=_LOSS_REDUCTION_ARG[op], default=1)
-        return "sum" if red == 2 else "mean"
+        return "sum" if _reduction(n) == 2 else "mean"
     return "mean"
+
+
+def _reduction(node) -> int:
+    """The ``reduction`` argument of a loss op of :data:`_LOSS_REDUCTION_ARG` (0 none,
+    1 mean, 2 sum; mean when absent)."""
+    red = _arg(node, _LOSS_REDUCTION_ARG[_op(node.target)], 1)
+    return red if isinstance(red, int) else 1
 
 
 def _pointwise_loss(node, in_metas, fresh):
@@ -360,9 +366,7 @@ def _pointwise_loss(node, in_metas, fresh):
         ins.append(None if m is None else tuple(
             base[nd - k + i] if m.shape[i] == in_metas[0].shape[nd - k + i] else fresh()
             for i in range(k)))
-    red = _arg(node, _POINTWISE_LOSS_REDUCTION_ARG[_op(node.target)], 1)
-    reduction = red if isinstance(red, int) else 1
-    if reduction == 0:
+    if _reduction(node) == 0:
         return OpRule(tuple(ins), base, kind="loss")
     return OpRule(tuple(ins), (), reduce=frozenset(base), kind="loss")
 
