@@ -44,6 +44,7 @@ the strategies: a per-group, per-mode partial sum.
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 from autopar.solvers.problem import Problem
@@ -100,22 +101,29 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
         optimizer += m * min(s.optimizer_s for s in node.strategies)
         step_comm += m * min(s.step_param_comm_s for s in node.strategies)
         ss = node.strategies
+        mems = [mem(v, i) for i in range(len(ss))]
+        starts = [m * s.backward_start_bytes for s in ss]
         if v not in grouped:
             bwd += m * max(s.device_bwd_s for s in ss)
-            base.add([m * (s.device_s + s.comm_s) for s in ss], [mem(v, i) for i in range(len(ss))],
-                     [m * s.backward_start_bytes for s in ss], [s.recompute_bytes for s in ss])
+            base.add([m * (s.device_s + s.comm_s) for s in ss], mems, starts,
+                     [s.recompute_bytes for s in ss])
             continue
         g, k = grouped[v]
         grp = p.recompute[g]
         f = scale if pp > 1 else 1.0
+        # the terms every mode shares, then each mode's
+        times = [s.device_s + s.comm_s for s in ss]
+        bwds = [s.device_bwd_s for s in ss]
+        redos = [s.recompute_bytes for s in ss]
+        extra, delta, transient = grp.extra_s[k], grp.act_delta[k], grp.transient[k]
+        per_instance = grp.activation_scale * m  # RecomputeGroup.memory's factor
         for r in grp.allowed:
-            bwd_by_mode[g][r] += m * max(s.device_bwd_s + grp.extra_s[k][i][r]
-                                         for i, s in enumerate(ss))
+            bwd_by_mode[g][r] += m * max(b + e[r] for b, e in zip(bwds, extra))
             per_group[g][r].add(
-                [m * (s.device_s + s.comm_s + grp.extra_s[k][i][r]) for i, s in enumerate(ss)],
-                [mem(v, i) + grp.memory(k, i, r, m) * f for i in range(len(ss))],
-                [m * s.backward_start_bytes for s in ss],
-                [s.recompute_bytes + grp.transient[k][i][r] for i, s in enumerate(ss)])
+                [m * (t + e[r]) for t, e in zip(times, extra)],
+                [x + per_instance * d[r] * f for x, d in zip(mems, delta)],
+                starts,
+                [x + tr[r] for x, tr in zip(redos, transient)])
     out = []
     for modes in itertools.product(*(grp.allowed for grp in p.recompute)):
         parts = [base] + [per_group[g][r] for g, r in enumerate(modes)]
@@ -151,8 +159,8 @@ class _Sums:
         """One node with strategies of these times, memories and transients."""
         self.start += min(starts)
         self.redo += min(redos)
-        self.least_start += min(a + b for a, b in zip(mems, starts))
-        self.least_redo += min(a + b for a, b in zip(mems, redos))
+        self.least_start += min(map(operator.add, mems, starts))
+        self.least_redo += min(map(operator.add, mems, redos))
         t0, m0, segs = hull_exchanges(list(zip(mems, times)))
         self.fast_time += t0
         self.fast_memory += m0

@@ -150,10 +150,89 @@ def _choices(rule: OpRule) -> list[str]:
     return labels + [f"{lab}/{k}" for lab, k in sorted(rule.pieces) if lab in labels]
 
 
+@dataclass(frozen=True)
+class _OwnedParam:
+    """A parameter node an op owns (it is the parameter's first reader), with what the
+    pricing of its placement reads."""
+
+    pos: int        # the op's input position that reads it
+    numel: int
+    nbytes: int
+    trainable: bool
+    share: float    # its share of its ``fully_shard`` unit's collectives
+    root: bool      # in the root unit (outside every block)
+
+
+class _GraphFacts:
+    """Facts of one graph analysis that no layout setting changes, worked out once per
+    node and shared by every build and repricing of a search (kept in the caller's
+    build cache under ``"facts"``)."""
+
+    def __init__(self, an: GraphAnalysis) -> None:
+        self.an = an
+        self.nodes: dict[str, OpNode] = {n.name: n for n in an.graph.nodes}
+        self._owned: dict[str, tuple[_OwnedParam, ...]] = {}
+        self._kinds: dict[str, tuple[str, ...]] = {}
+
+    def owned(self, n: OpNode) -> tuple[_OwnedParam, ...]:
+        """The parameters op ``n`` owns, in input order."""
+        found = self._owned.get(n.name)
+        if found is None:
+            found = self._owned[n.name] = tuple(self._find_owned(n))
+        return found
+
+    def _find_owned(self, n: OpNode) -> list[_OwnedParam]:
+        an, g = self.an, self.an.graph
+        out = []
+        for pos, i in enumerate(n.inputs):
+            node = self.nodes[i]
+            if node.kind != "param" or an.param_owner.get(i) != (n.name, pos):
+                continue
+            info = g.params.get(node.target)
+            out.append(_OwnedParam(pos, node.out.numel, node.out.nbytes,
+                                   info is None or info.trainable,
+                                   an.unit_share.get(node.target, 1.0),
+                                   node.target in an.root_params))
+        return out
+
+    def input_kinds(self, n: OpNode) -> tuple[str, ...]:
+        """The kinds of the nodes op ``n`` reads, in input order."""
+        found = self._kinds.get(n.name)
+        if found is None:
+            found = self._kinds[n.name] = tuple(self.nodes[i].kind for i in n.inputs)
+        return found
+
+
+@dataclass(frozen=True)
+class _ParamTerms:
+    """What the parameters an op owns cost under one placement of them: memory by
+    category (``gathered`` None where nothing is gathered), the parameter
+    communication of :meth:`_Builder._param_costs`, the optimizer step, FSDP2's copies
+    and the host terms of :meth:`_Builder._param_host`."""
+
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float | None
+    micro: float
+    step: float
+    tp: float
+    gather: float
+    optimizer_s: float
+    copy_f: float
+    copy_b: float
+    host: float
+    host_bwd: float
+    host_step: float
+
+
 class _Builder:
     def __init__(self, an: GraphAnalysis, st: Settings,
-                 saved_owner: dict[tuple[str, int], str] | None = None) -> None:
+                 saved_owner: dict[tuple[str, int], str] | None = None,
+                 facts: _GraphFacts | None = None) -> None:
         self.an, self.st, self.g = an, st, an.graph
+        self.facts = facts if facts is not None else _GraphFacts(an)
+        self.node = self.facts.nodes.__getitem__
         self.mesh = st.mesh
         self.links = [group_link(self.mesh.sizes, a, st.gpus_per_node, st.hw)
                       for a in range(self.mesh.ndim)]
@@ -169,9 +248,15 @@ class _Builder:
                                   st.offload)
         self.dtype = st.precision
         self._metas: dict[str, TensorMeta | None] = {}
-        self.unit_share = an.unit_share
-        self.root_params = an.root_params
         self.saved_owner = saved_owner if saved_owner is not None else self._saved_owner()
+        self.free = [a for a, s in enumerate(self.mesh.sizes) if s > 1 and a != self.dp_axis]
+        # memos of pure functions of this builder's settings
+        self._degrees: dict[Placements, int] = {}
+        self._names: dict[tuple[Placements, int], str] = {}
+        self._converts: dict[tuple[Placements, Placements, float], float] = {}
+        self._terms: dict[tuple, _ParamTerms] = {}
+        self._out_bytes: dict[str, float] = {}
+        self._tensor_bytes: dict[str, float] = {}
 
     # ---- shapes ---------------------------------------------------------------
     def meta(self, name: str) -> TensorMeta | None:
@@ -181,7 +266,7 @@ class _Builder:
         return self._metas[name]
 
     def _meta(self, name: str) -> TensorMeta | None:
-        m = self.g.node(name).out
+        m = self.node(name).out
         bd = self.an.batch_dim.get(name)
         if m is None or bd is None or bd >= len(m.shape):
             return m
@@ -195,10 +280,25 @@ class _Builder:
             return 0.0
         return m.numel * (self.act_elt if m.is_float else m.nbytes / max(m.numel, 1))
 
+    def out_bytes(self, name: str) -> float:
+        """:meth:`nbytes` of node ``name``'s output at the micro-batch size, memoized."""
+        found = self._out_bytes.get(name)
+        if found is None:
+            found = self._out_bytes[name] = self.nbytes(self.meta(name))
+        return found
+
     def tensor_bytes(self, name: str) -> float:
         """Bytes of node ``name``'s output at the micro-batch size; an explicit cast to
-        float32 (e.g. the logits before the loss) stays 4 bytes under mixed precision."""
-        n, m = self.g.node(name), self.meta(name)
+        float32 (e.g. the logits before the loss) stays 4 bytes under mixed precision.
+        Memoized."""
+        found = self._tensor_bytes.get(name)
+        if found is None:
+            found = self._tensor_bytes[name] = self._tensor_bytes_of(name)
+        return found
+
+    def _tensor_bytes_of(self, name: str) -> float:
+        """:meth:`tensor_bytes`, not memoized."""
+        n, m = self.node(name), self.meta(name)
         if m is not None and m.dtype == "float32" and n.target.startswith(
                 ("aten.to.", "aten._to_copy.")):
             return m.numel * 4.0
@@ -280,8 +380,10 @@ class _Builder:
             grads = tuple(self._grad(labs, combo, rule, p) for labs, p in zip(rule.ins, ins))
             if not self._sp_allowed(n, rule, ins) or self._local_partial_grad(n, grads):
                 continue
-            for out in self._deliveries(n, raw_t, nd):
-                ns, sc = self._price(n, rule, combo, raw_t, out, ins, grads)
+            outs = self._deliveries(n, raw_t, nd)
+            times = self._times(n, combo, raw_t, ins) if outs else None
+            for out in outs:
+                ns, sc = self._price(n, rule, times, raw_t, out, ins, grads)
                 strategies.append(ns)
                 costs.append(sc)
         return strategies, costs
@@ -293,8 +395,8 @@ class _Builder:
         if n.name in self.an.module_ops or n.name in self.an.output_ops:
             return False
         free = self._free_axes()
-        return any(self.g.node(i).requires_grad and any(g[a] == "P" for a in free)
-                   for i, g in zip(n.inputs, grads) if self.g.node(i).kind != "param")
+        return any(self.node(i).requires_grad and any(g[a] == "P" for a in free)
+                   for i, g in zip(n.inputs, grads) if self.node(i).kind != "param")
 
     def _sp_allowed(self, n: OpNode, rule: OpRule, ins: tuple[Placements, ...]) -> bool:
         """Honour a forced sequence-parallel choice for norms (None = free): a norm op,
@@ -303,7 +405,7 @@ class _Builder:
         sp = self.st.sequence_parallel
         in_norm = rule.kind == "norm" or n.module_type.lower().endswith("norm")
         acts = [p for i, p in zip(n.inputs, ins) if p is not None and
-                self.g.node(i).kind != "param" and i not in self.an.constants]
+                self.node(i).kind != "param" and i not in self.an.constants]
         if sp is None or not in_norm or not acts:
             return True
         split = any(p[a].startswith("S(") for p in acts for a in self._free_axes())
@@ -346,7 +448,23 @@ class _Builder:
         return m is None or all(m.shape[d] % k == 0 for d, k in deg.items())
 
     def _free_axes(self) -> list[int]:
-        return [a for a, s in enumerate(self.mesh.sizes) if s > 1 and a != self.dp_axis]
+        """The model-parallel axes: those of size > 1 other than ``dp``."""
+        return self.free
+
+    def degree(self, pl: Placements) -> int:
+        """How many pieces placements ``pl`` cut a tensor into on this mesh
+        (:func:`~autopar.sharding.shard_count`, memoized)."""
+        found = self._degrees.get(pl)
+        if found is None:
+            found = self._degrees[pl] = shard_count(pl, self.mesh.sizes)
+        return found
+
+    def layout(self, pl: Placements, ndim: int) -> str:
+        """:func:`~autopar.sharding.layout_name` of ``pl``, memoized."""
+        found = self._names.get((pl, ndim))
+        if found is None:
+            found = self._names[(pl, ndim)] = layout_name(pl, ndim)
+        return found
 
     # ---- pricing ----------------------------------------------------------------
     def convert(self, src: Placements, dst: Placements, nbytes: float) -> float:
@@ -355,6 +473,14 @@ class _Builder:
         DTensor's redistribution adds to a collective of its kind
         (:meth:`_redistribute_overhead`, measured on the processes' mesh:
         :func:`autopar.cost_models.profiler_host.redistribute_overhead`)."""
+        key = (src, dst, nbytes)
+        found = self._converts.get(key)
+        if found is None:
+            found = self._converts[key] = self._convert(src, dst, nbytes)
+        return found
+
+    def _convert(self, src: Placements, dst: Placements, nbytes: float) -> float:
+        """:meth:`convert`, not memoized."""
         t = 0.0
         for a, (s, d) in enumerate(zip(src, dst)):
             if s == d:
@@ -399,8 +525,11 @@ class _Builder:
             t += self.convert(grad_src, back, nbytes)
         return t
 
-    def _price(self, n: OpNode, rule: OpRule, combo, raw: Placements, out: Placements,
-               ins: tuple[Placements, ...], grads: tuple[Placements, ...]):
+    def _times(self, n: OpNode, combo, raw: Placements,
+               ins: tuple[Placements, ...]) -> tuple[float, float, float, float]:
+        """(forward + backward device, backward device, forward + backward host,
+        backward host) seconds of op ``n`` under the label assignment ``combo``: the
+        same for every placement its output is handed on in."""
         shard = 1
         for lab, size in zip(combo, self.mesh.sizes):
             if lab is not None:
@@ -426,22 +555,51 @@ class _Builder:
         host_f, host_b = self._op_host(n, ins)
         if not self.st.hw.host_runs_ahead:  # on a CPU the host is the device
             fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0
-        memory = self._memory(n, rule, ins, out)
-        micro_pc, step_pc, tp_pc, gather = self._param_costs(n, ins, grads)
-        comm = self._output_comm(n, raw, out) + tp_pc
-        name = f"{layout_name(out, len(rule.out))} = " + " x ".join(
-            layout_name(p, len(labs) if labs else 0) for p, labs in zip(ins, rule.ins))
+        return fwd + bwd, bwd, host_f + host_b, host_b
+
+    def _price(self, n: OpNode, rule: OpRule, times: tuple[float, float, float, float],
+               raw: Placements, out: Placements, ins: tuple[Placements, ...],
+               grads: tuple[Placements, ...]) -> tuple[NodeStrategy, StrategyCost]:
+        """One strategy of op ``n``: its device and host ``times`` (:meth:`_times`), and
+        the costs of its output's placements and of the parameters it owns."""
+        device, bwd, host, host_b = times
+        terms = self.param_terms(n, ins, grads)
+        memory = self._memory(n, terms, self._activations(n, ins, out))
+        comm = self._output_comm(n, raw, out) + terms.tp
+        name = f"{self.layout(out, len(rule.out))} = " + " x ".join(
+            self.layout(p, len(labs) if labs else 0) for p, labs in zip(ins, rule.ins))
         if out != raw:
-            name += f"  [{layout_name(raw, len(rule.out))} -> {layout_name(out, len(rule.out))}]"
+            name += f"  [{self.layout(raw, len(rule.out))} -> {self.layout(out, len(rule.out))}]"
         ns = NodeStrategy(name, out, raw, ins, grads, memory)
-        copy_f, copy_b = self._param_copies(n, ins)
-        ph, ph_bwd, h_step = self._param_host(n, ins)
-        sc = StrategyCost(name, fwd + bwd, bwd, comm, micro_pc,
-                          step_pc, sum(memory.values()), gather, self._optimizer_step(n, ins),
-                          self._loss_gradient(n, ins), param_copy_s=copy_f + copy_b,
-                          param_copy_bwd_s=copy_b, host_s=host_f + host_b, host_bwd_s=host_b,
-                          param_host_s=ph, param_host_bwd_s=ph_bwd, host_step_s=h_step)
+        sc = StrategyCost(name, device, bwd, comm, terms.micro,
+                          terms.step, sum(memory.values()), terms.gather, terms.optimizer_s,
+                          self._loss_gradient(n, ins), param_copy_s=terms.copy_f + terms.copy_b,
+                          param_copy_bwd_s=terms.copy_b, host_s=host,
+                          host_bwd_s=host_b, param_host_s=terms.host,
+                          param_host_bwd_s=terms.host_bwd, host_step_s=terms.host_step)
         return ns, sc
+
+    def param_terms(self, n: OpNode, ins: tuple[Placements, ...],
+                    grads: tuple[Placements, ...]) -> _ParamTerms:
+        """The costs of the parameters op ``n`` owns under input placements ``ins`` and
+        gradient placements ``grads`` (:class:`_ParamTerms`), worked out once per
+        placement of those parameters: the strategies of an op share a few."""
+        owned = self.facts.owned(n)
+        key = (n.name, tuple((ins[p.pos], grads[p.pos]) for p in owned))
+        found = self._terms.get(key)
+        if found is None:
+            found = self._terms[key] = self._param_terms(n, ins, grads)
+        return found
+
+    def _param_terms(self, n: OpNode, ins, grads) -> _ParamTerms:
+        """:meth:`param_terms`, not memoized."""
+        params, grads_b, optimizer, gathered = self._param_memory(n, ins)
+        micro, step, tp, gather = self._param_costs(n, ins, grads)
+        copy_f, copy_b = self._param_copies(n, ins)
+        host, host_bwd, host_step = self._param_host(n, ins)
+        return _ParamTerms(params, grads_b, optimizer, gathered, micro, step, tp, gather,
+                           self._optimizer_step(n, ins), copy_f, copy_b, host, host_bwd,
+                           host_step)
 
     def _output_comm(self, n: OpNode, raw: Placements, out: Placements) -> float:
         """Seconds per micro-batch to convert op ``n``'s output from the placement its
@@ -449,7 +607,7 @@ class _Builder:
         gradients flow, backward."""
         if out == raw:
             return 0.0
-        return self.convert_both(raw, out, out, self.nbytes(self.meta(n.name)),
+        return self.convert_both(raw, out, out, self.out_bytes(n.name),
                                  n.requires_grad)
 
     def _op_host(self, n: OpNode, ins) -> tuple[float, float]:
@@ -467,7 +625,7 @@ class _Builder:
         step's dispatch per step (on DTensors under FSDP2 or tensor parallelism; under
         CPU offload too, beside the host step's arithmetic in ``optimizer_s``)."""
         st = self.st
-        count = len(self._own_params(n, ins))
+        count = sum(1 for p in self.facts.owned(n) if p.trainable)
         if not count:
             return 0.0, 0.0, 0.0
         fsdp = fsdp_lays_out(st.precision, self.dp, st.offload)
@@ -487,7 +645,7 @@ class _Builder:
         free = self._free_axes()
         if not over or not free:
             return 0.0, 0.0
-        kinds = [self.g.node(i).kind for i in n.inputs]
+        kinds = self.facts.input_kinds(n)
 
         def split(pl: Placements) -> bool:
             return any(pl[a].startswith("S(") for a in free)
@@ -504,44 +662,54 @@ class _Builder:
         return (over.get(f"{kind}_fwd", 0.0),
                 over.get(f"{kind}_bwd", 0.0) if n.requires_grad else 0.0)
 
-    def _memory(self, n: OpNode, rule: OpRule, ins, out,
-                activations: float | None = None) -> dict[str, float]:
-        """Bytes per device by category of op ``n`` under placements ``ins``/``out``
-        (``activations``: the saved bytes when already known, e.g. when repricing)."""
-        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
-        kinds = [self.g.node(i).kind for i in n.inputs]
-        if activations is not None:
-            mem["activations"] = activations
-        elif n.requires_grad:
-            for idx in saved_for_backward(n.target, len(n.inputs)):
-                if idx == -1:
-                    key, name, pl = (n.name, -1), n.name, out
-                elif idx < len(n.inputs) and kinds[idx] != "param":
-                    key, name, pl = (n.inputs[idx], 0), n.inputs[idx], ins[idx]
-                else:
-                    continue
-                if self.saved_owner.get(key) != n.name or self.meta(name) is None:
-                    continue
-                elt = saved_element_bytes(n.target) if idx == -1 else None
-                size = self.meta(name).numel * elt if elt else self.tensor_bytes(name)
-                mem["activations"] += size / _degree(pl, self.mesh)
-        pb = self.pbytes
-        for pos, i in enumerate(n.inputs):
-            if kinds[pos] != "param" or self.an.param_owner.get(i) != (n.name, pos):
-                continue
-            info = self.g.params.get(self.g.node(i).target)
-            numel = self.g.node(i).out.numel / _degree(ins[pos], self.mesh)
-            if info is not None and not info.trainable:
-                mem["params"] += numel * self.g.node(i).out.nbytes / max(
-                    self.g.node(i).out.numel, 1)
-                continue
-            mem["params"] += numel * pb.param
-            if self.st.num_microbatches > 1:  # gradients outlive the forward (module doc)
-                mem["grads"] += numel * pb.grad
-            mem["optimizer"] += numel * pb.optimizer
-            if pb.gathered_all:
-                mem["gathered"] = mem.get("gathered", 0.0) + numel * pb.gathered
+    def _memory(self, n: OpNode, terms: _ParamTerms, activations: float) -> dict[str, float]:
+        """Bytes per device by category of op ``n``: the parameter terms ``terms`` of its
+        placements and the ``activations`` it saves."""
+        mem = {"params": terms.params, "grads": terms.grads, "optimizer": terms.optimizer,
+               "activations": activations}
+        if terms.gathered is not None:
+            mem["gathered"] = terms.gathered
         return mem
+
+    def _activations(self, n: OpNode, ins, out) -> float:
+        """Bytes per device that autograd saves for op ``n``'s backward under
+        placements ``ins``/``out``, of the tensors charged to it (:meth:`_saved_owner`)."""
+        total = 0.0
+        if not n.requires_grad:
+            return total
+        kinds = self.facts.input_kinds(n)
+        for idx in saved_for_backward(n.target, len(n.inputs)):
+            if idx == -1:
+                key, name, pl = (n.name, -1), n.name, out
+            elif idx < len(n.inputs) and kinds[idx] != "param":
+                key, name, pl = (n.inputs[idx], 0), n.inputs[idx], ins[idx]
+            else:
+                continue
+            if self.saved_owner.get(key) != n.name or self.meta(name) is None:
+                continue
+            elt = saved_element_bytes(n.target) if idx == -1 else None
+            size = self.meta(name).numel * elt if elt else self.tensor_bytes(name)
+            total += size / self.degree(pl)
+        return total
+
+    def _param_memory(self, n: OpNode, ins) -> tuple[float, float, float, float | None]:
+        """(parameter, gradient, optimizer, gathered or None) bytes per device of the
+        parameters op ``n`` owns under input placements ``ins``."""
+        params = grads = optimizer = 0.0
+        gathered: float | None = None
+        pb = self.pbytes
+        for p in self.facts.owned(n):
+            numel = p.numel / self.degree(ins[p.pos])
+            if not p.trainable:
+                params += numel * p.nbytes / max(p.numel, 1)
+                continue
+            params += numel * pb.param
+            if self.st.num_microbatches > 1:  # gradients outlive the forward (module doc)
+                grads += numel * pb.grad
+            optimizer += numel * pb.optimizer
+            if pb.gathered_all:
+                gathered = (gathered or 0.0) + numel * pb.gathered
+        return params, grads, optimizer, gathered
 
     def _loss_gradient(self, n: OpNode, ins) -> float:
         """Bytes of the loss's input gradient at the start of backward (on the loss op),
@@ -549,8 +717,8 @@ class _Builder:
         (:mod:`autopar.cost_models.memory`)."""
         if n.name != self.g.loss or not n.inputs:
             return 0.0
-        src = self.g.node(n.inputs[0])
-        d = _degree(ins[0], self.mesh)
+        src = self.node(n.inputs[0])
+        d = self.degree(ins[0])
         total = self.tensor_bytes(src.name) / d
         if src.target.startswith(("aten.to.", "aten._to_copy.")) and src.inputs:
             total += self.tensor_bytes(src.inputs[0]) / d
@@ -558,15 +726,7 @@ class _Builder:
 
     def _own_params(self, n: OpNode, ins) -> list[float]:
         """Local element counts of the trainable parameters op ``n`` owns."""
-        out = []
-        for pos, i in enumerate(n.inputs):
-            node = self.g.node(i)
-            if node.kind != "param" or self.an.param_owner.get(i) != (n.name, pos):
-                continue
-            info = self.g.params.get(node.target)
-            if info is None or info.trainable:
-                out.append(node.out.numel / _degree(ins[pos], self.mesh))
-        return out
+        return [p.numel / self.degree(ins[p.pos]) for p in self.facts.owned(n) if p.trainable]
 
     def _optimizer_step(self, n: OpNode, ins) -> float:
         """Seconds per step of the optimizer step on the parameters op ``n`` owns: on
@@ -622,24 +782,20 @@ class _Builder:
         micro = step = tp = gather = 0.0
         n_micro = max(1, self.st.num_microbatches)
         dpa = self.dp_axis
-        for pos, i in enumerate(n.inputs):
-            node = self.g.node(i)
-            if node.kind != "param" or self.an.param_owner.get(i) != (n.name, pos):
+        for p in self.facts.owned(n):
+            if not p.trainable:
                 continue
-            info = self.g.params.get(node.target)
-            if info is not None and not info.trainable:
-                continue
-            local = node.out.numel / _degree(ins[pos], self.mesh)
-            share = self.unit_share.get(node.target, 1.0)
-            for a in self._free_axes():
-                if grads[pos][a] == "P":
+            local = p.numel / self.degree(ins[p.pos])
+            share = p.share
+            for a in self.free:
+                if grads[p.pos][a] == "P":
                     tp += self._partial_grad_time(local * 4.0, a, share)
             if dpa is None or self.mesh.sizes[dpa] == 1:
                 continue
             dpn, link = self.mesh.sizes[dpa], self.links[dpa]
             grad_bytes = local * 4.0  # gradients are reduced in fp32 (MixedPrecisionPolicy)
             w = local * self.pbytes.gathered if self.pbytes.gathered else local * 4.0
-            root = node.target in self.root_params
+            root = p.root
             if self.st.zero == 0:
                 t = bucketed_time("all_reduce", grad_bytes, dpn, link, share)
                 if root:
@@ -674,21 +830,20 @@ class _Builder:
         return owner
 
 
-def _degree(pl: Placements, mesh: Mesh) -> int:
-    """How many pieces placements ``pl`` cut a tensor into on ``mesh``."""
-    return shard_count(pl, mesh.sizes)
-
-
 def build_problem(an: GraphAnalysis, st: Settings, cache: dict | None = None) -> Built:
     """Build the solver problem for graph analysis ``an`` under settings ``st``.
 
     ``cache`` (a dict the caller owns for one search) keeps each built problem under
     the settings its layouts depend on (:func:`layout_key`); a later call that differs
     only in ZeRO stage, micro-batch count, offload, optimizer or budget reprices just
-    the parameter terms (:func:`_reprice`) and shares the rest."""
-    b = _Builder(an, st, cache.get("saved_owner") if cache is not None else None)
+    the parameter terms (:func:`_reprice`) and shares the rest. It also keeps the
+    graph's facts that no setting changes (``"saved_owner"``, ``"facts"``,
+    ``"edge_counts"``)."""
+    b = _Builder(an, st, cache.get("saved_owner") if cache is not None else None,
+                 cache.get("facts") if cache is not None else None)
     if cache is not None:  # the graph's, the same for every layout
         cache["saved_owner"] = b.saved_owner
+        cache["facts"] = b.facts
     key = layout_key(st)
     if cache is not None and key in cache:
         return _reprice(b, cache[key])
@@ -721,36 +876,39 @@ def _reprice(b: _Builder, base: Built) -> Built:
     step without FSDP2, so its share of a micro-batch follows the count) and its
     optimizer step."""
     nodes, details = [], []
-    owner = b.an.param_owner
     for nc, ds, name in zip(base.problem.nodes, base.strategies, base.names):
-        n = b.g.node(name)
-        if n.kind != "op" or not any(owner.get(i) == (name, pos)
-                                     for pos, i in enumerate(n.inputs)):
+        n = b.node(name)
+        if n.kind != "op" or not b.facts.owned(n):
             nodes.append(nc)  # owns no parameter: nothing to reprice
             details.append(ds)
             continue
-        rule = b.an.rules[name]
-        costs, strategies = [], []
-        for sc, ns in zip(nc.strategies, ds):
-            mem = b._memory(n, rule, ns.ins, ns.out, ns.memory.get("activations", 0.0))
-            micro, step, tp, gather = b._param_costs(n, ns.ins, ns.grads)
-            copy_f, copy_b = b._param_copies(n, ns.ins)
-            ph, ph_bwd, h_step = b._param_host(n, ns.ins)
-            strategies.append(replace(ns, memory=mem))
-            costs.append(replace(
-                sc, comm_s=b._output_comm(n, ns.raw_out, ns.out) + tp
-                + grad_sum_time(b, name, ns.out, ns.grad_sum),
-                micro_param_comm_s=micro, step_param_comm_s=step,
-                memory_bytes=sum(mem.values()), gather_bytes=gather,
-                optimizer_s=b._optimizer_step(n, ns.ins),
-                param_copy_s=copy_f + copy_b, param_copy_bwd_s=copy_b,
-                param_host_s=ph, param_host_bwd_s=ph_bwd, host_step_s=h_step))
-        nodes.append(replace(nc, strategies=costs))
-        details.append(strategies)
+        repriced = [_reprice_one(b, n, ns, sc) for sc, ns in zip(nc.strategies, ds)]
+        nodes.append(replace(nc, strategies=[sc for _, sc in repriced]))
+        details.append([ns for ns, _ in repriced])
     st = b.st
     prob = replace(base.problem, nodes=nodes, num_microbatches=st.num_microbatches,
                    memory_budget=st.memory_budget, overlap=st.overlap)
     return Built(prob, base.names, details, st)
+
+
+def _reprice_one(b: _Builder, n: OpNode, ns: NodeStrategy,
+                 sc: StrategyCost) -> tuple[NodeStrategy, StrategyCost]:
+    """Strategy ``ns`` of op ``n`` with its cost ``sc`` repriced (:func:`_reprice`)."""
+    terms = b.param_terms(n, ns.ins, ns.grads)
+    mem = b._memory(n, terms, ns.memory.get("activations", 0.0))
+    comm = b._output_comm(n, ns.raw_out, ns.out) + terms.tp + \
+        grad_sum_time(b, n.name, ns.out, ns.grad_sum)
+    strategy = NodeStrategy(ns.name, ns.out, ns.raw_out, ns.ins, ns.grads, mem, ns.grad_sum)
+    cost = StrategyCost(
+        name=sc.name, compute_s=sc.compute_s, bwd_compute_s=sc.bwd_compute_s, comm_s=comm,
+        micro_param_comm_s=terms.micro, step_param_comm_s=terms.step,
+        memory_bytes=sum(mem.values()), gather_bytes=terms.gather,
+        optimizer_s=terms.optimizer_s, backward_start_bytes=sc.backward_start_bytes,
+        recompute_bytes=sc.recompute_bytes, param_copy_s=terms.copy_f + terms.copy_b,
+        param_copy_bwd_s=terms.copy_b, host_s=sc.host_s, host_bwd_s=sc.host_bwd_s,
+        param_host_s=terms.host, param_host_bwd_s=terms.host_bwd,
+        host_step_s=terms.host_step)
+    return strategy, cost
 
 
 def _build(b: _Builder, cache: dict | None = None) -> Built:
@@ -769,7 +927,7 @@ def _build(b: _Builder, cache: dict | None = None) -> Built:
         if n.kind == "input":
             pl = tuple("S(0)" if a == b.dp_axis and an.batch_dim.get(n.name) == 0
                        and st.mesh.sizes[a] > 1 else "R" for a in range(st.mesh.ndim))
-            ns = [NodeStrategy(layout_name(pl, len(n.out.shape) if n.out else 0), pl, pl, (), ())]
+            ns = [NodeStrategy(b.layout(pl, len(n.out.shape) if n.out else 0), pl, pl, (), ())]
             sc = [StrategyCost(ns[0].name)]
         else:
             ns, sc = b.strategies(n)
@@ -816,13 +974,13 @@ def edge_counts(g, index: dict[str, int]) -> dict[tuple[int, int, int], int]:
 
 def _edges(b: _Builder, counts: dict[tuple[int, int, int], int], details,
            names: list[str]) -> list[EdgeChoice]:
-    g, an = b.g, b.an
+    an = b.an
     edges = []
     free = b._free_axes()
     for (u, v, pos), mult in counts.items():
-        un, vn = g.node(names[u]), g.node(names[v])
+        un, vn = b.node(names[u]), b.node(names[v])
         module_consumer = vn.name in an.module_ops
-        nbytes = b.nbytes(b.meta(un.name))
+        nbytes = b.out_bytes(un.name)
         # strategies grouped by what the edge sees of them: the producer's output, the
         # consumer's input and gradient placements; each pair of groups is priced once
         sums = any(su.grad_sum for su in details[u])
@@ -833,15 +991,16 @@ def _edges(b: _Builder, counts: dict[tuple[int, int, int], int], details,
         for j, sv in enumerate(details[v]):
             needs.setdefault((sv.ins[pos], sv.grads[pos]), []).append(j)
         pairs: list[tuple[list[int], list[int], float]] = []
+        # a constant is computed on each rank from its local shapes: it is whatever the
+        # consumer needs on the data-parallel axis
+        fixed = [a for a in range(b.mesh.ndim) if a not in free
+                 and not (un.name in an.constants and a == b.dp_axis)]
+        axes = free + fixed
         for (out, summed), ii in outs.items():
             for (need, grad), jj in needs.items():
-                # a constant is computed on each rank from its local shapes: it is
-                # whatever the consumer needs on the data-parallel axis
-                fixed = [a for a in range(len(need)) if a not in free
-                         and not (un.name in an.constants and a == b.dp_axis)]
                 if any(out[a] != need[a] for a in fixed):
                     continue
-                if all(out[a] == need[a] for a in free + fixed):
+                if all(out[a] == need[a] for a in axes):
                     # no forward collective, but a gradient that comes back partial over
                     # a tensor-parallel axis (a column-wise Linear's replicated input) is
                     # all-reduced at the module boundary; partial over data parallelism,

@@ -43,10 +43,10 @@ def summing_axes(b: "_Builder", consumers: list[tuple[int, int]],
 def grad_sum_time(b: "_Builder", name: str, out: Placements, axes: tuple[int, ...]) -> float:
     """Seconds per micro-batch to reduce node ``name``'s summed partial gradient over
     ``axes`` to its output's (replicated) placement, once."""
-    if not axes or not b.g.node(name).requires_grad:
+    if not axes or not b.node(name).requires_grad:
         return 0.0
     partial = tuple("P" if a in axes else p for a, p in enumerate(out))
-    return b.convert(partial, out, b.nbytes(b.meta(name)))
+    return b.convert(partial, out, b.out_bytes(name))
 
 
 def add_gradient_sums(b: "_Builder", counts: dict[tuple[int, int, int], int],
@@ -58,7 +58,7 @@ def add_gradient_sums(b: "_Builder", counts: dict[tuple[int, int, int], int],
     for u, v, pos in counts:
         consumers.setdefault(u, []).append((v, pos))
     for u, cons in consumers.items():
-        if len(cons) < 2 or not b.g.node(names[u]).requires_grad:
+        if len(cons) < 2 or not b.node(names[u]).requires_grad:
             continue
         axes = summing_axes(b, cons, details)
         if not axes:

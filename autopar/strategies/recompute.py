@@ -56,16 +56,16 @@ def layer_groups(g) -> dict[int, list[str]]:
 def _block_inputs(b: "_Builder", layer: int, names: list[str]) -> dict[tuple[str, int], str]:
     """(node, input position) -> input name for the first reader of each activation the
     layer reads from outside itself."""
-    g, an = b.g, b.an
+    an = b.an
     inside = set(names)
     seen: set[str] = set()
     out: dict[tuple[str, int], str] = {}
     for name in names:
-        n = g.node(name)
+        n = b.node(name)
         if n.kind != "op":
             continue
         for pos, i in enumerate(n.inputs):
-            src = g.node(i)
+            src = b.node(i)
             if i in inside or i in seen or src.kind == "param" or i in an.constants \
                     or an.batch_dim.get(i) is None:
                 continue
@@ -75,17 +75,16 @@ def _block_inputs(b: "_Builder", layer: int, names: list[str]) -> dict[tuple[str
 
 
 def _kept(b: "_Builder", name: str, ns: "NodeStrategy", mode: str,
-          inputs: dict[tuple[str, int], str]) -> float:
-    """K_mode of node ``name`` under strategy ``ns`` (module docstring), bytes per instance."""
-    from autopar.strategies.build import _degree
-
+          inputs: list[tuple[int, str]]) -> float:
+    """K_mode of node ``name`` under strategy ``ns`` (module docstring), bytes per
+    instance; ``inputs`` are the (input position, input name) of the block inputs
+    charged to it (:func:`_block_inputs`)."""
     if mode == "none":
         return ns.memory.get("activations", 0.0)
-    n = b.g.node(name)
-    kept = sum(b.tensor_bytes(i) / _degree(ns.ins[pos], b.mesh)
-               for (v, pos), i in inputs.items() if v == name)
+    n = b.node(name)
+    kept = sum(b.tensor_bytes(i) / b.degree(ns.ins[pos]) for pos, i in inputs)
     if mode == "selective" and n.requires_grad and op_name(n.target) in SELECTIVE_SAVE_OPS:
-        kept += b.tensor_bytes(name) / _degree(ns.raw_out, b.mesh)
+        kept += b.tensor_bytes(name) / b.degree(ns.raw_out)
     return kept
 
 
@@ -96,7 +95,7 @@ def _extra(b: "_Builder", name: str, ns: "NodeStrategy", sc: StrategyCost,
     parameters' gradients, which ``sc.comm_s`` also holds)."""
     if mode == "none":
         return 0.0
-    n = b.g.node(name)
+    n = b.node(name)
     fwd = sc.compute_s - sc.bwd_compute_s
     if mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS:
         fwd = 0.0
@@ -106,7 +105,7 @@ def _extra(b: "_Builder", name: str, ns: "NodeStrategy", sc: StrategyCost,
 def _host(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> tuple[float, float]:
     """(forward, backward) host seconds ``mode`` adds to node ``name`` with strategy
     cost ``sc`` on a GPU profile (module docstring)."""
-    n = b.g.node(name)
+    n = b.node(name)
     if mode == "none" or n.kind != "op":
         return 0.0, 0.0
     again = sc.host_s - sc.host_bwd_s  # the op's forward, issued again
@@ -125,14 +124,17 @@ def recompute_groups(b: "_Builder", index: dict[str, int], details: list[list["N
     groups = []
     for layer, paths in layer_groups(g).items():
         names = [n for n in g.layers[layer].nodes if n in index]
-        inputs = _block_inputs(b, layer, names)
+        inputs: dict[str, list[tuple[int, str]]] = {}
+        for (v, pos), i in _block_inputs(b, layer, names).items():
+            inputs.setdefault(v, []).append((pos, i))
         nodes, extra, delta, trans, h_fwd, h_bwd = [], [], [], [], [], []
         for name in names:
             k = index[name]
             ex_k, de_k, tr_k, hf_k, hb_k = [], [], [], [], []
+            own = inputs.get(name, [])
             for ns, sc in zip(details[k], costs[k]):
-                base = _kept(b, name, ns, "none", inputs)
-                kept = [_kept(b, name, ns, m, inputs) for m in RECOMPUTE]
+                base = _kept(b, name, ns, "none", own)
+                kept = [_kept(b, name, ns, m, own) for m in RECOMPUTE]
                 ex_k.append([_extra(b, name, ns, sc, m) for m in RECOMPUTE])
                 de_k.append([x - base for x in kept])
                 tr_k.append([base - x for x in kept])
