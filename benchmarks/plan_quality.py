@@ -1,7 +1,8 @@
 """Plan quality: the planner's plan beside a hand-tuned configuration, same cost model.
 
-Each row is a configuration that experts chose by hand for a large training run
-(``reference_configs.md``): Megatron-LM's GPT runs (Narayanan et al., SC'21, Table 1),
+Each row is a configuration that experts chose by hand for a large training run, kept
+as data in ``reference_configs.json`` beside this file (the published fields, with each
+group's source): Megatron-LM's GPT runs (Narayanan et al., SC'21, Table 1),
 Megatron-LM with sequence parallelism and selective recomputation (Korthikanti et al.
 2022, each model with full recomputation and with SP + selective recomputation) and
 torchtitan's Llama 3.1 runs (H100, December 2024). For each row, in a fresh process:
@@ -17,7 +18,8 @@ torchtitan's Llama 3.1 runs (H100, December 2024). For each row, in a fresh proc
 
     python benchmarks/plan_quality.py [--json rows.json] [--only megatron-1.7b]
 
-How the published configurations map onto a ``Spec``:
+How the published configurations map onto a ``Spec`` (one function per source:
+``_megatron``, ``_korthikanti``, ``_titan``):
 
 * Megatron-LM (A100 80GB, fp16, Adam): dp = GPUs / (TP x PP), ZeRO-0, no sequence
   parallelism, full recomputation of every block, the listed micro-batch; v = 1 is
@@ -25,8 +27,8 @@ How the published configurations map onto a ``Spec``:
 * Korthikanti et al. (same hardware): TP 8, no data parallelism, ``interleaved_1f1b``
   with 3 chunks per device for 175B and 530B (plain ``1f1b`` for 1T); one row with full
   recomputation and no sequence parallelism, one with SP + selective recomputation.
-  The 22B model is not in the zoo; it is built here from ``GPTConfig`` (64 heads,
-  hidden 6144, 48 layers, vocabulary 51,200, sequence 2,048).
+  The 22B model is not in the zoo; it is built here from ``GPTConfig`` with its listed
+  shape (64 heads, hidden 6144, 48 layers; vocabulary 51,200, sequence 2,048).
 * torchtitan (H100 SXM, bf16, AdamW): FSDP2 is ZeRO-3 over dp = the FSDP degree; TP
   runs with sequence parallelism (torchtitan's default). torchtitan's *local batch* is
   the samples per data-parallel rank per step, so the global batch is local batch x
@@ -42,15 +44,15 @@ The planning time reported is the wall time of ``autopar.plan`` (capture include
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from search_time import run_cases
 
-MEGATRON = "Megatron-LM SC'21 Table 1"
-KORTHIKANTI = "Korthikanti et al. 2022"
-TORCHTITAN = "torchtitan Llama 3.1 (Dec 2024)"
+REFERENCE_CONFIGS = Path(__file__).with_name("reference_configs.json")
 GPT_22B = "gpt-22b"  # Korthikanti's 22B: not in the zoo, built by build_model
 
 
@@ -107,53 +109,47 @@ class Row:
                          self.virtual_stages, self.sequence_parallel, self.recompute)
 
 
-def _megatron(params: str, model: str, tp: int, pp: int, gpus: int, gb: int, mb: int,
-              v: int) -> Row:
-    return Row(f"megatron-{params}", MEGATRON, model, "a100-80g", gpus, gb, tp, pp, mb,
-               "full", virtual_stages=v)
+def _megatron(c: dict, source: str) -> tuple[Row, ...]:
+    """One SC'21 configuration: its row."""
+    return (Row(f"megatron-{c['parameters'].lower()}", source, c["model"], "a100-80g",
+                c["gpus"], c["global_batch"], c["tensor_parallel"], c["pipeline_parallel"],
+                c["micro_batch"], "full", virtual_stages=c["interleaving_chunks"]),)
 
 
-def _korthikanti(params: str, model: str, pp: int, gpus: int, gb: int, mb: int, v: int,
-                 model_args: tuple[int, int, int] | None = None) -> tuple[Row, Row]:
-    full = Row(f"korthikanti-{params}-full", KORTHIKANTI, model, "a100-80g", gpus, gb, 8,
-               pp, mb, "full", virtual_stages=v, model_args=model_args)
-    sel = Row(f"korthikanti-{params}-sp-selective", KORTHIKANTI, model, "a100-80g", gpus,
-              gb, 8, pp, mb, "selective", sequence_parallel=True, virtual_stages=v,
-              model_args=model_args)
-    return full, sel
+def _korthikanti(c: dict, source: str) -> tuple[Row, ...]:
+    """One Korthikanti et al. configuration: its full-recomputation row and its SP +
+    selective-recomputation row."""
+    name = f"korthikanti-{c['parameters'].lower()}"
+    shape = (c["layers"], c["hidden_size"], c["attention_heads"])
+    common = dict(source=source, model=c["model"], gpu="a100-80g", gpus=c["gpus"],
+                  global_batch=c["global_batch"], tp=c["tensor_parallel"],
+                  pp=c["pipeline_parallel"], microbatch_size=c["micro_batch"],
+                  virtual_stages=c["interleaving_chunks"],
+                  model_args=shape if c["model"] == GPT_22B else None)
+    return (Row(f"{name}-full", recompute="full", **common),
+            Row(f"{name}-sp-selective", recompute="selective", sequence_parallel=True,
+                **common))
 
 
-def _titan(name: str, model: str, gpus: int, fsdp: int, tp: int, pp: int, local: int,
-           recompute: str, v: int = 1) -> Row:
+def _titan(c: dict, source: str) -> tuple[Row, ...]:
+    """One torchtitan run: its row (global batch = local batch x FSDP degree)."""
+    tp, pp, local = c["tensor_parallel"], c["pipeline_parallel"], c["local_batch"]
     mb = local // pp if pp > 1 else local  # PP: as many micro-batches as stages
-    return Row(name, TORCHTITAN, model, "h100-sxm", gpus, local * fsdp, tp, pp, mb,
-               recompute, zero=3, sequence_parallel=tp > 1, virtual_stages=v,
-               precision="bf16", optimizer="adamw")
+    return (Row(c["name"], source, c["model"], "h100-sxm", c["gpus"], local * c["fsdp"],
+                tp, pp, mb, c["activation_checkpointing"], zero=3,
+                sequence_parallel=tp > 1, virtual_stages=c["stages_per_rank"] or 1,
+                precision="bf16", optimizer="adamw"),)
 
 
-def rows() -> tuple[Row, ...]:
-    """Every row of ``reference_configs.md``, in its order."""
-    return (
-        _megatron("1.7b", "gpt-1.7b", 1, 1, 32, 512, 16, 1),
-        _megatron("3.6b", "gpt-3.6b", 2, 1, 64, 512, 16, 1),
-        _megatron("7.5b", "gpt-7.5b", 4, 1, 128, 512, 16, 1),
-        _megatron("18.4b", "gpt-18.4b", 8, 1, 256, 1024, 8, 1),
-        _megatron("39.1b", "gpt-39.1b", 8, 2, 512, 1536, 4, 1),
-        _megatron("76.1b", "gpt-76.1b", 8, 4, 1024, 1792, 2, 3),
-        _megatron("145.6b", "gpt-145.6b", 8, 8, 1536, 2304, 2, 2),
-        _megatron("310.1b", "gpt-310.1b", 8, 16, 1920, 2160, 1, 2),
-        _megatron("529.6b", "gpt-529.6b", 8, 35, 2520, 2520, 1, 3),
-        _megatron("1t", "gpt-1t", 8, 64, 3072, 3072, 1, 1),
-        *_korthikanti("22b", GPT_22B, 1, 8, 4, 4, 1, model_args=(48, 6144, 64)),
-        *_korthikanti("175b", "gpt3-175b", 8, 64, 64, 1, 3),
-        *_korthikanti("530b", "gpt-529.6b", 35, 280, 280, 1, 3),
-        *_korthikanti("1t", "gpt-1t", 64, 512, 512, 1, 1),
-        _titan("titan-8b-8gpu", "llama3-8b", 8, 8, 1, 1, 2, "selective"),
-        _titan("titan-8b-128gpu", "llama3-8b", 128, 128, 1, 1, 2, "selective"),
-        _titan("titan-70b-256gpu", "llama3-70b", 256, 32, 8, 1, 16, "full"),
-        _titan("titan-405b-1f1b", "llama3-405b", 512, 8, 8, 8, 32, "full"),
-        _titan("titan-405b-interleaved", "llama3-405b", 512, 8, 8, 8, 32, "full", v=2),
-    )
+_MAPPINGS = {"megatron": _megatron, "korthikanti": _korthikanti, "torchtitan": _titan}
+
+
+def rows(path: Path = REFERENCE_CONFIGS) -> tuple[Row, ...]:
+    """Every configuration of ``reference_configs.json``, in its order, as rows."""
+    sources = json.loads(path.read_text())["sources"]
+    return tuple(row for key, group in sources.items()
+                 for c in group["configurations"]
+                 for row in _MAPPINGS[key](c, group["label"]))
 
 
 def _describe(dp: int, tp: int, pp: int, mb: int, m: int, zero: int, schedule: str | None,

@@ -2,9 +2,10 @@
 (``meta`` by default, so the largest ones plan without allocating a weight), and a
 loader for a user's own ``path/to/file.py:factory``.
 
-Shapes come from the papers named in each entry's description; the Megatron-LM GPT
-family and the Llama 3 shapes are those of ``reference_configs.md`` (Narayanan et al.,
-SC'21, Table 1; Meta's Llama 3 release).
+Shapes come from the papers named in each entry's description: the Megatron-LM GPT
+family is that of Narayanan et al., "Efficient Large-Scale Language Model Training on
+GPU Clusters Using Megatron-LM" (SC'21, Table 1), and the Llama 3 shapes are those of
+Meta's Llama 3 release.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ slower than the hand-written configuration under the same cost model."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +23,25 @@ def test_rows_divide_their_clusters() -> None:
         assert row.dp * row.microbatch_size * row.num_microbatches == row.global_batch, \
             row.name
         assert pq.Row.from_dict(asdict(row)) == row
+
+
+def test_reference_configs_match_the_zoo() -> None:
+    """The shapes listed in ``reference_configs.json`` are those of the zoo models the rows
+    plan, and each torchtitan pipeline schedule is the one its row runs."""
+    from autopar.examples import zoo
+
+    sources = json.loads(pq.REFERENCE_CONFIGS.read_text())["sources"]
+    for key in ("megatron", "korthikanti"):
+        for c in sources[key]["configurations"]:
+            if c["model"] == pq.GPT_22B:
+                continue
+            cfg = zoo._entry(c["model"]).config
+            assert (cfg.n_heads, cfg.dim, cfg.n_layers) == \
+                (c["attention_heads"], c["hidden_size"], c["layers"]), c["model"]
+    schedules = {None: None, "1F1B": "1f1b", "Interleaved1F1B": "interleaved_1f1b"}
+    by_name = {row.name: row for row in pq.rows()}
+    for c in sources["torchtitan"]["configurations"]:
+        assert by_name[c["name"]].schedule == schedules[c["pipeline_schedule"]], c["name"]
 
 
 @pytest.mark.parametrize("row", [
