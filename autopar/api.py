@@ -6,6 +6,7 @@ import contextlib
 import gc
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -64,19 +65,34 @@ def _budget(memory_budget: float | None, hw) -> float:
 
 def detect_cluster() -> Cluster:
     """The cluster of the running job: world size from torch.distributed (1 if not
-    initialized), CUDA → the profile matching the GPU name, otherwise ``cpu``."""
+    initialized), CUDA → the shipped profile matching the GPU name
+    (:func:`profile_for_gpu`), otherwise ``cpu``."""
     import torch
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    gpu = "cpu"
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        gpu = "h100-sxm" if "h100" in name or "h200" in name else (
-            "a100-80g" if "a100" in name else "h100-sxm")
+    gpu = profile_for_gpu(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
     per_node = local if local > 0 and world % local == 0 else world
     return Cluster(gpu=gpu, nodes=world // per_node, gpus_per_node=per_node)
+
+
+GPU_PROFILES = (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80g"))
+"""(substring of the CUDA device name, shipped profile), first match wins."""
+
+
+def profile_for_gpu(device_name: str) -> str:
+    """The shipped hardware profile for a CUDA device name; for a GPU without one, the
+    H100's, with a warning that says how to measure this GPU instead."""
+    name = device_name.lower()
+    for part, profile in GPU_PROFILES:
+        if part in name:
+            return profile
+    warnings.warn(f"autopar has no hardware profile for the GPU {device_name!r}; planning "
+                  f"with the H100's (h100-sxm). Run `autopar profile --out gpu.json` on it "
+                  f"and pass Cluster(profile='gpu.json') to plan with its own figures",
+                  stacklevel=3)
+    return "h100-sxm"
 
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -69,8 +69,8 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     h.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     h.add_argument("--dp", type=int, help="data-parallel degree (default: fills the world)")
-    h.add_argument("--microbatch", type=int, help="micro-batch size (default: the largest "
-                   "that gives pp micro-batches)")
+    h.add_argument("--microbatch-size", "--microbatch", type=int, dest="microbatch_size",
+                   help="micro-batch size (default: the largest that gives pp micro-batches)")
     h.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     h.add_argument("--virtual-stages", type=int,
                    help="model chunks per pipeline rank (default 1; 2 for zbv)")
@@ -82,6 +82,8 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from autopar.plans import RECOMPUTE
+
     ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the best plan for a model on a cluster")
@@ -98,10 +100,19 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="fix the pipeline schedule")
     f.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
     f.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="fix the ZeRO stage")
-    f.add_argument("--microbatch", type=int, help="fix the micro-batch size")
-    p.add_argument("--top", type=int, default=1, metavar="N",
+    f.add_argument("--microbatch-size", "--microbatch", type=int, dest="microbatch_size",
+                   help="fix the micro-batch size")
+    f.add_argument("--recompute", choices=RECOMPUTE,
+                   help="fix the recomputation of every block (default: chosen per layer)")
+    f.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                   help="force sequence parallelism on or off (default: either)")
+    f.add_argument("--offload", action=argparse.BooleanOptionalAction,
+                   help="force CPU offload of ZeRO-3 parameters on or off (default: only "
+                   "when nothing fits without)")
+    p.add_argument("--top-k", "--top", type=int, default=1, metavar="N", dest="top_k",
                    help="also list the next N-1 fastest configurations and why they lost")
-    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+    p.add_argument("--time-limit-s", "--time-limit", type=float, metavar="SECONDS",
+                   dest="time_limit_s",
                    help="stop searching after this long with the best plan found and its gap")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     _add_compare_parser(sub)
@@ -141,15 +152,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cluster = _cluster_from_args(args)
     model, inputs, targets = _load_model(args.model, args.seq_len)
-    space = {k: v for k, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp),
-                               ("zero", args.zero), ("microbatch_size", args.microbatch),
-                               ("schedule", args.schedule),
-                               ("virtual_stages", args.virtual_stages),
-                               ("time_limit_s", args.time_limit)) if v is not None}
+    space = {k: getattr(args, k) for k in ("dp", "tp", "pp", "zero", "microbatch_size",
+                                           "schedule", "virtual_stages", "recompute",
+                                           "sequence_parallel", "offload", "time_limit_s")
+             if getattr(args, k) is not None}
     plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
                         precision=args.precision, optimizer=args.optimizer,
                         memory_budget=args.memory_budget, example_targets=targets,
-                        top_k=args.top, progress=_progress_line(sys.stderr), **space)
+                        top_k=args.top_k, progress=_progress_line(sys.stderr), **space)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if ":" not in args.model:
@@ -193,7 +203,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cluster = _cluster_from_args(args)
     model, inputs, targets = _load_model(args.model, args.seq_len)
-    spec = autopar.Spec(dp=args.dp, tp=args.tp, pp=args.pp, microbatch_size=args.microbatch,
+    spec = autopar.Spec(dp=args.dp, tp=args.tp, pp=args.pp, microbatch_size=args.microbatch_size,
                         schedule=args.schedule,
                         virtual_stages=args.virtual_stages or (2 if args.schedule == "zbv" else 1),
                         recompute=args.recompute, zero=args.zero,

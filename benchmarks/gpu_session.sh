@@ -48,7 +48,7 @@ if [ "$MODE" = steady ]; then
     exit 0
 fi
 if [ "$gpu" = h200 ]; then
-    timeout 200 autopar profile --out "$OUT/$gpu.profile.json" --time-limit 120
+    timeout 200 autopar profile --out "$OUT/$gpu.profile.json" --time-limit-s 120
 else
     timeout 120 autopar profile --quick --out "$OUT/$gpu.profile.json"
 fi

@@ -1,6 +1,6 @@
 """``autopar profile``: measure this machine's GPU (or CPU) and write a profile JSON.
 
-    autopar profile [--quick] [--out FILE] [--resume] [--time-limit S]
+    autopar profile [--quick] [--out FILE] [--resume] [--time-limit-s S]
     python -m autopar.cost_models.profiler ...             # the same, without the CLI
     torchrun --nproc-per-node 8 -m autopar.cost_models.profiler --out p.json
                                                            # adds collectives + α-β fits
@@ -264,7 +264,8 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--resume", action="store_true",
                     help="skip the points already in OUT.partial.jsonl")
     ap.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if present")
-    ap.add_argument("--time-limit", type=float, metavar="S",
+    ap.add_argument("--time-limit-s", "--time-limit", type=float, metavar="S",
+                    dest="time_limit_s",
                     help="stop starting new points after S seconds (then --resume)")
     return ap
 
@@ -276,7 +277,7 @@ def main(args: argparse.Namespace | None = None) -> int:
         args = build_parser().parse_args()
     device = torch.device(args.device) if args.device else None
     doc = run_profile(Path(args.out), quick=args.quick, resume=args.resume, device=device,
-                      time_limit=args.time_limit)
+                      time_limit=args.time_limit_s)
     if doc is None:
         return 0 if int(os.environ.get("RANK", "0")) != 0 else 3
     print(compact_json(doc["summary"]))

@@ -62,10 +62,40 @@ def test_bad_top_k_is_one_clear_error(gpt):
 
 def test_cli_top_lists_runners_up(capsys):
     assert main(["plan", "tiny-gpt", "--gpu", "a100-80g", "--nodes", "1",
-                 "--gpus-per-node", "4", "--global-batch", "8", "--top", "3"]) == 0
+                 "--gpus-per-node", "4", "--global-batch", "8", "--top-k", "3"]) == 0
     out = capsys.readouterr().out
     assert "runners-up (why each is slower than the plan)" in out
     assert out.count("ZeRO-") >= 2
+
+
+def test_cli_plan_takes_the_api_knobs_by_their_api_names(tmp_path, gpt):
+    """`autopar plan` fixes what plan() fixes, under plan()'s names (the old short
+    spellings still work)."""
+    out = tmp_path / "plan.json"
+    args = ["plan", "tiny-gpt", "--gpu", "a100-80g", "--nodes", "2", "--gpus-per-node", "4",
+            "--global-batch", "16", "--json", str(out)]
+    assert main(args + ["--microbatch-size", "2", "--recompute", "full", "--zero", "3",
+                        "--no-sequence-parallel", "--no-offload", "--time-limit-s", "60"]) == 0
+    cli = autopar.Plan.from_json(out.read_text())
+    model, x = gpt
+    api = autopar.plan(model, x, cluster=CLUSTER, global_batch=16, microbatch_size=2,
+                       recompute="full", zero=3, sequence_parallel=False, offload=False)
+    assert (cli.mesh, cli.microbatch_size, cli.zero, set(cli.recompute.values())) == \
+        (api.mesh, 2, 3, {"full"})
+    assert cli.step_time_s == pytest.approx(api.step_time_s, rel=1e-9)
+    assert main(args + ["--microbatch", "4", "--top", "1", "--time-limit", "60"]) == 0
+    assert autopar.Plan.from_json(out.read_text()).microbatch_size == 4
+
+
+def test_gpu_names_map_to_their_profiles():
+    from autopar.api import profile_for_gpu
+
+    assert profile_for_gpu("NVIDIA H200") == "h200"
+    assert profile_for_gpu("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert profile_for_gpu("NVIDIA A100-SXM4-80GB") == "a100-80g"
+    with pytest.warns(UserWarning, match=r"no hardware profile for the GPU 'NVIDIA L40S'.*"
+                                         r"autopar profile"):
+        assert profile_for_gpu("NVIDIA L40S") == "h100-sxm"
 
 
 class _BlocksTwice(torch.nn.Module):
