@@ -7,7 +7,10 @@ what the cost model predicted for it and how the solver found it.
 
 Placements are written per mesh axis, in mesh order, as strings: ``"R"``
 (Replicate), ``"S(d)"`` (Shard along tensor dim d) and ``"P"`` (Partial sum); see
-:mod:`autopar.sharding` for the conversion to ``torch.distributed.tensor`` classes.
+:mod:`autopar.sharding` for their grammar and
+:func:`autopar.runtime.tensor_parallel.parse_placement` for the conversion to
+``torch.distributed.tensor`` classes. The memory choices a plan names (recomputation
+modes, FSDP units) are :mod:`autopar.memory_choices`'s, re-exported here.
 """
 
 from __future__ import annotations
@@ -17,24 +20,16 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autopar.errors import PlanFormatError
+from autopar.memory_choices import RECOMPUTE, SELECTIVE_SAVE_OPS, fsdp_unit
+
+__all__ = ["PLAN_FORMAT_VERSION", "READABLE_VERSIONS", "TP_STYLES", "SCHEDULES", "RECOMPUTE",
+           "SELECTIVE_SAVE_OPS", "fsdp_unit", "ModulePlan", "StagePlan", "PipelinePlan", "Plan"]
 
 PLAN_FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 plans (no pipeline) read as version 2 with pipeline=None
 
 TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
-RECOMPUTE = ("none", "selective", "full")
-SELECTIVE_SAVE_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "linear", "matmul",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "scaled_dot_product_attention",
-})
-"""What "selective" recomputation keeps (aten op names without overload): the outputs
-of matrix products and of attention, as torchtitan's operator-level activation
-checkpointing does; everything else in the block (pointwise ops, norms, softmax,
-dropout, views) is recomputed in backward. The lowering's checkpoint policy and the
-memory model both read this one list."""
 
 
 @dataclass
@@ -275,15 +270,6 @@ class Plan:
         from autopar.summary import plan_summary
 
         return plan_summary(self)
-
-
-def fsdp_unit(blocks: list[str], fqn: str) -> str:
-    """The ``fully_shard`` unit that owns parameter ``fqn``: the block containing it,
-    or ``""`` (the root)."""
-    for block in blocks:
-        if fqn.startswith(block + "."):
-            return block
-    return ""
 
 
 def _check_plan(plan: Plan) -> None:

@@ -13,6 +13,10 @@ strategies are named the Colossal-AI way, one letter group per tensor dim:
 ``S0RS1`` is a 3-d tensor split along dim 0 over mesh axis 0 and along dim 2 over
 mesh axis 1 (``P1`` appended marks a partial sum over axis 1), and a strategy reads
 ``S0RS1 = S0RR x S1R`` (output = input x weight).
+
+The planner works on the strings alone and never imports ``torch.distributed``; the
+runtime turns them into placement objects
+(:func:`autopar.runtime.tensor_parallel.parse_placement`).
 """
 
 from __future__ import annotations
@@ -21,17 +25,10 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from typing import TYPE_CHECKING, Any
-
 from autopar.errors import ConfigError, PlanFormatError
 
-if TYPE_CHECKING:  # the planner itself works on strings and never imports torch.distributed
-    from torch.distributed.tensor.placement_types import Placement
-else:
-    Placement = Any
-
-__all__ = ["Mesh", "parse_placement", "format_placement", "to_torch", "layout_name",
-           "check_placement", "shard_dim", "shard_pieces", "shard_placement"]
+__all__ = ["Mesh", "layout_name", "check_placement", "shard_dim", "shard_pieces",
+           "shard_placement"]
 
 
 @dataclass(frozen=True)
@@ -117,44 +114,6 @@ def check_placement(text: str) -> str:
         return text
     raise PlanFormatError(f"placement {text!r} is not one of 'R', 'P', 'S(<dim>)' or "
                           f"'S(<dim>)/<pieces>'")
-
-
-def parse_placement(text: str) -> "Placement":
-    """Parse ``"R"``, ``"P"``, ``"S(d)"`` or ``"S(d)/k"`` into a
-    ``torch.distributed.tensor`` placement (``Replicate()``, ``Partial()``,
-    ``Shard(d)``, or the strided shard of
-    :func:`autopar.runtime.piecewise.piecewise_shard`)."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    t = check_placement(text)
-    if t == "R":
-        return Replicate()
-    if t == "P":
-        return Partial()
-    from autopar.runtime.piecewise import piecewise_shard
-
-    return piecewise_shard(shard_dim(t), shard_pieces(t))  # type: ignore[arg-type]
-
-
-def format_placement(p: "Placement") -> str:
-    """The short string of a torch placement (inverse of :func:`parse_placement`)."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    from autopar.runtime.piecewise import piecewise_pieces
-
-    pieces = piecewise_pieces(p)
-    if pieces is not None:
-        return shard_placement(p.dim, pieces)  # type: ignore[attr-defined]
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Partial):
-        return "P"
-    raise PlanFormatError(f"unsupported placement {p!r}")
-
-
-def to_torch(placements: list[str] | tuple[str, ...]) -> tuple["Placement", ...]:
-    """Convert a plan's placement strings to a tuple of torch placements."""
-    return tuple(parse_placement(p) for p in placements)
 
 
 def shard_count(placements: tuple[str, ...] | list[str], sizes: tuple[int, ...]) -> int:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ConfigError
+from autopar.loader import load, load_callable
 from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
 from autopar.runtime import codegen_templates as T
 from autopar.runtime.codegen_pipeline import pipeline_text
@@ -68,10 +69,8 @@ class ModelFacts:
 
 def model_facts(model_spec: str) -> ModelFacts:
     """Build ``path/to/file.py:factory`` on the meta device and read its facts."""
-    from autopar.examples import zoo
-
     with torch.device("meta"):
-        model, inputs = zoo.load(model_spec)
+        model, inputs = load(model_spec)
     x = inputs[0]
     tokens = not torch.is_floating_point(x)
     layer = nn.Embedding if tokens else nn.Linear
@@ -410,7 +409,6 @@ def _loss_section(plan: Plan, loss_spec: str | None,
     default cross-entropy."""
     if loss_spec is None:
         return T.LOSS.template, ""
-    from autopar.examples.zoo import load_callable
     from autopar.runtime.parallel_model import loss_scale
 
     load_callable(loss_spec)

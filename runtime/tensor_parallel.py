@@ -15,18 +15,50 @@ from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.errors import LoweringError
+from autopar.errors import LoweringError, PlanFormatError
 from autopar.plans import ModulePlan, Plan
 from autopar.runtime.dtensor_layout import (distribute_io, place_parameters,
                                             register_cpu_attention_sharding, relayout_modules)
-from autopar.runtime.piecewise import register_piecewise_sharding
-from autopar.sharding import parse_placement, shard_dim, shard_pieces
+from autopar.runtime.piecewise import (piecewise_pieces, piecewise_shard,
+                                       register_piecewise_sharding)
+from autopar.sharding import check_placement, shard_dim, shard_pieces, shard_placement
 
 __all__ = ["TPLayout", "tp_layout", "check_module_plan", "tied_parameter_groups",
-           "apply_tensor_parallel", "reduce_partial_gradients", "tp_placement", "piecewise"]
+           "apply_tensor_parallel", "reduce_partial_gradients", "tp_placement", "piecewise",
+           "parse_placement", "format_placement", "to_torch"]
+
+
+def parse_placement(text: str) -> Placement:
+    """Parse ``"R"``, ``"P"``, ``"S(d)"`` or ``"S(d)/k"`` into a
+    ``torch.distributed.tensor`` placement (``Replicate()``, ``Partial()``,
+    ``Shard(d)``, or the strided shard of
+    :func:`autopar.runtime.piecewise.piecewise_shard`)."""
+    t = check_placement(text)
+    if t == "R":
+        return Replicate()
+    if t == "P":
+        return Partial()
+    return piecewise_shard(shard_dim(t), shard_pieces(t))  # type: ignore[arg-type]
+
+
+def format_placement(p: Placement) -> str:
+    """The short string of a torch placement (inverse of :func:`parse_placement`)."""
+    pieces = piecewise_pieces(p)
+    if pieces is not None:
+        return shard_placement(p.dim, pieces)  # type: ignore[attr-defined]
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P"
+    raise PlanFormatError(f"unsupported placement {p!r}")
+
+
+def to_torch(placements: list[str] | tuple[str, ...]) -> tuple[Placement, ...]:
+    """Convert a plan's placement strings to a tuple of torch placements."""
+    return tuple(parse_placement(p) for p in placements)
 
 
 @dataclass

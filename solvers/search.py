@@ -27,7 +27,7 @@ from autopar.graph import Graph
 from autopar.sharding import Mesh
 from autopar.solvers.bounds import combo_bounds, step_bound
 from autopar.solvers.ilp import Solution, solve_ilp
-from autopar.plans import RECOMPUTE
+from autopar.memory_choices import RECOMPUTE
 from autopar.solvers.pipeline_search import (PipelineOutcome, RefineLater, in_flight,
                                              pipeline_problem, refine_modes, solve_pipeline)
 from autopar.solvers.schedules import needs_a_microbatch_per_stage, validate

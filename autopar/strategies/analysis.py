@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.graph import Graph, OpNode, TensorMeta
-from autopar.plans import fsdp_unit
+from autopar.memory_choices import fsdp_unit
 from autopar.strategies.batch_flow import FREE, BatchFlow
 from autopar.strategies.fused import piecewise_rules
 from autopar.strategies.rules import OpRule, constant_rule, rule_for

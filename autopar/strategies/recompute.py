@@ -8,7 +8,7 @@ layer instance (bytes per device, seconds):
 * kept bytes ``K_r``:
   - none: what autograd saves (the node's share of ``memory["activations"]``);
   - selective: the node's output when its operator is in
-    :data:`autopar.plans.SELECTIVE_SAVE_OPS` (matrix products and attention: the
+    :data:`autopar.memory_choices.SELECTIVE_SAVE_OPS` (matrix products and attention: the
     selective-checkpoint policy caches them), plus the block input below;
   - full: only the block input: each activation the layer reads from outside it
     (the residual stream), charged to its first reader, sized by the placement that
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost_models.host import charges_host, checkpoint_host_time
 from autopar.flops import op_name
-from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
+from autopar.memory_choices import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.solvers.problem import RecomputeGroup, StrategyCost
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def _host(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> tuple[float,
 def recompute_groups(b: "_Builder", index: dict[str, int], details: list[list["NodeStrategy"]],
                      costs: list[list[StrategyCost]]) -> list[RecomputeGroup]:
     """One group per canonical layer of the graph, over the modes ``b.st.recompute_modes``
-    allows (mode indices follow :data:`autopar.plans.RECOMPUTE`)."""
+    allows (mode indices follow :data:`autopar.memory_choices.RECOMPUTE`)."""
     g = b.g
     allowed = tuple(k for k, m in enumerate(RECOMPUTE) if m in b.st.recompute_modes)
     host = charges_host(b.st.hw)
