@@ -274,18 +274,42 @@ def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
 def _training_mode(model: nn.Module) -> Iterator[None]:
     """Training mode and no KV cache for the capture; the model's flags are restored."""
     modes = [(m, m.training) for m in model.modules()]
-    config = getattr(model, "config", None)
-    cache = getattr(config, "use_cache", None)
     try:
         model.train()
-        if cache is not None:
-            config.use_cache = False
-        yield
+        with kv_cache_off(model):
+            yield
     finally:
         for m, mode in modes:
             m.training = mode
-        if cache is not None:
-            config.use_cache = cache
+
+
+def cache_configs(model: nn.Module) -> list[Any]:
+    """The Hugging Face configs in ``model`` whose key/value cache is on
+    (``config.use_cache``): the root's and any submodule's (a model wrapped in the
+    user's own module keeps its config below the root), each once."""
+    seen: set[int] = set()
+    out = []
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and id(config) not in seen and getattr(config, "use_cache", None):
+            seen.add(id(config))
+            out.append(config)
+    return out
+
+
+@contextlib.contextmanager
+def kv_cache_off(model: nn.Module) -> Iterator[None]:
+    """Every key/value cache of ``model`` (:func:`cache_configs`) off for the block,
+    then on again. Training uses none, and a model that builds one is exported with
+    its cache updates (whose constants also stop the fast capture)."""
+    configs = cache_configs(model)
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
 
 
 @contextlib.contextmanager

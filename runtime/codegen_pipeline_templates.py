@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from string import Template
 
+from autopar import capture as _capture
 from autopar.runtime import pipeline as _pipeline
 from autopar.runtime import pipeline_export as _export
 from autopar.runtime import pipeline_split as _split
@@ -33,6 +34,7 @@ def local_modules(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
 """Lets the per-block loops run on a stage holding some of the blocks."""
 
 SPLIT_STAGES = Template("\n\n\n".join(inspect.getsource(f) for f in (
+    _capture.cache_configs, _capture.kv_cache_off,
     _export.StageSplitError, _export.outlined_paths, _export.export_program,
     _export._called_once, _export._owner, _export._leaf_paths, _export._Outliner,
     _export.outlined_graph, _export.retarget_devices, _split._pinned, _split.assign_stages,

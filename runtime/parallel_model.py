@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from autopar.capture import default_loss, first_tensor
+from autopar.capture import cache_configs, default_loss, first_tensor
 from autopar.errors import ConfigError
 from autopar.plans import Plan
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
@@ -179,11 +179,11 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
 
 
 def no_kv_cache(model: nn.Module) -> None:
-    """Turn a Hugging Face model's key/value cache off (``config.use_cache``), as its
-    own trainer does: training needs none, and a cache that each layer appends to
-    changes between a checkpointed block's forward and its recomputation."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None):
+    """Turn a Hugging Face model's key/value cache off (``config.use_cache``, the
+    root's and any submodule's), as its own trainer does: training needs none, and a
+    cache that each layer appends to changes between a checkpointed block's forward
+    and its recomputation."""
+    for config in cache_configs(model):
         config.use_cache = False
 
 

@@ -34,6 +34,8 @@ from torch import fx, nn
 from torch.export.graph_signature import (ConstantArgument, InputKind, OutputKind,
                                           TensorArgument)
 
+from autopar.capture import kv_cache_off
+
 __all__ = ["StageSplitError", "outlined_paths", "export_program", "outlined_graph",
            "retarget_devices"]
 
@@ -67,16 +69,9 @@ def export_program(model: nn.Module, inputs: tuple[torch.Tensor, ...],
     """``torch.export.export(model, inputs, strict=False)`` keeping the call signature
     of each of ``paths``, in the model's own mode, with a Hugging Face model's KV cache
     (``config.use_cache``, which training does not use) off while it exports."""
-    config = getattr(model, "config", None)
-    cache = getattr(config, "use_cache", None)
-    if cache:
-        config.use_cache = False
-    try:
+    with kv_cache_off(model):
         return torch.export.export(model, tuple(inputs), strict=False,
                                    preserve_module_call_signature=tuple(paths))
-    finally:
-        if cache:
-            config.use_cache = cache
 
 
 def _called_once(ep: torch.export.ExportedProgram, paths: list[str],

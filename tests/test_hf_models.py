@@ -50,6 +50,33 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
 
+class _Logits(torch.nn.Module):
+    """A user's wrapper returning the logits: the HF config is below the root."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx).logits
+
+
+def test_a_wrapped_model_captures_without_its_kv_cache() -> None:
+    """The KV cache is off for the capture wherever the config sits (its updates made
+    constants that stopped the two-block fast path: 9.4 s instead of 3.1 s for a
+    wrapped 8B Llama), and on again after it."""
+    with torch.device("meta"):
+        model = llama()
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), device="meta")
+    g = capture(_Logits(model), (x,))
+    assert len(g.layers) == 3
+    exported = {str(s.target).split(".layers.")[1].split(".")[0]
+                for s in g.fx.graph_signature.input_specs
+                if s.kind.name == "PARAMETER" and ".layers." in str(s.target)}
+    assert exported == {"0", "1"}  # the fast path: two blocks exported, one replicated
+    assert model.config.use_cache is True
+
+
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_captures_on_meta_with_repeated_blocks_and_plans(kind: str) -> None:
     with torch.device("meta"):
