@@ -239,7 +239,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                 name: str | None = None, example_targets: torch.Tensor | None = None):
     from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
-    from autopar.solvers.search import SearchResult, candidates, search
+    from autopar.solvers.outer_search import SearchResult, candidates, search
     from autopar.strategies.analysis import analyze
 
     unknown = sorted(set(space) - set(SEARCH_KEYS))

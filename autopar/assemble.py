@@ -25,7 +25,7 @@ busiest rank r, the rank with the most busy time)::
 * ``exposed_host_s``: on a GPU, the time the device waits for the host to issue its
   work (H of :mod:`autopar.solvers.problem`, (**); ``host_s`` is the step's host
   seconds); on a pipeline what the busiest rank's host time adds to the schedule
-  (:func:`autopar.solvers.pipeline_search.rank_host_time`).
+  (:func:`autopar.solvers.pipelined_candidate.rank_host_time`).
 
 The other keys (``comm_s``, ``reshard_s``, ``param_comm_s``, ``p2p_s`` = seconds per
 transfer, ...) detail these terms; they are not added again."""
@@ -35,10 +35,10 @@ from __future__ import annotations
 from autopar.graph import Graph
 from autopar.plans import ModulePlan, PipelinePlan, Plan, StagePlan
 from autopar.sharding import shard_dim
-from autopar.solvers.ilp import Solution
-from autopar.solvers.pipeline_search import PipelineOutcome
+from autopar.solvers.intra_op_ilp import Solution
+from autopar.solvers.pipelined_candidate import PipelineOutcome
 from autopar.solvers.problem import evaluate
-from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
+from autopar.solvers.schedule_sim import ChunkCost, simulate, stage_ranks
 from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, NodeStrategy
@@ -257,7 +257,7 @@ def pipeline_breakdown(po: PipelineOutcome, *, pp: int, schedule: str, virtual_s
              "bubble_s": free_p2p - (compute + recompute + comm + param),
              "optimizer_s": optimizer,
              "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p}
-    # Ranks sharing fewer cores (pipeline_search.shared_cores_time): every term is
+    # Ranks sharing fewer cores (pipelined_candidate.shared_cores_time): every term is
     # the same share of the shorter step, so the terms still sum to it.
     device = po.split.estimate.step_time_s + po.split.exposed_s
     scale = (po.step_time_s - po.exposed_host_s) / device if device else 1.0

@@ -49,7 +49,7 @@ from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
 from autopar.runtime.pipeline_split import StageCut, StageGraph, split_stages
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
-from autopar.solvers.schedules import needs_a_microbatch_per_stage
+from autopar.solvers.schedule_sim import needs_a_microbatch_per_stage
 
 __all__ = ["SCHEDULE_CLASSES", "TiedCopies", "PipelineRuntime", "check_pipeline",
            "stage_ranks", "untie_across_stages", "stage_plan", "build_pipeline_schedule",

@@ -34,7 +34,7 @@ so a step of n micro-batches takes at least n·max(compute, parameter sums) + S_
 
 with C the node's share of the common memory. On a pipeline rank (``pp`` ranks,
 ``held`` micro-batches in flight) every strategy's memory is that of
-:func:`autopar.solvers.pipeline_search.pipeline_problem`: (static + activations ·
+:func:`autopar.solvers.pipelined_candidate.pipeline_problem`: (static + activations ·
 held) / pp, and the recomputation deltas scale by held / pp.
 
 Groups are independent, so the bounds of every combination come from one pass over

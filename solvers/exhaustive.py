@@ -12,7 +12,7 @@ What they share with the planner is the objective only — the cost tables of th
 problem, :func:`~autopar.solvers.problem.evaluate`, the unit costs and the schedule
 simulator — never the way the planner searches (the ILP, the stage DP, the bounds).
 
-The pipelined objective is the one :mod:`autopar.solvers.pipeline_search` documents
+The pipelined objective is the one :mod:`autopar.solvers.pipelined_candidate` documents
 and reports: for an assignment s, modes r and a split B of the units into
 ``S = pp · v`` contiguous stages,
 
@@ -21,14 +21,14 @@ and reports: for an assignment s, modes r and a split B of the units into
 
 (the dp gradient synchronization a rank cannot hide behind its own backward, then its
 optimizer step), at least the busiest rank's host seconds on a GPU profile
-(:func:`~autopar.solvers.pipeline_search.rank_host_time`), feasible
+(:func:`~autopar.solvers.pipelined_candidate.rank_host_time`), feasible
 when every rank fits the budget less the largest backward transient,
 
     max_r Σ_{s on r} (static_s + k_s · activation_s) ≤ budget − max_r extra_r,
     extra_r = A_recompute + [r holds the last stage] · (T_loss + logits),
 
 with ``k_s`` the schedule's most in-flight micro-batches of stage s
-(:func:`~autopar.solvers.interop.stage_in_flight`). The memory reported is
+(:func:`~autopar.solvers.stage_split.stage_in_flight`). The memory reported is
 ``max_r (simulated peak_r + extra_r)``. That per-rank check is the only memory test a
 pipelined plan must pass here: the planner's intra-op ILP additionally holds every
 assignment to its own model of one rank (``pipeline_problem``), which is a means of
@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
-from autopar.solvers.ilp import Solution
-from autopar.solvers.interop import after_backward, stage_in_flight
-from autopar.solvers.pipeline_search import (boundary_p2p, rank_host_time, rank_transients,
-                                             shared_cores_time, tied_sync)
+from autopar.solvers.intra_op_ilp import Solution
+from autopar.solvers.outer_search import Candidate, candidate_settings, tiers
+from autopar.solvers.pipelined_candidate import (boundary_p2p, rank_host_time, rank_transients,
+                                                 shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
-from autopar.solvers.schedules import ChunkCost, simulate, stage_ranks
-from autopar.solvers.search import Candidate, candidate_settings, tiers
+from autopar.solvers.schedule_sim import ChunkCost, simulate, stage_ranks
+from autopar.solvers.stage_split import after_backward, stage_in_flight
 from autopar.solvers.units import Unit, unit_costs, unit_of_nodes
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, build_problem
@@ -327,10 +327,10 @@ def brute_force_search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_pe
                        recompute: tuple[str, ...] | None = None,
                        offload: bool | None = None) -> BruteForceResult:
     """The fastest feasible plan over the whole space of ``cands``, as
-    :func:`autopar.solvers.search.search` defines it, by enumeration: every candidate's
+    :func:`autopar.solvers.outer_search.search` defines it, by enumeration: every candidate's
     problem is built and solved by :func:`solve_exhaustive` (no pipeline) or
     :func:`solve_pipeline_exhaustive` (pipeline), one list of
-    :func:`~autopar.solvers.search.tiers` after another, as the search tries them.
+    :func:`~autopar.solvers.outer_search.tiers` after another, as the search tries them.
 
     Raises NoFeasiblePlanError when no candidate fits."""
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,

@@ -41,7 +41,7 @@ up to a phase, device from there on", which with δ = h_F + h_B − d_F − d_B 
 the last forward; the whole step host-bound). With no host figures H = 0. The ILP
 models (**) with one non-negative variable and one constraint per term. A problem
 with ``host_phases`` False keeps the last term alone, H = max(0, n·(h_F + h_B) + h_O −
-T(s)): the problem of a pipeline rank (:mod:`autopar.solvers.pipeline_search`), whose
+T(s)): the problem of a pipeline rank (:mod:`autopar.solvers.pipelined_candidate`), whose
 phases interleave over the stages, so only the totals bound pp times the step. ``step_param_comm`` is paid
 once per step (DDP's gradient all-reduce), ``micro_param_comm`` once per micro-batch
 (FSDP's all-gathers and reduce-scatters); ``overlap`` in [0, 1] is the fraction of

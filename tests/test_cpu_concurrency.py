@@ -108,7 +108,7 @@ def test_no_overlap_exposes_all_gradient_traffic(tmp_path):
 
 
 def test_shared_cores_time():
-    from autopar.solvers.pipeline_search import shared_cores_time
+    from autopar.solvers.pipelined_candidate import shared_cores_time
 
     # one process per core: the schedule's own time
     assert shared_cores_time(1.5, [1.0, 1.0], 0.0, 1.0) == 1.5

@@ -13,7 +13,7 @@ from autopar.cost_models.hardware import load_profile
 from autopar.cost_models.profiler_host import DTENSOR_OP_KEYS, HOST_KEYS, REDISTRIBUTE_KEYS
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
-from autopar.solvers.ilp import solve_ilp
+from autopar.solvers.intra_op_ilp import solve_ilp
 from autopar.solvers.problem import evaluate
 from autopar.strategies.analysis import analyze
 from autopar.strategies.build import Settings, build_problem

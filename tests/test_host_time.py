@@ -17,7 +17,7 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.sharding import Mesh
 from autopar.solvers.exhaustive import solve_exhaustive
-from autopar.solvers.ilp import IntraOpILP, solve_ilp
+from autopar.solvers.intra_op_ilp import IntraOpILP, solve_ilp
 from autopar.solvers.problem import (NodeChoice, Problem, RecomputeGroup, StrategyCost,
                                      evaluate, host_exposure)
 from autopar.strategies.analysis import analyze

@@ -15,7 +15,7 @@ from autopar.errors import NoFeasiblePlanError
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.solvers.exhaustive import solve_exhaustive
-from autopar.solvers.ilp import IntraOpILP, solve_ilp
+from autopar.solvers.intra_op_ilp import IntraOpILP, solve_ilp
 from autopar.solvers.problem import evaluate
 from autopar.strategies.analysis import analyze
 from autopar.strategies.build import Settings, build_problem

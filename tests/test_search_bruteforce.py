@@ -1,6 +1,6 @@
 """The full search equals brute-force enumeration of the whole space on small instances.
 
-For each instance, :func:`autopar.solvers.search.search` (lower bounds, pruning, the
+For each instance, :func:`autopar.solvers.outer_search.search` (lower bounds, pruning, the
 ILP, the stage split, the winner's refinement) and
 :func:`autopar.solvers.exhaustive.brute_force_search` (every candidate, every
 consistent assignment, every recomputation mode, every stage split scored by the
@@ -28,8 +28,8 @@ from autopar.errors import NoFeasiblePlanError
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from autopar.solvers.exhaustive import BruteForceResult, brute_force_search, score_pipeline
+from autopar.solvers.outer_search import Candidate, SearchResult, candidates, search
 from autopar.solvers.problem import evaluate
-from autopar.solvers.search import Candidate, SearchResult, candidates, search
 from autopar.strategies.analysis import GraphAnalysis, analyze
 
 REL = 1e-9

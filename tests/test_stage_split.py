@@ -8,10 +8,10 @@ import time
 import pytest
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
-from autopar.solvers.interop import (UnitCost, _problem, split_stages, split_stages_exhaustive,
-                                     stage_in_flight)
-from autopar.solvers.interop_search import PathBound, lower_bound
-from autopar.solvers.schedules import validate
+from autopar.solvers.schedule_sim import validate
+from autopar.solvers.stage_split import (UnitCost, _problem, split_stages, split_stages_exhaustive,
+                                         stage_in_flight)
+from autopar.solvers.stage_split_search import PathBound, lower_bound
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 1), ("interleaved_1f1b", 2),
              ("interleaved_zero_bubble", 1), ("interleaved_zero_bubble", 2), ("zbv", 2)]

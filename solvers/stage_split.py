@@ -1,8 +1,8 @@
-"""Inter-op pass: split a model's units into pipeline stages.
+"""The stage split (Alpa's inter-operator pass): a model's units cut into pipeline stages.
 
 The units (embeddings, each block, final norm and head) are cut into ``S = pp · v``
 contiguous, non-empty stages. The objective is what the planner reports for the split:
-the schedule's simulated step time (:func:`~autopar.solvers.schedules.simulate`) plus
+the schedule's simulated step time (:func:`~autopar.solvers.schedule_sim.simulate`) plus
 the data-parallel gradient synchronization that a rank cannot hide behind its own
 backward (it starts after the rank's last backward; Megatron-LM's overlapped reduction):
 
@@ -50,7 +50,7 @@ The search has two steps.
    budget, the ranks' shared budgets make the check a bounded depth-first search; past
    its node limit the seed stays within budget but may not minimise T.
 2. The split with the least F, by simulation, starting from the seed
-   (:func:`autopar.solvers.interop_search.improve_split`). A lower bound L ≤ F
+   (:func:`autopar.solvers.stage_split_search.improve_split`). A lower bound L ≤ F
    (chains of operations every schedule runs one after another) admits, stage by
    stage, only the splits that could beat the best F found. When at most
    ``ENUMERATE_SPLITS`` are admitted, those with L below the best F are simulated in
@@ -67,9 +67,9 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
-from autopar.solvers.interop_search import can_beat, feasible_split, improve_split, min_g_split
-from autopar.solvers.schedules import (ZERO_BUBBLE, ChunkCost, Op, ScheduleEstimate, Timeline,
-                                       rank_orders, stage_ranks, validate)
+from autopar.solvers.schedule_sim import (ZERO_BUBBLE, ChunkCost, Op, ScheduleEstimate, Timeline,
+                                          rank_orders, stage_ranks, validate)
+from autopar.solvers.stage_split_search import can_beat, feasible_split, improve_split, min_g_split
 
 _REL = 1e-12
 
@@ -358,7 +358,7 @@ def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, sched
     least-``T`` seed improved by simulation. ``overlap``: the share of a rank's backward
     its dp gradient synchronization may hide behind. ``bound``: the caller needs only a
     split with F below it: None when the lower bound shows that none can be
-    (:func:`~autopar.solvers.interop_search.can_beat`), else the best split seen.
+    (:func:`~autopar.solvers.stage_split_search.can_beat`), else the best split seen.
     ``timeline``: the schedule already compiled (:attr:`StageSplit.timeline` of an
     earlier split with the same schedule, pp, m and v). ``initial``: a split to improve
     instead of the least-T seed, when it fits the budget (e.g. a similar plan's).

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from autopar.errors import ConfigError
-from autopar.solvers.schedules import (ChunkCost, Timeline, bubble_formula, rank_orders,
-                                       simulate, stage_ranks, validate)
+from autopar.solvers.schedule_sim import (ChunkCost, Timeline, bubble_formula, rank_orders,
+                                          simulate, stage_ranks, validate)
 
 UNIFORM = ChunkCost(forward_s=1.0, backward_s=2.0, backward_weight_s=1.0, activation_bytes=10.0,
                     static_bytes=100.0)

@@ -26,12 +26,12 @@ from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh
 from autopar.solvers.bounds import combo_bounds, step_bound
-from autopar.solvers.ilp import Solution, solve_ilp
+from autopar.solvers.intra_op_ilp import Solution, solve_ilp
 from autopar.memory_choices import RECOMPUTE
-from autopar.solvers.pipeline_search import (PipelineOutcome, RefineLater, in_flight,
-                                             pipeline_problem, refine_modes, solve_pipeline)
-from autopar.solvers.schedules import needs_a_microbatch_per_stage, validate
+from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, in_flight,
+                                                 pipeline_problem, refine_modes, solve_pipeline)
 from autopar.solvers.problem import evaluate, least_memory
+from autopar.solvers.schedule_sim import needs_a_microbatch_per_stage, validate
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, Settings, build_problem
 
@@ -141,8 +141,8 @@ def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None
                num_units: int) -> list[tuple[str, int]]:
     """The (schedule, virtual stages) pairs to try for ``pp`` stages and ``m``
     micro-batches: none without a pipeline, the requested one, or AUTO_SCHEDULES; those
-    torch runs (:func:`~autopar.solvers.schedules.validate`) and autopar's runtime
-    lowers (:func:`~autopar.solvers.schedules.needs_a_microbatch_per_stage`)."""
+    torch runs (:func:`~autopar.solvers.schedule_sim.validate`) and autopar's runtime
+    lowers (:func:`~autopar.solvers.schedule_sim.needs_a_microbatch_per_stage`)."""
     if pp == 1:
         return [("", 1)]
     if schedule is not None:

@@ -1,4 +1,4 @@
-"""Searches for :mod:`autopar.solvers.interop`: the closed-form seed under a stage-time
+"""Searches for :mod:`autopar.solvers.stage_split`: the closed-form seed under a stage-time
 bound, and the split with the least simulated objective F.
 
 Given ``t`` and a memory budget B, a stage s over units [i, j) is *allowed* when
@@ -50,10 +50,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autopar.solvers.schedules import ZERO_BUBBLE
+from autopar.solvers.schedule_sim import ZERO_BUBBLE
 
 if TYPE_CHECKING:
-    from autopar.solvers.interop import _Problem
+    from autopar.solvers.stage_split import _Problem
 
 Bounds = list[tuple[int, int]]
 _NODE_LIMIT = 4_000  # keeps one split under ~0.1 s for 128 units; past it the split is feasible, maybe not optimal

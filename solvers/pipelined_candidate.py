@@ -5,7 +5,7 @@ The two levels are solved in turn, as in Alpa (Zheng et al., OSDI'22 §5) but wi
 one intra-op plan per distinct layer shared by every stage (the stages' submeshes
 all have the shape dp × tp):
 
-1. the intra-op ILP (:mod:`autopar.solvers.ilp`) picks every op's strategy on the
+1. the intra-op ILP (:mod:`autopar.solvers.intra_op_ilp`) picks every op's strategy on the
    dp × tp stage mesh. Its memory constraint is rewritten for a device that holds
    1/pp of the model and ``in_flight`` micro-batches of activations of that share:
 
@@ -21,7 +21,7 @@ all have the shape dp × tp):
    the fullest rank holds at least the mean ``Σ_r M_r / pp ≥ (static + k_min ·
    activations) / pp``;
 2. the units' costs under that solution (:func:`autopar.solvers.units.unit_costs`)
-   go to the stage split (:func:`autopar.solvers.interop.split_stages`), which places
+   go to the stage split (:func:`autopar.solvers.stage_split.split_stages`), which places
    the units on pp · v stages, checks each rank's memory exactly for the schedule, and
    keeps the split with the least reported step time T below (simulated schedule plus
    exposed synchronization). When no split of the ILP's solution fits, the
@@ -47,7 +47,7 @@ overlapped gradient reduction), so the split weighs it with the schedule:
 
 (then the rank's optimizer step, which nothing hides); on a GPU profile no rank
 finishes before its host has issued its stages' work, ``host_r`` seconds per step (the
-units' host seconds: :attr:`~autopar.solvers.interop.StageSplit.host_s`). The intra-op ILP sees the host seconds by
+units' host seconds: :attr:`~autopar.solvers.stage_split.StageSplit.host_s`). The intra-op ILP sees the host seconds by
 their total over the ranks (:func:`pipeline_problem`), the split by each rank's.
 
 Three things the flat ILP objective cannot see are settled for the winning candidate
@@ -68,10 +68,10 @@ from autopar.cost_models.hardware import LinkSpec
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh, shard_count
-from autopar.solvers.ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
-from autopar.solvers.interop import StageSplit, UnitCost, split_stages, stage_in_flight
+from autopar.solvers.intra_op_ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
-from autopar.solvers.schedules import stage_ranks
+from autopar.solvers.schedule_sim import stage_ranks
+from autopar.solvers.stage_split import StageSplit, UnitCost, split_stages, stage_in_flight
 from autopar.solvers.units import (Unit, backward_transients, copy_static_bytes, tied_copies,
                                     unit_costs)
 from autopar.strategies.build import Built
@@ -81,9 +81,9 @@ from autopar.strategies.build import Built
 class PipelineOutcome:
     """A solved pipelined candidate. ``exposed_step_comm_s`` is the step's part after
     the slowest rank's last backward: its unhidden gradient synchronization, then its
-    optimizer step (:func:`autopar.solvers.interop.after_backward`).
+    optimizer step (:func:`autopar.solvers.stage_split.after_backward`).
     ``exposed_host_s``: what the busiest rank's host time adds to the schedule's
-    (:attr:`~autopar.solvers.interop.StageSplit.host_s`)."""
+    (:attr:`~autopar.solvers.stage_split.StageSplit.host_s`)."""
 
     solution: Solution
     units: list[Unit]
@@ -342,7 +342,7 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome | None, *, pp: int,
     * a class of the boundary node's strategies that hand over the same bytes
       (:func:`boundary_classes`; the node limited to it with :func:`restrict_node`);
     * recomputation modes, one per group (when there are at most
-      :data:`~autopar.solvers.ilp.ENUMERATE_MODES` combinations; else the ILP picks)
+      :data:`~autopar.solvers.intra_op_ilp.ENUMERATE_MODES` combinations; else the ILP picks)
 
     is solved, split into stages and simulated, and the fastest pipeline that fits is
     kept. Within one class the transfer time is fixed, so the ILP's flat objective
