@@ -17,6 +17,7 @@ from string import Template
 from autopar.runtime import dtensor_layout as _layout
 from autopar.runtime import materialize as _materialize
 from autopar.runtime import piecewise as _piecewise
+from autopar.runtime import tensor_parallel as _tp
 
 __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "PIECEWISE",
            "APPLY_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS",
@@ -174,14 +175,9 @@ MATERIALIZE = Template(inspect.getsource(_materialize.tied_aliases) + "\n\n"
 """``to_empty`` + ``reset_parameters`` of a laid-out meta model: the runtime's own
 functions (:mod:`autopar.runtime.materialize`), copied into the program."""
 
-PARTIAL_GRADS = Template('''\
-def reduce_partial_gradients(model: nn.Module) -> None:
-    """A replicated parameter used on sequence shards gets a partial-sum gradient;
-    reduce it to the parameter's placement (FSDP does this when it is on)."""
-    for p in model.parameters():
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-            p.grad = p.grad.redistribute(placements=p.placements)''')
-"""Only without FSDP under tensor parallelism."""
+PARTIAL_GRADS = Template(inspect.getsource(_tp.reduce_partial_gradients))
+"""Only without FSDP under tensor parallelism: the runtime's own function
+(:func:`autopar.runtime.tensor_parallel.reduce_partial_gradients`), copied."""
 
 DATA = Template('''\
 def load_batch(path: str | None, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
