@@ -115,13 +115,12 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
         times = [s.device_s + s.comm_s for s in ss]
         bwds = [s.device_bwd_s for s in ss]
         redos = [s.recompute_bytes for s in ss]
-        extra, delta, transient = grp.extra_s[k], grp.act_delta[k], grp.transient[k]
-        per_instance = grp.activation_scale * m  # RecomputeGroup.memory's factor
+        extra, transient = grp.extra_s[k], grp.transient[k]
         for r in grp.allowed:
             bwd_by_mode[g][r] += m * max(b + e[r] for b, e in zip(bwds, extra))
             per_group[g][r].add(
                 [m * (t + e[r]) for t, e in zip(times, extra)],
-                [x + per_instance * d[r] * f for x, d in zip(mems, delta)],
+                [x + grp.memory(k, i, r, m) * f for i, x in enumerate(mems)],
                 starts,
                 [x + tr[r] for x, tr in zip(redos, transient)])
     out = []

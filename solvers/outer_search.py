@@ -171,8 +171,10 @@ def tiers(cands: list[Candidate], gpus_per_node: int,
     ``cands`` when none is), then the rest; ``offload=True``: only the offload variants
     (:func:`offload_candidates`), in the same order; None: the offload variants join the
     second list."""
-    local = [c for c in cands if c.tp <= gpus_per_node] or cands
-    wide = [c for c in cands if c.tp > gpus_per_node and local is not cands]
+    local = [c for c in cands if c.tp <= gpus_per_node]
+    wide = [c for c in cands if c.tp > gpus_per_node]
+    if not local:  # every candidate is wider than a node: the caller asked for that tp
+        local, wide = wide, []
     if offload:
         out = [offload_candidates(local), offload_candidates(wide)]
     elif offload is None:
