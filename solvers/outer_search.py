@@ -25,13 +25,14 @@ from dataclasses import dataclass, field, replace
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh
-from autopar.solvers.bounds import combo_bounds, step_bound
+from autopar.solvers.bounds import combo_bounds, pipeline_stage_bound, step_bound
 from autopar.solvers.intra_op_ilp import Solution, solve_ilp
 from autopar.memory_choices import RECOMPUTE
 from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, in_flight,
                                                  pipeline_problem, refine_modes, solve_pipeline)
 from autopar.solvers.problem import evaluate, least_memory
-from autopar.solvers.schedule_sim import needs_a_microbatch_per_stage, validate
+from autopar.solvers.schedule_sim import ZERO_BUBBLE, needs_a_microbatch_per_stage, validate
+from autopar.solvers.units import least_unit_costs, unit_members
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, Settings, build_problem
 
@@ -240,7 +241,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute)
-    bound = _bounds(cands, built_by, memory_budget)
+    bound = _bounds(an.graph, cands, built_by, memory_budget)
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     solved: dict[tuple, object] = {}
     gap_bound = None
@@ -382,12 +383,18 @@ def _mesh_key(c: Candidate) -> tuple:
     return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload)
 
 
-def _bounds(cands: list[Candidate], built_by: dict, budget: float) -> list[float]:
+def _bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: float) -> list[float]:
     """Each candidate's lower bound on the step time (inf: nothing fits in memory):
     the least :func:`~autopar.solvers.bounds.step_bound` of the recomputation modes
     whose memory bound fits — its micro-batches' work and its once-per-step optimizer
-    and exposed gradient traffic, spread perfectly over the pipeline's ranks."""
+    and exposed gradient traffic, spread perfectly over the pipeline's ranks — and, on a
+    pipeline, its ranks' loads in whole units and the fill and drain every split pays
+    (:func:`~autopar.solvers.bounds.pipeline_stage_bound`; over the processes' share of
+    a core, :func:`~autopar.solvers.pipelined_candidate.shared_cores_time`)."""
     per: dict[tuple, float] = {}
+    staged: dict[tuple, float] = {}
+    least: dict[tuple, list] = {}
+    members = unit_members(g) if any(c.pp > 1 for c in cands) else []
     out = []
     for c in cands:
         built = built_by[_mesh_key(c)]
@@ -400,7 +407,19 @@ def _bounds(cands: list[Candidate], built_by: dict, budget: float) -> list[float
             acts = [[ns.memory.get("activations", 0.0) for ns in ds] for ds in built.strategies]
             per[key] = step_bound(combo_bounds(built.problem, acts, c.pp, held), budget,
                                   c.num_microbatches, c.pp)
-        out.append(per[key])
+        bound = per[key]
+        if c.pp > 1 and bound < float("inf"):
+            skey = (_mesh_key(c), c.pp, c.virtual_stages, c.schedule in ZERO_BUBBLE)
+            if skey not in staged:
+                if _mesh_key(c) not in least:
+                    least[_mesh_key(c)] = least_unit_costs(built, members)
+                f, b, o = zip(*least[_mesh_key(c)])
+                staged[skey] = pipeline_stage_bound(
+                    list(f), list(b), list(o), pp=c.pp, m=c.num_microbatches,
+                    v=c.virtual_stages, drains=c.schedule not in ZERO_BUBBLE) / \
+                    max(1.0, built.settings.hw.oversubscription)
+            bound = max(bound, staged[skey])
+        out.append(bound)
     return out
 
 

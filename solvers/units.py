@@ -171,6 +171,42 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
     return units
 
 
+def unit_members(g: Graph) -> list[dict[str, int]]:
+    """Per unit of ``g`` (:func:`unit_of_nodes`), how many of its graph nodes each
+    canonical node stands for (a repeated block's nodes share their first instance's)."""
+    units, where = unit_of_nodes(g)
+    out: list[dict[str, int]] = [{} for _ in units]
+    for n in g.nodes:
+        name = g.canonical.get(n.name, n.name)
+        row = out[where[n.name]]
+        row[name] = row.get(name, 0) + 1
+    return out
+
+
+def least_unit_costs(built: Built, members: list[dict[str, int]]) -> list[tuple[float, float, float]]:
+    """Per unit (``members``: :func:`unit_members` of the graph ``built`` was built
+    from), lower bounds on its forward and backward seconds per micro-batch (ZeRO-3
+    traffic included) and its optimizer seconds per step under any choice of
+    strategies: every node's least over its strategies, each cost on its own.
+    Recomputation, the resharding on edges and the copies of tied parameters only add,
+    so :func:`unit_costs` of every choice is at least this, unit by unit."""
+    least = {}
+    for name, node in zip(built.names, built.problem.nodes):
+        ss = node.strategies
+        least[name] = (min(s.device_s - s.device_bwd_s + s.comm_s / 2 for s in ss),
+                       min(s.device_bwd_s + s.comm_s / 2 + s.micro_param_comm_s for s in ss),
+                       min(s.optimizer_s for s in ss))
+    out = []
+    for row in members:
+        f = b = o = 0.0
+        for name, count in row.items():
+            x = least.get(name)
+            if x is not None:
+                f, b, o = f + count * x[0], b + count * x[1], o + count * x[2]
+        out.append((f, b, o))
+    return out
+
+
 @dataclass(frozen=True)
 class TiedCopy:
     """A trainable parameter that units other than its own read (a tied output head

@@ -73,3 +73,31 @@ def test_pipeline_units_hold_a_copy_of_the_tied_weight(mesh, zero):
     emb = built.problem.nodes[k].strategies[sol.choice[k]]
     assert piped[-1].optimizer_s - plain[-1].optimizer_s == pytest.approx(emb.optimizer_s + 1e-3)
     assert [u.static_bytes for u in piped[:-1]] == [u.static_bytes for u in plain[:-1]]
+
+
+@pytest.mark.parametrize("mesh,zero", [((1, 4), 0), ((2, 2), 3)])
+def test_least_unit_costs_bound_every_choice(mesh, zero):
+    """Per unit, the least costs are at most the unit costs of any strategy choice
+    (random choices and recomputation modes, with and without the tied copy), and
+    their sum is at most the ILP optimum's."""
+    import random
+
+    from autopar.solvers.pipelined_candidate import tied_sync
+    from autopar.solvers.units import least_unit_costs, unit_members
+    g, built, sol = _solved(mesh, zero)
+    least = least_unit_costs(built, unit_members(g))
+    rng = random.Random(0)
+    p = built.problem
+    for trial in range(30):
+        choice = [rng.randrange(len(n.strategies)) for n in p.nodes]
+        modes = [rng.choice(grp.allowed) for grp in p.recompute]
+        for units in (unit_costs(g, built, choice, modes),
+                      unit_costs(g, built, choice, modes, tied_sync(built, 2))):
+            for u, (f, b, o) in zip(units, least):
+                assert u.forward_s >= f * (1 - 1e-12)
+                assert u.backward_s >= b * (1 - 1e-12)
+                assert u.optimizer_s >= o * (1 - 1e-12)
+    total = sum(f + b for f, b, _ in least)
+    ev = evaluate(p, sol.choice)
+    assert 0 < total <= ev.compute_s + ev.comm_s + sum(
+        n.multiplicity * n.strategies[c].micro_param_comm_s for n, c in zip(p.nodes, sol.choice))
