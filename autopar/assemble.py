@@ -1,34 +1,8 @@
 """Turn a solved problem into a :class:`~autopar.plan.Plan`: placements of every
 parameter and activation, one ModulePlan per module for the lowering, the predicted
-step time with its breakdown, memory by category, throughput and MFU.
-
-The breakdown's terms :data:`~autopar.summary.STEP_TERMS` add up to the step time,
-with or without a pipeline (n micro-batches; on a pipeline, sums over the units of the
-busiest rank r, the rank with the most busy time)::
-
-    step_time_s = compute_s + recompute_s + exposed_comm_s + bubble_s + optimizer_s
-                  + exposed_host_s
-
-* ``compute_s``: forward + backward without recomputation (n · Σ compute), FSDP2's
-  copies of the parameters included (:mod:`autopar.cost_models.param_work`);
-* ``recompute_s``: the forwards recomputed in backward (n · Σ m_v · extra_s);
-* ``exposed_comm_s``: communication on the critical path — activation collectives and
-  resharding (``comm_s``), parameter communication that compute does not hide
-  (``exposed_param_comm_s``; on a pipeline the ZeRO-3 traffic, which the unit costs
-  charge in full, plus the gradient synchronization after the last backward) and, on
-  a pipeline, the stage-to-stage transfers' share of the makespan (``exposed_p2p_s``
-  = T − T₀, with T₀ the schedule simulated with free transfers);
-* ``bubble_s``: the busiest rank's idle time in the schedule with free transfers
-  (T₀ − busy_r); 0 without a pipeline;
-* ``optimizer_s``: the optimizer step, after the backward (on the device; on the host
-  under CPU offload); on a pipeline the slowest rank's.
-* ``exposed_host_s``: on a GPU, the time the device waits for the host to issue its
-  work (H of :mod:`autopar.solvers.problem`, (**); ``host_s`` is the step's host
-  seconds); on a pipeline what the busiest rank's host time adds to the schedule
-  (:func:`autopar.solvers.pipelined_candidate.rank_host_time`).
-
-The other keys (``comm_s``, ``reshard_s``, ``param_comm_s``, ``p2p_s`` = seconds per
-transfer, ...) detail these terms; they are not added again."""
+step time with its breakdown (the solver's own
+:class:`~autopar.solvers.cost_terms.StepTerms`), memory by category, throughput and
+MFU."""
 
 from __future__ import annotations
 
@@ -36,9 +10,9 @@ from autopar.graph import Graph
 from autopar.plans import ModulePlan, PipelinePlan, Plan, StagePlan
 from autopar.sharding import shard_dim
 from autopar.solvers.intra_op_ilp import Solution
-from autopar.solvers.pipelined_candidate import PipelineOutcome
+from autopar.solvers.pipelined_candidate import PipelineOutcome, pipeline_terms
 from autopar.solvers.problem import evaluate
-from autopar.solvers.schedule_sim import ChunkCost, simulate, stage_ranks
+from autopar.solvers.schedule_sim import stage_ranks
 from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.build import Built, NodeStrategy
@@ -143,12 +117,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
              if m.module_type.lower().endswith("norm"))
     blocks = sorted({lay.path for lay in g.layers}, key=lambda p: [
         int(t) if t.isdigit() else t for t in p.split(".")])
-    breakdown = {"compute_s": ev.compute_s - ev.recompute_s, "recompute_s": ev.recompute_s,
-                 "exposed_comm_s": ev.comm_s + ev.exposed_param_comm_s, "bubble_s": 0.0,
-                 "optimizer_s": ev.optimizer_s, "comm_s": ev.comm_s, "reshard_s": ev.reshard_s,
-                 "param_comm_s": ev.param_comm_s,
-                 "exposed_param_comm_s": ev.exposed_param_comm_s,
-                 "exposed_host_s": ev.exposed_host_s, "host_s": ev.host_s}
+    breakdown = ev.terms.as_dict()
     recompute = recompute_of_blocks(built, sol, blocks)
     return Plan(
         model=g.model_name, graph_hash=g.fingerprint(), cluster=cluster_desc,
@@ -216,53 +185,12 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
     plan.memory = {"static": static, "activations": est.peak_memory_bytes[worst] - static,
                    "backward_transient": extra[worst],
                    "total": est.peak_memory_bytes[worst] + extra[worst]}
-    plan.breakdown = pipeline_breakdown(po, pp=pp, schedule=schedule,
-                                        virtual_stages=virtual_stages,
-                                        num_microbatches=plan.num_microbatches)
+    plan.breakdown = pipeline_terms(po, pp=pp, schedule=schedule, virtual_stages=virtual_stages,
+                                    num_microbatches=plan.num_microbatches).as_dict()
     plan.step_time_s = po.step_time_s
     plan.throughput = plan.global_batch / po.step_time_s if po.step_time_s else 0.0
     world = plan.world_size
     plan.mfu = model_flops / (po.step_time_s * world * peak_flops) if po.step_time_s else 0.0
-
-
-def pipeline_breakdown(po: PipelineOutcome, *, pp: int, schedule: str, virtual_stages: int,
-                       num_microbatches: int) -> dict[str, float]:
-    """The step time of pipeline ``po`` by term (module docstring): the busiest rank's
-    busy time split by its units' costs, the p2p share of the makespan and the bubble."""
-    est = po.split.estimate
-    ranks = stage_ranks(schedule, pp, virtual_stages)
-    busiest = max(range(pp), key=lambda r: est.busy_s[r])
-    mine = [u for (a, b), r in zip(po.split.bounds, ranks) if r == busiest
-            for u in po.units[a:b]]
-    m = num_microbatches
-    compute = m * sum(u.compute_s for u in mine)
-    recompute = m * sum(u.recompute_s for u in mine)
-    comm = m * sum(u.comm_s for u in mine)
-    param = m * sum(u.param_comm_s for u in mine)
-    chunks = [ChunkCost(sum(u.forward_s for u in po.units[a:b]),
-                        sum(u.backward_s for u in po.units[a:b]),
-                        sum(u.backward_weight_s for u in po.units[a:b]))
-              for a, b in po.split.bounds]
-    free_p2p = simulate(schedule, chunks, pp, m, virtual_stages=virtual_stages,
-                        p2p_s=0.0).step_time_s
-    p2p = est.step_time_s - free_p2p
-    per_rank = [0.0] * pp
-    for (a, b), r in zip(po.split.bounds, ranks):
-        per_rank[r] += sum(u.optimizer_s for u in po.units[a:b])
-    # the step's after-backward part holds the slowest rank's optimizer step
-    optimizer = min(po.exposed_step_comm_s, max(per_rank))
-    exposed_param = param + po.exposed_step_comm_s - optimizer
-    terms = {"compute_s": compute, "recompute_s": recompute,
-             "exposed_comm_s": comm + exposed_param + p2p,
-             "bubble_s": free_p2p - (compute + recompute + comm + param),
-             "optimizer_s": optimizer,
-             "comm_s": comm, "exposed_param_comm_s": exposed_param, "exposed_p2p_s": p2p}
-    # Ranks sharing fewer cores (pipelined_candidate.shared_cores_time): every term is
-    # the same share of the shorter step, so the terms still sum to it.
-    device = po.split.estimate.step_time_s + po.split.exposed_s
-    scale = (po.step_time_s - po.exposed_host_s) / device if device else 1.0
-    return {**{k: v * scale for k, v in terms.items()}, "p2p_s": po.p2p_s,
-            "exposed_host_s": po.exposed_host_s}
 
 
 def runner_up(best: Plan, other: Plan) -> dict:

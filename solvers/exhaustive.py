@@ -48,7 +48,8 @@ from autopar.solvers.outer_search import Candidate, candidate_settings, tiers
 from autopar.solvers.pipelined_candidate import (boundary_p2p, rank_host_time, rank_transients,
                                                  shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
-from autopar.solvers.schedule_sim import ChunkCost, simulate, stage_ranks
+from autopar.solvers.cost_terms import PieceCost
+from autopar.solvers.schedule_sim import simulate, stage_ranks
 from autopar.solvers.stage_split import after_backward, stage_in_flight
 from autopar.solvers.units import Unit, unit_costs, unit_of_nodes
 from autopar.strategies.analysis import GraphAnalysis
@@ -185,15 +186,12 @@ def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,
     comm, bwd, opt = [0.0] * lay.pp, [0.0] * lay.pp, [0.0] * lay.pp
     for s, (i, j) in enumerate(bounds):
         part = a.units[i:j]
-        chunk = ChunkCost(sum(u.forward_s for u in part), sum(u.backward_s for u in part),
-                          sum(u.backward_weight_s for u in part),
-                          sum(u.activation_bytes for u in part),
-                          sum(u.static_bytes for u in part))
+        chunk = PieceCost.total(part)
         chunks.append(chunk)
         r = lay.ranks[s]
         held[r] += chunk.static_bytes + lay.k[s] * chunk.activation_bytes
-        comm[r] += sum(u.step_comm_s for u in part)
-        opt[r] += sum(u.optimizer_s for u in part)
+        comm[r] += chunk.step_comm_s
+        opt[r] += chunk.optimizer_s
         bwd[r] += chunk.backward_s
     room = lay.budget - max(a.extra)
     feasible = max(held) <= room + _TOL * max(1.0, abs(room))

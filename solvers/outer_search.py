@@ -413,9 +413,10 @@ def _bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: float) -> 
             if skey not in staged:
                 if _mesh_key(c) not in least:
                     least[_mesh_key(c)] = least_unit_costs(built, members)
-                f, b, o = zip(*least[_mesh_key(c)])
+                units = least[_mesh_key(c)]
                 staged[skey] = pipeline_stage_bound(
-                    list(f), list(b), list(o), pp=c.pp, m=c.num_microbatches,
+                    [u.forward_s for u in units], [u.backward_s for u in units],
+                    [u.optimizer_s for u in units], pp=c.pp, m=c.num_microbatches,
                     v=c.virtual_stages, drains=c.schedule not in ZERO_BUBBLE) / \
                     max(1.0, built.settings.hw.oversubscription)
             bound = max(bound, staged[skey])

@@ -68,10 +68,11 @@ from autopar.cost_models.hardware import LinkSpec
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh, shard_count
+from autopar.solvers.cost_terms import PieceCost, StepTerms
 from autopar.solvers.intra_op_ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
-from autopar.solvers.schedule_sim import stage_ranks
-from autopar.solvers.stage_split import StageSplit, UnitCost, split_stages, stage_in_flight
+from autopar.solvers.schedule_sim import simulate, stage_ranks
+from autopar.solvers.stage_split import StageSplit, split_stages, stage_in_flight
 from autopar.solvers.units import (Unit, backward_transients, copy_static_bytes, tied_copies,
                                     unit_costs)
 from autopar.strategies.build import Built
@@ -106,7 +107,7 @@ def rank_host_time(units: list[Unit], bounds: list[tuple[int, int]], ranks: list
     the brute-force reference's (:mod:`autopar.solvers.exhaustive`)."""
     host = [0.0] * pp
     for (a, b), r in zip(bounds, ranks):
-        host[r] += sum(num_microbatches * u.host_s + u.host_step_s for u in units[a:b])
+        host[r] += sum(u.host_per_step(num_microbatches) for u in units[a:b])
     return max(host)
 
 
@@ -415,15 +416,11 @@ def _outcome(g: Graph, built: Built, sol: Solution, units: list[Unit], *, pp: in
         return None
     shared = st.hw.oversubscription
     p2p = boundary_p2p(g, built, sol.choice, pp)
-    costs = [UnitCost(u.name, u.forward_s, u.backward_s, u.backward_weight_s,
-                      u.activation_bytes, u.static_bytes, u.step_comm_s, u.optimizer_s,
-                      m * u.host_s + u.host_step_s)
-             for u in units]
     extra = rank_transients(g, built, sol.choice, sol.modes, pp=pp, schedule=schedule,
                             virtual_stages=virtual_stages)
     timelines = {} if timelines is None else timelines
     key = (schedule, pp, m, virtual_stages)
-    split = split_stages(costs, pp, m, schedule=schedule, virtual_stages=virtual_stages,
+    split = split_stages(units, pp, m, schedule=schedule, virtual_stages=virtual_stages,
                          p2p_s=p2p, memory_budget=st.memory_budget - max(extra),
                          overlap=st.overlap, bound=bound * shared, explain=False,
                          timeline=timelines.get(key), initial=initial)
@@ -452,3 +449,42 @@ def shared_cores_time(objective_s: float, busy_s: list[float], exposed_s: float,
     if shared <= 1.0:
         return objective_s
     return max(objective_s / shared, sum(busy_s) / len(busy_s) + exposed_s)
+
+
+def pipeline_terms(po: PipelineOutcome, *, pp: int, schedule: str, virtual_stages: int,
+                   num_microbatches: int) -> StepTerms:
+    """The step time of pipeline ``po`` by term (:class:`StepTerms`): the busiest rank's
+    busy time split by its units' costs; the transfers' share of the makespan T, T − T₀
+    with T₀ the schedule simulated with free transfers; the bubble, T₀ less the busy
+    time; the slowest rank's optimizer step and the gradient synchronization no rank
+    hides (:func:`~autopar.solvers.stage_split.after_backward`), and the host's share."""
+    est = po.split.estimate
+    ranks = stage_ranks(schedule, pp, virtual_stages)
+    busiest = max(range(pp), key=lambda r: est.busy_s[r])
+    mine = [u for (a, b), r in zip(po.split.bounds, ranks) if r == busiest
+            for u in po.units[a:b]]
+    m = num_microbatches
+    compute = m * sum(u.compute_s for u in mine)
+    recompute = m * sum(u.recompute_s for u in mine)
+    comm = m * sum(u.comm_s for u in mine)
+    param = m * sum(u.param_comm_s for u in mine)
+    chunks = [PieceCost.total(po.units[a:b]) for a, b in po.split.bounds]
+    free_p2p = simulate(schedule, chunks, pp, m, virtual_stages=virtual_stages,
+                        p2p_s=0.0).step_time_s
+    p2p = est.step_time_s - free_p2p
+    per_rank = [0.0] * pp
+    for chunk, r in zip(chunks, ranks):
+        per_rank[r] += chunk.optimizer_s
+    # the step's after-backward part holds the slowest rank's optimizer step
+    optimizer = min(po.exposed_step_comm_s, max(per_rank))
+    exposed_param = param + po.exposed_step_comm_s - optimizer
+    # Ranks sharing fewer cores (shared_cores_time): every term is the same share of the
+    # shorter step, so the terms still sum to it.
+    device = est.step_time_s + po.split.exposed_s
+    scale = (po.step_time_s - po.exposed_host_s) / device if device else 1.0
+    return StepTerms(compute_s=compute * scale, recompute_s=recompute * scale,
+                     exposed_comm_s=(comm + exposed_param + p2p) * scale,
+                     bubble_s=(free_p2p - (compute + recompute + comm + param)) * scale,
+                     optimizer_s=optimizer * scale, exposed_host_s=po.exposed_host_s,
+                     comm_s=comm * scale, exposed_param_comm_s=exposed_param * scale,
+                     exposed_p2p_s=p2p * scale, p2p_s=po.p2p_s)

@@ -77,6 +77,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.solvers.cost_terms import StepTerms
+
 
 @dataclass
 class StrategyCost:
@@ -237,6 +239,18 @@ class Evaluation:
     optimizer_s: float = 0.0
     exposed_host_s: float = 0.0
     host_s: float = 0.0
+
+    @property
+    def terms(self) -> StepTerms:
+        """The step time by term: no bubble; the exposed communication is the
+        activation collectives and resharding and the parameter traffic not hidden."""
+        return StepTerms(compute_s=self.compute_s - self.recompute_s,
+                         recompute_s=self.recompute_s,
+                         exposed_comm_s=self.comm_s + self.exposed_param_comm_s, bubble_s=0.0,
+                         optimizer_s=self.optimizer_s, exposed_host_s=self.exposed_host_s,
+                         comm_s=self.comm_s, exposed_param_comm_s=self.exposed_param_comm_s,
+                         reshard_s=self.reshard_s, param_comm_s=self.param_comm_s,
+                         host_s=self.host_s)
 
 
 def host_exposure(n: int, d_fwd: float, d_bwd: float, h_fwd: float, h_bwd: float,

@@ -39,32 +39,13 @@ from array import array
 from dataclasses import dataclass
 
 from autopar.errors import ConfigError
+from autopar.solvers.cost_terms import PieceCost
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
 
 Op = tuple[str, int, int]
 """One operation: (kind "F" | "B" | "I" | "W", stage index, micro-batch index)."""
-
-
-@dataclass(frozen=True)
-class ChunkCost:
-    """One model chunk (stage) per micro-batch: seconds and bytes.
-
-    Attributes:
-        forward_s: forward seconds.
-        backward_s: whole backward seconds (input-grad + weight-grad).
-        backward_weight_s: the weight-grad part of ``backward_s``, which the
-            zero-bubble schedules run as a separate W operation.
-        activation_bytes: bytes saved for backward per in-flight micro-batch.
-        static_bytes: parameters, gradients and optimizer state of the chunk.
-    """
-
-    forward_s: float
-    backward_s: float
-    backward_weight_s: float = 0.0
-    activation_bytes: float = 0.0
-    static_bytes: float = 0.0
 
 
 @dataclass
@@ -344,7 +325,7 @@ class Timeline:
                           * self.num_microbatches + j]
 
     @staticmethod
-    def durations(chunks: list[ChunkCost]) -> list[float]:
+    def durations(chunks: list[PieceCost]) -> list[float]:
         """Seconds of F, B, I and W of every chunk, flat (4 per chunk, the layout
         :meth:`end_times` reads): I = backward − weight part, W = weight part."""
         out: list[float] = []
@@ -371,7 +352,7 @@ class Timeline:
         """The step time: the last end time (see :meth:`end_times`)."""
         return max(self.end_times(durations, p2p_s), default=0.0)
 
-    def estimate(self, chunks: list[ChunkCost], p2p_s: float,
+    def estimate(self, chunks: list[PieceCost], p2p_s: float,
                  makespan: float | None = None) -> ScheduleEstimate:
         """:func:`simulate`'s answer for ``chunks`` (``makespan``: the step time when
         :meth:`makespan` already gave it for these chunks and ``p2p_s``)."""
@@ -394,7 +375,7 @@ class Timeline:
         )
 
 
-def _memory(order: list[Op], chunks: list[ChunkCost], zero_bubble: bool) -> tuple[int, float]:
+def _memory(order: list[Op], chunks: list[PieceCost], zero_bubble: bool) -> tuple[int, float]:
     """(most chunk-activations held at once, largest activation bytes held at once)
     along one rank's order: held from F until B (or W on zero-bubble schedules)."""
     release = "W" if zero_bubble else "B"
@@ -411,7 +392,7 @@ def _memory(order: list[Op], chunks: list[ChunkCost], zero_bubble: bool) -> tupl
     return peak_count, peak_bytes
 
 
-def simulate(schedule: str, chunks: list[ChunkCost], pp: int, num_microbatches: int, *,
+def simulate(schedule: str, chunks: list[PieceCost], pp: int, num_microbatches: int, *,
              virtual_stages: int = 1, p2p_s: float = 0.0,
              timeline: Timeline | None = None) -> ScheduleEstimate:
     """Event-driven simulation of ``schedule`` over ``pp · virtual_stages`` chunks
@@ -428,7 +409,7 @@ def simulate(schedule: str, chunks: list[ChunkCost], pp: int, num_microbatches: 
 
 
 def bubble_formula(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1, *,
-                   chunk: ChunkCost | None = None) -> float:
+                   chunk: PieceCost | None = None) -> float:
     """Closed-form bubble ratio (bubble time / ideal time ``m·v·(f+b)``) for uniform
     chunks and free communication, equal to :func:`simulate`'s ``bubble_ratio``:
 
@@ -452,7 +433,7 @@ def bubble_formula(schedule: str, pp: int, num_microbatches: int, virtual_stages
         return ((p - 1) + (v - 1) * max(0, p - m)) / (v * m)
     if chunk is None:
         raise ConfigError(f"the {schedule} bubble depends on the forward, input-grad and "
-                          f"weight-grad times; pass chunk=ChunkCost(...)")
+                          f"weight-grad times; pass chunk=PieceCost(...)")
     f, w = chunk.forward_s, chunk.backward_weight_s
     i = chunk.backward_s - w
     if schedule == "interleaved_zero_bubble":

@@ -12,7 +12,7 @@ backward (it starts after the rank's last backward; Megatron-LM's overlapped red
 with ``comm_r`` the ``step_comm_s`` of the units on rank r, ``bwd_r`` their
 ``backward_s`` per micro-batch and ``opt_r`` their ``optimizer_s`` (the rank's
 optimizer step, after its gradient synchronization); ``host_r`` is the seconds rank r's
-host spends per step issuing its units' work (their ``host_s``: on a GPU the host
+host spends per step issuing its units' work (:meth:`PieceCost.host_per_step`: on a GPU the host
 issues kernels ahead of the device, so a rank's step takes at least its host time;
 0 on a CPU profile). Memory per rank (must be ≤ ``memory_budget``) is the
 safe bound
@@ -67,31 +67,12 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
-from autopar.solvers.schedule_sim import (ZERO_BUBBLE, ChunkCost, Op, ScheduleEstimate, Timeline,
+from autopar.solvers.cost_terms import PieceCost
+from autopar.solvers.schedule_sim import (ZERO_BUBBLE, Op, ScheduleEstimate, Timeline,
                                           rank_orders, stage_ranks, validate)
 from autopar.solvers.stage_split_search import can_beat, feasible_split, improve_split, min_g_split
 
 _REL = 1e-12
-
-
-@dataclass(frozen=True)
-class UnitCost:
-    """One unit of the model (e.g. ``"tok_emb"``, ``"blocks.3"``, ``"head"``), per
-    micro-batch: seconds of forward, of the whole backward and of its weight-grad part,
-    activation bytes kept for backward, and static bytes (params, grads, optimizer);
-    per step: seconds of its data-parallel gradient synchronization (``step_comm_s``),
-    of its optimizer step (``optimizer_s``) and of its rank's host issuing its work,
-    every micro-batch's and the optimizer's (``host_s``; see the module docstring)."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-    backward_weight_s: float = 0.0
-    activation_bytes: float = 0.0
-    static_bytes: float = 0.0
-    step_comm_s: float = 0.0
-    optimizer_s: float = 0.0
-    host_s: float = 0.0
 
 
 @dataclass
@@ -145,12 +126,13 @@ class _Prefix:
     host: list[float]
 
     @classmethod
-    def of(cls, units: list[UnitCost]) -> "_Prefix":
-        """Build the prefix sums."""
+    def of(cls, units: list[PieceCost], m: int) -> "_Prefix":
+        """Build the prefix sums (host: seconds per step of ``m`` micro-batches)."""
         acc = [[0.0] for _ in range(9)]
         for u in units:
             vals = (u.forward_s + u.backward_s, u.forward_s, u.backward_s, u.backward_weight_s,
-                    u.static_bytes, u.activation_bytes, u.step_comm_s, u.optimizer_s, u.host_s)
+                    u.static_bytes, u.activation_bytes, u.step_comm_s, u.optimizer_s,
+                    u.host_per_step(m))
             for a, x in zip(acc, vals):
                 a.append(a[-1] + x)
         return cls(*acc)
@@ -279,7 +261,7 @@ class _Problem:
         return _objective(t_max, g_sum, self.pp, self.m, self.v, self.hops, self.p2p_s)
 
 
-def _problem(units: list[UnitCost], pp: int, m: int, schedule: str, v: int, p2p_s: float,
+def _problem(units: list[PieceCost], pp: int, m: int, schedule: str, v: int, p2p_s: float,
              budget: float, overlap: float = 1.0, timeline: Timeline | None = None) -> _Problem:
     """Validate the arguments and precompute the problem (``timeline``: the schedule
     compiled already)."""
@@ -291,7 +273,7 @@ def _problem(units: list[UnitCost], pp: int, m: int, schedule: str, v: int, p2p_
                           f"{pp * v} stages; lower pp or virtual_stages")
     orders = timeline.orders if timeline is not None else rank_orders(schedule, pp, m, v)
     ranks = stage_ranks(schedule, pp, v)
-    prob = _Problem(schedule, _Prefix.of(units), len(units), pp, m, v, p2p_s, budget,
+    prob = _Problem(schedule, _Prefix.of(units, m), len(units), pp, m, v, p2p_s, budget,
                     _in_flight(schedule, orders, pp * v), ranks, cross_rank_hops(ranks), orders,
                     overlap)
     if timeline is not None:
@@ -303,7 +285,7 @@ def _finish(prob: _Problem, bounds: list[tuple[int, int]], stats: dict) -> Stage
     """Attach the simulated estimate, the exposed synchronization and F to a chosen split."""
     chunks = []
     for i, j in bounds:
-        chunks.append(ChunkCost(
+        chunks.append(PieceCost(
             forward_s=prob.pre.f[j] - prob.pre.f[i], backward_s=prob.pre.b[j] - prob.pre.b[i],
             backward_weight_s=prob.pre.w[j] - prob.pre.w[i],
             activation_bytes=prob.pre.act[j] - prob.pre.act[i],
@@ -342,12 +324,12 @@ def _least_memory(prob: _Problem) -> float:
     return max(prob.rank_memory(found)) if found else hi
 
 
-def _g_is_additive(schedule: str, units: list[UnitCost]) -> bool:
+def _g_is_additive(schedule: str, units: list[PieceCost]) -> bool:
     """Σ_s g_s is the same for every split (module docstring)."""
     return schedule not in ZERO_BUBBLE or all(u.backward_s >= 2 * u.backward_weight_s for u in units)
 
 
-def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, schedule: str = "1f1b",
+def split_stages(units: list[PieceCost], pp: int, num_microbatches: int, *, schedule: str = "1f1b",
                  virtual_stages: int = 1, p2p_s: float = 0.0,
                  memory_budget: float = float("inf"), overlap: float = 1.0,
                  bound: float = float("inf"), explain: bool = True,
@@ -384,7 +366,7 @@ def split_stages(units: list[UnitCost], pp: int, num_microbatches: int, *, sched
     return _finish(prob, bounds, stats)
 
 
-def _formula_split(prob: _Problem, units: list[UnitCost],
+def _formula_split(prob: _Problem, units: list[PieceCost],
                    explain: bool) -> tuple[list[tuple[int, int]], dict]:
     """The split with the least closed-form T (step 1 of the module docstring) and how
     it was found; raises NoFeasiblePlanError when no split fits the budget."""
@@ -422,7 +404,7 @@ def _formula_split(prob: _Problem, units: list[UnitCost],
                          "seed_truncated": prob.truncated}
 
 
-def split_stages_exhaustive(units: list[UnitCost], pp: int, num_microbatches: int, *,
+def split_stages_exhaustive(units: list[PieceCost], pp: int, num_microbatches: int, *,
                             schedule: str = "1f1b", virtual_stages: int = 1, p2p_s: float = 0.0,
                             memory_budget: float = float("inf"), overlap: float = 1.0,
                             max_splits: int = 1_000_000) -> StageSplit:

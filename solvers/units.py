@@ -42,48 +42,30 @@ from dataclasses import dataclass, field
 
 from autopar.graph import Graph
 from autopar.sharding import shard_count
+from autopar.solvers.cost_terms import PieceCost
 from autopar.solvers.problem import Problem
 from autopar.strategies.analysis import param_users
 from autopar.strategies.build import Built
 
 
 @dataclass
-class Unit:
-    """One pipeline unit: its module paths and costs (see the module docstring)."""
+class Unit(PieceCost):
+    """One pipeline unit: its costs (see the module docstring), its module paths and
+    its graph nodes."""
 
-    name: str
-    modules: list[str]
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    backward_weight_s: float = 0.0
-    activation_bytes: float = 0.0
-    static_bytes: float = 0.0
-    step_comm_s: float = 0.0
-    optimizer_s: float = 0.0
+    modules: list[str] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)
-    comm_s: float = 0.0
-    param_comm_s: float = 0.0
-    recompute_s: float = 0.0
-    host_s: float = 0.0
-    host_step_s: float = 0.0
-
-    @property
-    def compute_s(self) -> float:
-        """Forward + backward seconds of computation per micro-batch, without the
-        recomputed forwards and the communication."""
-        return self.forward_s + self.backward_s - self.recompute_s - self.comm_s - \
-            self.param_comm_s
 
 
 def unit_of_nodes(g: Graph) -> tuple[list[Unit], dict[str, int]]:
     """The units of ``g`` (without costs) and the unit index of every node."""
     if not g.layers:
-        return [Unit("model", [""], nodes=[n.name for n in g.nodes])], \
+        return [Unit(name="model", modules=[""], nodes=[n.name for n in g.nodes])], \
             {n.name: 0 for n in g.nodes}
     pos = {n.name: k for k, n in enumerate(g.nodes)}
     start = pos[g.layers[0].nodes[0]]
-    units = [Unit("pre", [])] + [Unit(lay.path, [lay.path]) for lay in g.layers] + \
-        [Unit("post", [])]
+    units = [Unit(name="pre")] + [Unit(name=lay.path, modules=[lay.path]) for lay in g.layers] + \
+        [Unit(name="post")]
     where: dict[str, int] = {}
     first_user = {}
     for n in g.nodes:
@@ -183,7 +165,7 @@ def unit_members(g: Graph) -> list[dict[str, int]]:
     return out
 
 
-def least_unit_costs(built: Built, members: list[dict[str, int]]) -> list[tuple[float, float, float]]:
+def least_unit_costs(built: Built, members: list[dict[str, int]]) -> list[PieceCost]:
     """Per unit (``members``: :func:`unit_members` of the graph ``built`` was built
     from), lower bounds on its forward and backward seconds per micro-batch (ZeRO-3
     traffic included) and its optimizer seconds per step under any choice of
@@ -203,7 +185,7 @@ def least_unit_costs(built: Built, members: list[dict[str, int]]) -> list[tuple[
             x = least.get(name)
             if x is not None:
                 f, b, o = f + count * x[0], b + count * x[1], o + count * x[2]
-        out.append((f, b, o))
+        out.append(PieceCost(forward_s=f, backward_s=b, optimizer_s=o))
     return out
 
 

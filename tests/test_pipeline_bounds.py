@@ -12,7 +12,8 @@ import pytest
 
 from autopar.solvers.bounds import pipeline_stage_bound, rank_load_bound
 from autopar.solvers.schedule_sim import ZERO_BUBBLE
-from autopar.solvers.stage_split import UnitCost, split_stages_exhaustive
+from autopar.solvers.cost_terms import PieceCost
+from autopar.solvers.stage_split import split_stages_exhaustive
 
 
 def _least_makespan(weights: list[float], bins: int) -> float:
@@ -62,9 +63,9 @@ def test_stage_bound_never_exceeds_the_best_split(seed, schedule, v):
     for k in range(n):
         f = rng.uniform(0.2, 1.0) * (3.0 if k == n - 1 else 1.0)
         b = 2 * f * rng.uniform(0.8, 1.2)
-        units.append(UnitCost(f"u{k}", f, b, b * rng.uniform(0.3, 0.5),
-                              optimizer_s=rng.uniform(0.0, 0.5),
-                              step_comm_s=rng.uniform(0.0, 1.0)))
+        units.append(PieceCost(f, b, b * rng.uniform(0.3, 0.5),
+                               optimizer_s=rng.uniform(0.0, 0.5),
+                               step_comm_s=rng.uniform(0.0, 1.0), name=f"u{k}"))
     best = split_stages_exhaustive(units, pp, m, schedule=schedule, virtual_stages=v,
                                    p2p_s=rng.choice([0.0, 0.05]))
     bound = pipeline_stage_bound([u.forward_s for u in units], [u.backward_s for u in units],
@@ -81,5 +82,5 @@ def test_one_f_one_b_bound_counts_fill_and_drain():
     bound = pipeline_stage_bound([1.0] * pp, [2.0] * pp, [0.0] * pp, pp=pp, m=m, v=1,
                                  drains=True)
     assert bound == pytest.approx((m + pp - 1) * 3.0, rel=1e-6)
-    units = [UnitCost(f"u{k}", 1.0, 2.0) for k in range(pp)]
+    units = [PieceCost(1.0, 2.0, name=f"u{k}") for k in range(pp)]
     assert split_stages_exhaustive(units, pp, m).objective_s == pytest.approx(bound, rel=1e-6)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from autopar.errors import ConfigError
-from autopar.solvers.schedule_sim import (ChunkCost, Timeline, bubble_formula, rank_orders,
+from autopar.solvers.schedule_sim import (PieceCost, Timeline, bubble_formula, rank_orders,
                                           simulate, stage_ranks, validate)
 
-UNIFORM = ChunkCost(forward_s=1.0, backward_s=2.0, backward_weight_s=1.0, activation_bytes=10.0,
+UNIFORM = PieceCost(forward_s=1.0, backward_s=2.0, backward_weight_s=1.0, activation_bytes=10.0,
                     static_bytes=100.0)
 
 
@@ -39,7 +39,7 @@ def test_interleaved_bubble_is_closed_form(pp, v, m):
 @pytest.mark.parametrize("f,b,w", [(1, 2, 1), (1, 3, 1), (2, 2, 1), (1, 2, 1.5), (1, 1.5, 0.25)])
 @pytest.mark.parametrize("pp,v,m", [(2, 1, 4), (4, 1, 8), (3, 2, 6), (4, 2, 8), (4, 3, 16)])
 def test_interleaved_zero_bubble_closed_form(f, b, w, pp, v, m):
-    chunk = ChunkCost(f, b, w)
+    chunk = PieceCost(f, b, w)
     est = simulate("interleaved_zero_bubble", [chunk] * (pp * v), pp, m, virtual_stages=v)
     assert est.bubble_ratio == pytest.approx(
         bubble_formula("interleaved_zero_bubble", pp, m, v, chunk=chunk), rel=1e-9)
@@ -47,7 +47,7 @@ def test_interleaved_zero_bubble_closed_form(f, b, w, pp, v, m):
 
 @pytest.mark.parametrize("pp,m", [(2, 3), (2, 8), (3, 5), (4, 7), (4, 16)])
 def test_zbv_closed_form_with_equal_f_i_w(pp, m):
-    chunk = ChunkCost(1.0, 2.0, 1.0)
+    chunk = PieceCost(1.0, 2.0, 1.0)
     est = simulate("zbv", [chunk] * (2 * pp), pp, m, virtual_stages=2)
     assert est.bubble_ratio == pytest.approx(bubble_formula("zbv", pp, m, 2, chunk=chunk), rel=1e-9)
     assert est.bubble_ratio == pytest.approx((pp - 1) / (6 * m), rel=1e-9)
@@ -56,7 +56,7 @@ def test_zbv_closed_form_with_equal_f_i_w(pp, m):
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 32)])
 def test_zero_bubble_schedules_beat_1f1b(pp, m):
     one = simulate("1f1b", [UNIFORM] * pp, pp, m)
-    half = ChunkCost(0.5, 1.0, 0.5, activation_bytes=5.0)
+    half = PieceCost(0.5, 1.0, 0.5, activation_bytes=5.0)
     izb = simulate("interleaved_zero_bubble", [UNIFORM] * pp, pp, m)
     zbv = simulate("zbv", [half] * (2 * pp), pp, m, virtual_stages=2)
     assert izb.bubble_fraction < one.bubble_fraction
@@ -71,7 +71,7 @@ def test_in_flight_counts(pp):
     assert simulate("gpipe", [UNIFORM] * pp, pp, m).in_flight == [m] * pp
     # ZB-V: every rank holds 2p half-size chunk activations once m >= 2p, the bytes of
     # 1F1B's first rank (Qi et al. §6: peak p·M_B).
-    half = ChunkCost(0.5, 1.0, 0.5, activation_bytes=5.0, static_bytes=50.0)
+    half = PieceCost(0.5, 1.0, 0.5, activation_bytes=5.0, static_bytes=50.0)
     est = simulate("zbv", [half] * (2 * pp), pp, m, virtual_stages=2)
     assert est.in_flight == [2 * pp] * pp
     assert est.peak_memory_bytes == pytest.approx([100.0 + 10.0 * pp] * pp)
@@ -81,7 +81,7 @@ def test_non_uniform_stages_hand_computed():
     # 1F1B, p = 2, m = 2: stage 0 (f=1, b=2), stage 1 (f=2, b=4).
     # rank0: F0 [0,1] F1 [1,2]; rank1: F0 [1,3] B0 [3,7] F1 [7,9] B1 [9,13];
     # rank0: B0 [7,9] B1 [13,15]  -> makespan 15.
-    chunks = [ChunkCost(1, 2), ChunkCost(2, 4)]
+    chunks = [PieceCost(1, 2), PieceCost(2, 4)]
     est = simulate("1f1b", chunks, 2, 2)
     assert est.step_time_s == pytest.approx(15.0)
     assert est.step_time_s >= 2 * 6  # m x slowest stage
@@ -91,7 +91,7 @@ def test_non_uniform_stages_hand_computed():
 
 
 def test_non_uniform_step_time_at_least_slowest_stage_bound():
-    chunks = [ChunkCost(1, 2), ChunkCost(3, 5), ChunkCost(0.5, 1), ChunkCost(2, 2)]
+    chunks = [PieceCost(1, 2), PieceCost(3, 5), PieceCost(0.5, 1), PieceCost(2, 2)]
     for schedule in ("gpipe", "1f1b"):
         est = simulate(schedule, chunks, 4, 8)
         assert est.step_time_s >= 8 * max(c.forward_s + c.backward_s for c in chunks) - 1e-9
@@ -119,7 +119,7 @@ def test_every_op_runs_once(schedule, v):
     assert len(ops) == len(set(ops)) == len(kinds) * pp * v * m
 
 
-def _round_robin(schedule: str, chunks: list[ChunkCost], pp: int, m: int, v: int,
+def _round_robin(schedule: str, chunks: list[PieceCost], pp: int, m: int, v: int,
                  p2p: float) -> float:
     """Reference makespan: ranks take turns running their next operation once its input
     has arrived (the module docstring's rules, written out directly)."""
@@ -157,7 +157,7 @@ def test_timeline_matches_round_robin(schedule, v, pp, m):
         pytest.skip("torch does not run this combination")
     import random
     rng = random.Random(pp * 100 + m)
-    chunks = [ChunkCost(rng.uniform(0.1, 2), b := rng.uniform(0.2, 3), rng.uniform(0, b))
+    chunks = [PieceCost(rng.uniform(0.1, 2), b := rng.uniform(0.2, 3), rng.uniform(0, b))
               for _ in range(pp * v)]
     tl = Timeline.of(schedule, pp, m, v)
     assert sorted(tl.ops) == sorted(op for order in rank_orders(schedule, pp, m, v)

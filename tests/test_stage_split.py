@@ -9,7 +9,8 @@ import pytest
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.solvers.schedule_sim import validate
-from autopar.solvers.stage_split import (UnitCost, _problem, split_stages, split_stages_exhaustive,
+from autopar.solvers.cost_terms import PieceCost
+from autopar.solvers.stage_split import (_problem, split_stages, split_stages_exhaustive,
                                          stage_in_flight)
 from autopar.solvers.stage_split_search import PathBound, lower_bound
 
@@ -18,16 +19,16 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 1), ("interleaved_1
 
 
 def _random_units(rng: random.Random, n: int, sync: float = 0.0,
-                  host: float = 0.0) -> list[UnitCost]:
+                  host: float = 0.0) -> list[PieceCost]:
     """``sync``: the largest dp gradient synchronization per unit (seconds per step);
     ``host``: the most host seconds per unit and step."""
     units = []
     for i in range(n):
         b = rng.uniform(0.2, 2.0)
         w = rng.uniform(0.0, 0.7 * b) if rng.random() < 0.5 else rng.uniform(0.0, 0.4 * b)
-        units.append(UnitCost(f"u{i}", rng.uniform(0.1, 1.0), b, w, rng.uniform(0.0, 5.0),
-                              rng.uniform(0.0, 10.0), rng.uniform(0.0, sync),
-                              host_s=rng.uniform(0.0, host)))
+        units.append(PieceCost(rng.uniform(0.1, 1.0), b, w, rng.uniform(0.0, 5.0),
+                               rng.uniform(0.0, 10.0), rng.uniform(0.0, sync),
+                               host_step_s=rng.uniform(0.0, host), name=f"u{i}"))
     return units
 
 
@@ -66,7 +67,7 @@ def test_split_equals_exhaustive(seed):
 
 
 def _uniform_objective(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
-    units = [UnitCost(f"blocks.{i}", 1.0, 2.0, 1.0) for i in range(pp * v * 2)]
+    units = [PieceCost(1.0, 2.0, 1.0, name=f"blocks.{i}") for i in range(pp * v * 2)]
     got = split_stages(units, pp, m, schedule=schedule, virtual_stages=v)
     assert got.objective_s == got.estimate.step_time_s and got.exposed_s == 0.0
     return got.formula_s, got.estimate.step_time_s
@@ -108,9 +109,9 @@ def test_simulated_split_beats_the_formula_with_heavy_ends():
     """Llama-3 8B's unit costs, 24 blocks on 6 ranks (1F1B, 12 micro-batches): the
     least-T split gives the embedding a stage of its own; four blocks with it and fewer
     on later ranks shorten the fill and drain by 2.6%."""
-    units = ([UnitCost("pre", 0.13e-3, 7.06e-3, 0.44e-3)]
-             + [UnitCost(f"layers.{i}", 7.31e-3, 18.02e-3, 7.61e-3) for i in range(24)]
-             + [UnitCost("post", 15.73e-3, 35.61e-3, 14.72e-3)])
+    units = ([PieceCost(0.13e-3, 7.06e-3, 0.44e-3, name="pre")]
+             + [PieceCost(7.31e-3, 18.02e-3, 7.61e-3, name=f"layers.{i}") for i in range(24)]
+             + [PieceCost(15.73e-3, 35.61e-3, 14.72e-3, name="post")])
     got = split_stages(units, 6, 12, p2p_s=1.35e-3)
     ref = split_stages_exhaustive(units, 6, 12, p2p_s=1.35e-3)
     assert got.stats["exact"]
@@ -139,7 +140,8 @@ def test_bound_keeps_the_best_split_and_drops_hopeless_ones(seed):
 def test_split_hides_the_dp_sync_behind_each_ranks_backward():
     """Units whose gradient synchronization exceeds their backward: stacking them on one
     rank exposes the excess there; F spreads them although T is indifferent."""
-    units = [UnitCost(f"u{i}", 1.0, 2.0, step_comm_s=3.0 if i < 2 else 0.0) for i in range(6)]
+    units = [PieceCost(1.0, 2.0, step_comm_s=3.0 if i < 2 else 0.0, name=f"u{i}")
+             for i in range(6)]
     got = split_stages(units, 2, 4)
     ref = split_stages_exhaustive(units, 2, 4)
     assert got.objective_s == pytest.approx(ref.objective_s, rel=1e-12)
@@ -152,7 +154,7 @@ def test_host_bound_split_balances_each_ranks_host():
     the busiest rank's host seconds. Units equal on the device but with a heavy host
     first unit: the device-balanced split (3 + 3) leaves rank 0 with 5 + 2 + 2 = 9 s of
     host; the split 2 + 4 gives 7 and 8, and is the fastest."""
-    units = [UnitCost(f"u{i}", 0.1, 0.2, host_s=5.0 if i == 0 else 2.0) for i in range(6)]
+    units = [PieceCost(0.1, 0.2, host_step_s=5.0 if i == 0 else 2.0, name=f"u{i}") for i in range(6)]
     got = split_stages(units, 2, 4)
     ref = split_stages_exhaustive(units, 2, 4)
     assert got.bounds == ref.bounds == [(0, 2), (2, 6)]
@@ -161,7 +163,7 @@ def test_host_bound_split_balances_each_ranks_host():
 
 
 def test_infeasible_budget_names_least_memory():
-    units = [UnitCost(f"u{i}", 1.0, 2.0, 0.0, activation_bytes=10.0, static_bytes=100.0)
+    units = [PieceCost(1.0, 2.0, 0.0, activation_bytes=10.0, static_bytes=100.0, name=f"u{i}")
              for i in range(6)]
     # 1F1B, pp=2, m=4: rank 0 holds 2 micro-batches, rank 1 one. Best: 3+3 units ->
     # rank 0: 300 + 2·30 = 360, rank 1: 300 + 30 = 330. Exhaustive agrees.
@@ -175,8 +177,8 @@ def test_infeasible_budget_names_least_memory():
 
 
 def test_heavy_embedding_and_head_get_fewer_blocks():
-    units = ([UnitCost("tok_emb", 1.5, 3.0)] + [UnitCost(f"blocks.{i}", 1.0, 2.0) for i in range(14)]
-             + [UnitCost("ln_f", 0.1, 0.2), UnitCost("head", 3.0, 6.0)])
+    units = ([PieceCost(1.5, 3.0, name="tok_emb")] + [PieceCost(1.0, 2.0, name=f"blocks.{i}") for i in range(14)]
+             + [PieceCost(0.1, 0.2, name="ln_f"), PieceCost(3.0, 6.0, name="head")])
     got = split_stages(units, 4, 8)
     sizes = [j - i for i, j in got.bounds]
     assert sizes[-1] < sizes[1] and sizes[-1] < sizes[2]
@@ -187,17 +189,17 @@ def test_in_flight_per_stage_and_errors():
     assert stage_in_flight("1f1b", 4, 8) == [4, 3, 2, 1]
     assert stage_in_flight("zbv", 4, 8, 2) == [8, 7, 6, 5, 4, 3, 2, 1]
     with pytest.raises(ConfigError):
-        split_stages([UnitCost("a", 1, 1)] * 3, 4, 8)
+        split_stages([PieceCost(1, 1, name="a")] * 3, 4, 8)
     with pytest.raises(ConfigError):
-        split_stages([UnitCost("a", 1, 1)] * 8, 4, 8, schedule="zbv", virtual_stages=1)
+        split_stages([PieceCost(1, 1, name="a")] * 8, 4, 8, schedule="zbv", virtual_stages=1)
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
                                         ("interleaved_zero_bubble", 2)])
 def test_large_model_is_fast(schedule, v):
-    units = ([UnitCost("tok_emb", 0.5, 1.0, 0.4, 1e6, 5e8)]
-             + [UnitCost(f"blocks.{i}", 1.0, 2.0, 1.0, 2e6, 1e8) for i in range(126)]
-             + [UnitCost("head", 1.5, 3.0, 1.4, 3e6, 5e8)])
+    units = ([PieceCost(0.5, 1.0, 0.4, 1e6, 5e8, name="tok_emb")]
+             + [PieceCost(1.0, 2.0, 1.0, 2e6, 1e8, name=f"blocks.{i}") for i in range(126)]
+             + [PieceCost(1.5, 3.0, 1.4, 3e6, 5e8, name="head")])
     start = time.perf_counter()
     for pp in (8, 64):
         split_stages(units, pp, 2 * pp, schedule=schedule, virtual_stages=v, memory_budget=2e10)
