@@ -1,44 +1,15 @@
 """Cheap lower bounds on a candidate's step time and memory, for pruning the outer
 search before any ILP is built.
 
-For a :class:`~autopar.solvers.problem.Problem` and one recomputation mode ``r_g`` per
-group (a *combination*), no assignment can beat, per micro-batch,
+:func:`combo_bounds` bounds every combination of recomputation modes (one per group)
+of a :class:`~autopar.solvers.problem.Problem` in one pass, and :func:`step_bound` a
+step of n micro-batches from them; :func:`knapsack_bound` bounds the time within a
+memory capacity, :func:`tree_bound` with the resharding on edges, and
+:func:`pipeline_stage_bound` and :func:`rank_load_bound` a pipeline's step whatever
+its stage split.
 
-    T_lb(r) = max(Σ_v m_v min_i (compute + comm + extra_r),
-                  Σ_v m_v min_i (micro_param_comm + comm))
-
-because the objective per micro-batch is Σ(compute + comm) + resharding +
-max(0, Σ micro_param_comm − overlap · Σ compute) ≥ max(Σ compute, Σ micro_param_comm)
-+ Σ comm (overlap ≤ 1; resharding, the exposed per-step traffic and the host step are
-≥ 0); ``extra_r`` is the recomputed forward of mode r, which runs in backward and so
-counts as compute. Where the profile has host figures the step is also at least the
-host's share, n·Σ(h_F + h_B) + h_O (the last term of the exposed host time H of
-:mod:`autopar.solvers.problem`), so per micro-batch
-
-    T_lb(r) ≥ Σ_v m_v min_i (host + param_host)
-
-(recomputation only adds host time). Once per step, no assignment avoids the
-optimizer and the gradient traffic that the backward cannot hide (E_step of
-:mod:`autopar.solvers.problem`, bounded with each node's least traffic and most
-backward compute, the mode's recomputed forward included):
-
-    S_lb(r) = Σ_v m_v min_i optimizer + max(0, Σ_v m_v min_i step_param_comm
-                                              − overlap · Σ_v m_v max_i (bwd_compute + extra_r))
-
-so a step of n micro-batches takes at least n·max(compute, parameter sums) + S_lb(r)
-(:func:`step_bound`). Memory is bounded as in
-:func:`autopar.solvers.problem.least_memory`, each node on its own:
-
-    M_lb(r) = fixed + max(Σ_v min_i (C_v,i,r + m_v · backward_start_v,i),
-                          Σ_v min_i (C_v,i,r + recompute_v,i + transient_v,i,r))
-
-with C the node's share of the common memory. On a pipeline rank (``pp`` ranks,
-``held`` micro-batches in flight) every strategy's memory is that of
-:func:`autopar.solvers.pipelined_candidate.pipeline_problem`: (static + activations ·
-held) / pp, and the recomputation deltas scale by held / pp.
-
-Groups are independent, so the bounds of every combination come from one pass over
-the strategies: a per-group, per-mode partial sum.
+The per-micro-batch bound T_lb, the per-step S_lb and the memory bound M_lb (also on
+a pipeline rank) are derived in docs/solvers.md, section ``autopar.solvers.bounds``.
 """
 
 from __future__ import annotations
@@ -72,7 +43,7 @@ class ComboBound:
 
 def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: int = 1,
                  held: int = 1, tree: bool = True) -> list[ComboBound]:
-    """The bounds of every allowed combination of modes (module docstring), in
+    """The bounds of every allowed combination of modes (docs/solvers.md), in
     ``itertools.product`` order. ``activations[v][i]`` are the bytes strategy i of
     node v keeps for backward (needed only with ``pp`` > 1)."""
     grouped: dict[int, tuple[int, int]] = {}
@@ -215,8 +186,8 @@ def step_bound(bounds: list[ComboBound], budget: float, n: int, pp: int = 1) -> 
     """The least bound on a step of ``n`` micro-batches over the combinations whose
     memory bound fits ``budget`` (inf when none does).
 
-    Without a pipeline: max(n·max(compute, parameter sums) + S_lb, n·host) (module
-    docstring). On ``pp`` ranks each rank runs its stages' n micro-batches one
+    Without a pipeline: max(n·max(compute, parameter sums) + S_lb, n·host)
+    (docs/solvers.md). On ``pp`` ranks each rank runs its stages' n micro-batches one
     operation at a time, so the schedule takes at least the mean rank's share, and
     then each rank steps its optimizer: max((n·max(compute, parameter sums) +
     Σ optimizer) / pp, n·host / pp). (The gradient traffic of a pipeline rank hides

@@ -4,35 +4,13 @@
   recomputation mode per group of an intra-op :class:`~autopar.solvers.problem.Problem`.
 * :func:`solve_pipeline_exhaustive` — one pipelined candidate: every intra-op
   assignment, every recomputation mode combination and every split of the units into
-  stages, each scored by the schedule's simulator.
+  stages, each scored by the schedule's simulator (:func:`score_pipeline`).
 * :func:`brute_force_search` — the outer search's whole space, candidate by candidate,
   with no lower bounds, no pruning and no ILP.
 
-What they share with the planner is the objective only — the cost tables of the built
-problem, :func:`~autopar.solvers.problem.evaluate`, the unit costs and the schedule
-simulator — never the way the planner searches (the ILP, the stage DP, the bounds).
-
-The pipelined objective is the one :mod:`autopar.solvers.pipelined_candidate` documents
-and reports: for an assignment s, modes r and a split B of the units into
-``S = pp · v`` contiguous stages,
-
-    T(s, r, B) = simulate(schedule, chunks(B), pp, m, v, p2p_s).step_time_s
-                 + max_r (max(0, step_comm_r − overlap · backward_r) + optimizer_r)
-
-(the dp gradient synchronization a rank cannot hide behind its own backward, then its
-optimizer step), at least the busiest rank's host seconds on a GPU profile
-(:func:`~autopar.solvers.pipelined_candidate.rank_host_time`), feasible
-when every rank fits the budget less the largest backward transient,
-
-    max_r Σ_{s on r} (static_s + k_s · activation_s) ≤ budget − max_r extra_r,
-    extra_r = A_recompute + [r holds the last stage] · (T_loss + logits),
-
-with ``k_s`` the schedule's most in-flight micro-batches of stage s
-(:func:`~autopar.solvers.stage_split.stage_in_flight`). The memory reported is
-``max_r (simulated peak_r + extra_r)``. That per-rank check is the only memory test a
-pipelined plan must pass here: the planner's intra-op ILP additionally holds every
-assignment to its own model of one rank (``pipeline_problem``), which is a means of
-search, not part of the objective.
+They share the planner's objective only, never the way it searches. The pipelined
+objective T(s, r, B) and its per-rank memory check are written out in
+docs/solvers.md, section ``autopar.solvers.exhaustive``.
 """
 
 from __future__ import annotations
@@ -124,7 +102,7 @@ def solve_exhaustive(problem: Problem, max_assignments: int = 2_000_000) -> Solu
 
 @dataclass
 class PipelineScore:
-    """One pipelined plan (assignment, modes, split) as the module docstring scores it."""
+    """One pipelined plan (assignment, modes, split) as docs/solvers.md scores it."""
 
     step_time_s: float
     memory_bytes: float
@@ -180,7 +158,7 @@ class _Layout:
 
 def _score(a: _Assigned, bounds: list[tuple[int, int]], lay: _Layout, *,
            skip_infeasible: bool = True) -> PipelineScore:
-    """T(s, r, B), its feasibility and its memory (module docstring); with
+    """T(s, r, B), its feasibility and its memory (docs/solvers.md); with
     ``skip_infeasible`` a split that does not fit is not simulated (time: infinite)."""
     chunks, held = [], [0.0] * lay.pp
     comm, bwd, opt = [0.0] * lay.pp, [0.0] * lay.pp, [0.0] * lay.pp
@@ -218,7 +196,7 @@ def score_pipeline(g: Graph, built: Built, choice: list[int], modes: list[int],
                    bounds: list[tuple[int, int]], *, pp: int, schedule: str,
                    virtual_stages: int) -> PipelineScore:
     """Score one pipelined plan: assignment ``choice``, recomputation ``modes`` and
-    stage ``bounds`` (module docstring), e.g. to re-score a plan the planner chose."""
+    stage ``bounds`` (docs/solvers.md), e.g. to re-score a plan the planner chose."""
     a = _assigned(g, built, choice, modes, pp=pp, schedule=schedule,
                   virtual_stages=virtual_stages)
     out = _score(a, bounds, _Layout.of(built, pp, schedule, virtual_stages),

@@ -1,19 +1,15 @@
 """The outer search: every factorization of the world into pp x dp x tp, every
 micro-batch size, ZeRO stage and pipeline schedule; one intra-op ILP per candidate
-(and, with pipelining, one stage DP per schedule); the fastest feasible wins.
-Recomputation is chosen inside each ILP (one mode per distinct layer), not here.
+(and, with pipelining, one stage DP per schedule); the fastest feasible wins
+(:func:`search`). Recomputation is chosen inside each ILP (one mode per distinct
+layer), not here.
 
-ZeRO stages tried over dp > 1: 0, 2 and 3 without a pipeline, 0 and 2 with one
-(ZeRO-1 lowers as ZeRO-2 and costs the same; ask for it with ``zero=1``). Two kinds
-of candidate are tried only when no other fits (:func:`tiers`): CPU offload (ZeRO-3,
-no pipeline), which trades the host link's time for device memory, and tensor
-parallelism wider than a node, whose per-layer collectives then cross the inter-node
-network (on an H100 node about a ninth of NVLink's bandwidth per GPU). Narayanan et
-al. (SC'21, §3.3 takeaway #1) find tensor parallelism best up to a node's GPUs and
-pipelining beyond; asking for ``tp`` wider than a node searches it first.
-
-Candidates are visited in a fixed order (by lower bound) and ties keep the first found,
-so the same inputs always give the same plan.
+:func:`candidates` lists the space and :func:`tiers` the order it is tried in: CPU
+offload and tensor parallelism wider than a node only when no other candidate fits,
+unless asked for. Candidates are visited in a fixed order (by lower bound) and ties
+keep the first found, so the same inputs always give the same plan. The ZeRO stages
+tried and the reasons for the tiers: docs/solvers.md, section
+``autopar.solvers.outer_search``.
 """
 
 from __future__ import annotations

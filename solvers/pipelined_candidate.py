@@ -1,60 +1,17 @@
 """Score one pipelined candidate: intra-op ILP for the stage mesh, then the inter-op
 split of the units into stages under the schedule.
 
-The two levels are solved in turn, as in Alpa (Zheng et al., OSDI'22 §5) but with
-one intra-op plan per distinct layer shared by every stage (the stages' submeshes
-all have the shape dp × tp):
+:func:`solve_pipeline` solves the two levels in turn, as in Alpa (Zheng et al.,
+OSDI'22 §5) but with one intra-op plan per distinct layer shared by every stage: the
+ILP on the dp × tp stage mesh, under the memory of one pipeline rank
+(:func:`pipeline_problem`), then the stage split of the units' costs. For the winning
+candidate, :func:`refine_modes` settles by enumeration what the flat ILP cannot see:
+the recomputation modes, the memory model and the placement of the block output
+that crosses stages.
 
-1. the intra-op ILP (:mod:`autopar.solvers.intra_op_ilp`) picks every op's strategy on the
-   dp × tp stage mesh. Its memory constraint is rewritten for a device that holds
-   1/pp of the model and ``in_flight`` micro-batches of activations of that share:
-
-       M_pp(s) = Σ_v m_v (static_v(s_v) / pp + activations_v(s_v) · in_flight / pp)
-
-   (each copy of a tied parameter that a stage holds added to its owner's static
-   bytes), where ``in_flight`` is what the first rank holds at the schedule's peak
-   (min(m, p) for 1F1B-like schedules, m for GPipe); the recomputation groups' activation terms
-   scale the same way (``activation_scale`` = in_flight / pp) and the one block being
-   recomputed is added once. When no assignment fits that model, the ILP is solved
-   again with the *relaxed* count ``k_min = min_s k_s``, the fewest micro-batches any
-   stage holds: every split that fits the exact per-rank check below fits it, since
-   the fullest rank holds at least the mean ``Σ_r M_r / pp ≥ (static + k_min ·
-   activations) / pp``;
-2. the units' costs under that solution (:func:`autopar.solvers.units.unit_costs`)
-   go to the stage split (:func:`autopar.solvers.stage_split.split_stages`), which places
-   the units on pp · v stages, checks each rank's memory exactly for the schedule, and
-   keeps the split with the least reported step time T below (simulated schedule plus
-   exposed synchronization). When no split of the ILP's solution fits, the
-   recomputation modes are searched as for the winner (:func:`refine_modes`).
-
-Backward transients per rank: every rank adds the block being recomputed (one at a
-time); the rank of the last stage also holds, for the whole of that stage's backward,
-the gradient of the loss w.r.t. the stage output (``torch.distributed.pipelining``
-computes the loss outside the stage and passes that gradient into the stage's
-backward) and keeps the stage output (the logits) of the micro-batch in its forward
-cache, so there the two transients add up (measured: tests/test_memory_accuracy.py):
-
-    extra_r = A_recompute + [r is the last stage's rank] · (T_loss + logits)
-
-The stage DP checks its ranks against the budget less the largest ``extra_r``.
-
-The step time adds the data-parallel gradient synchronization each rank cannot hide:
-it runs after the rank's last backward and overlaps only with it (Megatron-LM's
-overlapped gradient reduction), so the split weighs it with the schedule:
-
-    T = max(T_schedule + max_r (max(0, step_comm_r − overlap · backward_r) + optimizer_r),
-            max_r host_r)
-
-(then the rank's optimizer step, which nothing hides); on a GPU profile no rank
-finishes before its host has issued its stages' work, ``host_r`` seconds per step (the
-units' host seconds: :attr:`~autopar.solvers.stage_split.StageSplit.host_s`). The intra-op ILP sees the host seconds by
-their total over the ranks (:func:`pipeline_problem`), the split by each rank's.
-
-Three things the flat ILP objective cannot see are settled for the winning candidate
-by enumeration (:func:`refine_modes`): its recomputation modes, the memory model
-(in-flight count: the schedule's first rank, or the relaxed ``k_min``) and the
-placement of the block output that crosses stages, which sets the stage-to-stage
-transfer ``p2p = send_recv(bytes / shards)`` the schedule waits on at every hop.
+The rank memory model M_pp, its relaxed in-flight count k_min, the backward
+transients ``extra_r`` (:func:`rank_transients`) and the reported step time T are
+written out in docs/solvers.md, section ``autopar.solvers.pipelined_candidate``.
 """
 
 from __future__ import annotations
@@ -119,13 +76,13 @@ def in_flight(schedule: str, pp: int, num_microbatches: int) -> int:
 
 def least_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> int:
     """k_min: the fewest micro-batches of activations any stage holds at its peak (the
-    relaxed memory model of the module docstring)."""
+    relaxed memory model of docs/solvers.md)."""
     return min(stage_in_flight(schedule, pp, num_microbatches, virtual_stages))
 
 
 def pipeline_problem(g: Graph, built: Built, pp: int, held: int) -> Problem:
-    """A copy of ``built.problem`` whose memory is that of one pipeline rank (see the
-    module docstring), the copies of tied parameters the stages hold included (on the
+    """A copy of ``built.problem`` whose memory is that of one pipeline rank (see
+    docs/solvers.md), the copies of tied parameters the stages hold included (on the
     owner op: Σ_r M_r counts each copy once). Its host seconds bound the step by their
     total alone (``host_phases`` False): the problem spans every stage, and each rank's
     host issues only its own, so pp steps take at least the total."""
@@ -246,7 +203,7 @@ class RefineLater(Exception):
 def solve_pipeline(g: Graph, built: Built, *, pp: int, schedule: str, virtual_stages: int,
                    solved: dict[tuple, tuple[Solution, list[Unit]] | NoFeasiblePlanError] | None = None,
                    bound: float = float("inf"), refine: bool = True) -> PipelineOutcome | None:
-    """Solve one pipelined candidate (see the module docstring); raises
+    """Solve one pipelined candidate (see docs/solvers.md); raises
     NoFeasiblePlanError when no split fits. ``solved`` caches intra-op solutions
     by (problem, pp, in-flight micro-batches), which schedules share. When no assignment
     fits the first rank's in-flight count, the relaxed count decides. Returns None when
@@ -313,7 +270,7 @@ def boundary_p2p(g: Graph, built: Built, choice: list[int], pp: int) -> float:
 
 def rank_transients(g: Graph, built: Built, choice: list[int], modes: list[int], *, pp: int,
                     schedule: str, virtual_stages: int) -> list[float]:
-    """``extra_r`` of the module docstring per rank: the block being recomputed, and on
+    """``extra_r`` of docs/solvers.md per rank: the block being recomputed, and on
     the last stage's rank the loss gradient and the logits as well."""
     start, redo = backward_transients(built.problem, choice, modes)
     last = stage_ranks(schedule, pp, virtual_stages)[-1]

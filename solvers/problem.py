@@ -3,74 +3,14 @@
 A :class:`Problem` is what every intra-op solver (the ILP, the exhaustive reference,
 or a researcher's heuristic) reads: one decision per canonical op node — which of
 its strategies to use — with the costs of each choice and of each pair of choices
-on connected nodes. It carries no torch objects.
+on connected nodes. It carries no torch objects. :func:`evaluate` scores an
+assignment exactly as the ILP does, :func:`host_exposure` gives the exposed host time
+and :func:`least_memory` a lower bound on the memory.
 
-The objective, in seconds per optimizer step, for a choice ``s`` of one strategy
-per node (``m_v`` = how many identical instances node ``v`` stands for, ``n`` =
-micro-batches per step):
-
-    T(s) = n · Σ_v m_v (compute_v + comm_v) + n · Σ_e m_e cost_e(s_u, s_v) + E(s)
-           + Σ_v m_v optimizer_v
-
-(``optimizer`` is the optimizer step of the node's parameters, once per step after the
-backward, on the device or under CPU offload on the host: nothing hides it)
-where ``compute`` is forward + backward device time (the op's own and FSDP2's copies
-of its parameters: :attr:`StrategyCost.device_s`), ``comm`` the activation collectives on
-the critical path, and E the parameter communication that cannot hide behind
-compute:
-
-    E(s) = max(0, Σ_v m_v step_param_comm_v − overlap · Σ_v m_v bwd_compute_v)
-         + n · max(0, Σ_v m_v micro_param_comm_v − overlap · Σ_v m_v compute_v)   ... (*)
-
-The ILP models each max with one non-negative variable.
-
-Host time (on a GPU, where the host issues kernels ahead of the device:
-:mod:`autopar.cost_models.host`). Per micro-batch the host spends h_F in the forward and
-h_B in the backward (``host_s`` and ``param_host_s`` split as the device times are, plus
-the recomputation modes' ``host_fwd_s`` / ``host_bwd_s``), and h_O once per step (the
-optimizer: ``host_step_s``); the device spends d_F = Σ m (compute − bwd_compute) +
-comm/2 and d_B = Σ m bwd_compute + comm/2 per micro-batch, and D_O = the exposed
-parameter traffic and the optimizer step after the last backward. The device cannot
-finish a phase before the host has issued it, nor start it before finishing the phase
-before; over the phases F₁ B₁ … F_n B_n O the step is the largest of the times "host
-up to a phase, device from there on", which with δ = h_F + h_B − d_F − d_B is T(s) plus
-
-    H(s) = max(0, h_F − d_F, n·δ, (n−1)·δ + h_F − d_F, n·(h_F + h_B) + h_O − T(s))  (**)
-
-(the first forward issued slower than it runs; every pass host-bound; every pass up to
-the last forward; the whole step host-bound). With no host figures H = 0. The ILP
-models (**) with one non-negative variable and one constraint per term. A problem
-with ``host_phases`` False keeps the last term alone, H = max(0, n·(h_F + h_B) + h_O −
-T(s)): the problem of a pipeline rank (:mod:`autopar.solvers.pipelined_candidate`), whose
-phases interleave over the stages, so only the totals bound pp times the step. ``step_param_comm`` is paid
-once per step (DDP's gradient all-reduce), ``micro_param_comm`` once per micro-batch
-(FSDP's all-gathers and reduce-scatters); ``overlap`` in [0, 1] is the fraction of
-compute that this communication may hide behind (1.0 = perfect overlap on separate
-streams, as DDP's bucketed all-reduce and FSDP's prefetching aim for).
-
-Memory per device, which must not exceed ``memory_budget``:
-
-    M(s) = C(s) + max(Σ_v m_v backward_start_v(s_v), Σ_v recompute_v(s_v))
-    C(s) = fixed_memory + Σ_v m_v memory_v(s_v) + Σ_v g_v gather_v(s_v)
-
-where ``gather`` is transient memory (e.g. all-gathered parameters of the layers
-in flight) counted ``g_v`` times, ``backward_start`` what exists only at the start of
-backward (the gradient of the logits) and ``recompute`` what exists only while a
-recomputed block runs its backward (by then the logits' gradient is freed): the two
-transients never coexist, so the larger counts. The ILP writes the max as two
-constraints, C + Σ backward_start ≤ budget and C + Σ recompute ≤ budget.
-
-Recomputation (:class:`RecomputeGroup`): each group of canonical layer nodes (one
-distinct repeated layer) also picks one mode r ∈ {none, selective, full}; for node v
-in the group with strategy i the mode adds, per micro-batch and per instance,
-
-    time:    n · m_v · extra_s[v][i][r]               (the recomputed forward, in backward)
-    memory:  a · m_v · act_delta[v][i][r]  to C,  transient[v][i][r]  to Σ recompute
-
-where ``act_delta`` (≤ 0) is the change of the bytes kept for backward, ``a`` the
-group's ``activation_scale`` (1, or in-flight micro-batches / pp on a pipeline rank),
-and ``transient`` (≥ 0 summed over the layer) what the one layer being recomputed
-holds again during its backward. Mode "none" adds nothing.
+The formulas are written out in docs/solvers.md, section ``autopar.solvers.problem``:
+the objective T(s) in seconds per step with its exposed parameter traffic E(s) (*)
+and exposed host time H(s) (**), the memory per device M(s), and what each
+recomputation mode of a :class:`RecomputeGroup` adds to both.
 """
 
 from __future__ import annotations
@@ -170,8 +110,8 @@ class RecomputeGroup:
     """One recomputation decision shared by the canonical nodes ``nodes`` of a layer.
 
     ``extra_s[k][i][r]`` / ``act_delta[k][i][r]`` / ``transient[k][i][r]``: for the k-th
-    node of ``nodes`` using its strategy i under mode ``modes[r]`` (see the module
-    docstring); ``host_fwd_s`` / ``host_bwd_s`` likewise, the host seconds (**).
+    node of ``nodes`` using its strategy i under mode ``modes[r]`` (see
+    docs/solvers.md); ``host_fwd_s`` / ``host_bwd_s`` likewise, the host seconds (**).
     ``allowed`` lists the mode indices the solver may pick."""
 
     name: str
@@ -199,7 +139,7 @@ class RecomputeGroup:
 
 @dataclass
 class Problem:
-    """An intra-op placement problem (see the module docstring for the objective)."""
+    """An intra-op placement problem (see docs/solvers.md for the objective)."""
 
     nodes: list[NodeChoice]
     edges: list[EdgeChoice]
@@ -255,7 +195,7 @@ class Evaluation:
 
 def host_exposure(n: int, d_fwd: float, d_bwd: float, h_fwd: float, h_bwd: float,
                   h_step: float, total: float, phases: bool = True) -> float:
-    """H(s) of (**) in the module docstring: the seconds the host adds to a step of
+    """H(s) of (**) in docs/solvers.md: the seconds the host adds to a step of
     ``total`` device seconds, from the per-micro-batch forward and backward device and
     host seconds and the optimizer's host seconds (``phases`` False: the whole-step
     term alone)."""

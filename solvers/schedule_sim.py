@@ -1,36 +1,14 @@
 """The time and memory of a pipeline schedule, as plain numbers.
 
-Each schedule of ``torch.distributed.pipelining`` is written out here as the order in
-which every pp rank runs its operations — F (forward), B (whole backward), or, for the
-zero-bubble schedules, I (input-grad backward) and W (weight-grad backward) — for one
-optimizer step of ``m`` micro-batches. :func:`simulate` runs those orders as a
-discrete-event simulation with the pipeline's data dependencies:
+Each schedule of ``torch.distributed.pipelining`` (gpipe, 1f1b, interleaved_1f1b,
+interleaved_zero_bubble, zbv) is written out as the order in which every pp rank runs
+its F, B, I and W operations for one optimizer step (:func:`rank_orders`, checked by
+:func:`validate`); :func:`simulate` runs those orders as a discrete-event simulation
+(:class:`ScheduleEstimate`), and :func:`bubble_formula` gives the closed-form bubble
+of uniform chunks.
 
-* F(s, j) starts after F(s−1, j) ends (+ ``p2p_s`` when stages s−1 and s sit on
-  different ranks);
-* B/I(s, j) starts after B/I(s+1, j) ends (+ ``p2p_s`` across ranks); on the last
-  stage after F(S−1, j);
-* W(s, j) starts after I(s, j) ends;
-* the operations of a rank run one at a time, in the order given.
-
-This mirrors the runtime: torch's ``_PipelineScheduleRuntime`` executes each rank's
-action list in order and blocks on the receive an action needs; the ``None`` padding
-in torch's lists only aligns printed timelines and is dropped here.
-
-Op orders (``p`` ranks, ``v`` chunks per rank, ``m`` micro-batches):
-
-* ``gpipe`` — all F, then all B in micro-batch order (Huang et al., NeurIPS 2019;
-  ``ScheduleGPipe``).
-* ``1f1b`` — ``min(m, p − r)`` warm-up forwards on rank r, then B/F alternation, then
-  the remaining B (PipeDream-Flush, Narayanan et al., ICML 2021; ``Schedule1F1B``).
-* ``interleaved_1f1b`` — looped stages s = r + k·p; micro-batches in rounds of
-  ``m // max(1, m // p)``; ``(v−1)·round + 2(p−1−r)`` warm-up forwards (Narayanan et
-  al., SC'21 §2.2; ``ScheduleInterleaved1F1B``).
-* ``interleaved_zero_bubble`` — the same loop with ``(v−1)·round + (p−1−r)`` warm-up
-  forwards, B split into I and W, W deferred by r steady-state steps (ZB-H1 style,
-  Qi et al., ICLR 2024 §3; ``ScheduleInterleavedZeroBubble``).
-* ``zbv`` — two chunks per rank in a "V" (stage r and 2p−1−r on rank r), the ZB-V
-  order of Qi et al. §6 (``ScheduleZBVZeroBubble``).
+The simulation's dependency rules and each schedule's op order, with their sources,
+are written out in docs/solvers.md, section ``autopar.solvers.schedule_sim``.
 """
 
 from __future__ import annotations
@@ -201,7 +179,7 @@ def _zbv_ops(rank: int, p: int, m: int) -> list[Op]:
 
 
 def rank_orders(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Op]]:
-    """Every rank's operation order for one step (see the module docstring)."""
+    """Every rank's operation order for one step (see docs/solvers.md)."""
     reason = validate(schedule, pp, num_microbatches, virtual_stages)
     if reason:
         raise ConfigError(reason)
@@ -398,7 +376,7 @@ def simulate(schedule: str, chunks: list[PieceCost], pp: int, num_microbatches: 
     """Event-driven simulation of ``schedule`` over ``pp · virtual_stages`` chunks
     (``chunks`` in pipeline order), with ``p2p_s`` seconds per activation or gradient
     hop between stages on different ranks. See :class:`ScheduleEstimate` for what is
-    measured; the dependencies are those in the module docstring. ``timeline``: the
+    measured; the dependencies are those in docs/solvers.md. ``timeline``: the
     schedule already compiled (:class:`Timeline`) for these pp, m and v."""
     if len(chunks) != pp * virtual_stages:
         raise ConfigError(f"{len(chunks)} chunks given; pp={pp} x virtual_stages="

@@ -1,63 +1,16 @@
 """The stage split (Alpa's inter-operator pass): a model's units cut into pipeline stages.
 
-The units (embeddings, each block, final norm and head) are cut into ``S = pp · v``
-contiguous, non-empty stages. The objective is what the planner reports for the split:
-the schedule's simulated step time (:func:`~autopar.solvers.schedule_sim.simulate`) plus
-the data-parallel gradient synchronization that a rank cannot hide behind its own
-backward (it starts after the rank's last backward; Megatron-LM's overlapped reduction):
+:func:`split_stages` cuts the units into ``S = pp · v`` contiguous, non-empty stages
+whose ranks fit the memory budget, with the least objective F: the simulated step
+plus what follows a rank's last backward (:func:`after_backward`: the dp gradient
+synchronization it cannot hide, then its optimizer step), or the busiest rank's host
+seconds when longer. It seeds the search with the split of least closed-form T and
+improves it by simulation (:mod:`autopar.solvers.stage_split_search`);
+:func:`stage_in_flight` gives the micro-batches each stage holds at once.
 
-    F(split) = max(simulate(split).step_time_s + max_r (max(0, comm_r − overlap · bwd_r) + opt_r),
-                   max_r host_r)
-
-with ``comm_r`` the ``step_comm_s`` of the units on rank r, ``bwd_r`` their
-``backward_s`` per micro-batch and ``opt_r`` their ``optimizer_s`` (the rank's
-optimizer step, after its gradient synchronization); ``host_r`` is the seconds rank r's
-host spends per step issuing its units' work (:meth:`PieceCost.host_per_step`: on a GPU the host
-issues kernels ahead of the device, so a rank's step takes at least its host time;
-0 on a CPU profile). Memory per rank (must be ≤ ``memory_budget``) is the
-safe bound
-
-    M_r = Σ_{stages s on r} (static_s + k_s · activation_s)
-
-with ``k_s`` the most micro-batches stage s holds at once in the schedule's op order
-(1f1b: ``min(m, p − r)``). For v = 1 it equals ``simulate``'s peak; for v > 1 it can
-exceed it, as the stages of a rank need not peak together.
-
-The search has two steps.
-
-1. A seed: the split with the least closed form, written so that it decomposes over
-   stages (Alpa, Zheng et al., OSDI'22 §5.2: enumerate the bound ``t_max`` on the
-   slowest stage, then optimise the rest under it):
-
-       T(split) = m·v·t_max + (p − 1)/(p·v) · Σ_s g_s + 2·H·p2p_s
-
-   * ``t_max = max_s (f_s + b_s)`` — the slowest stage's forward + backward;
-   * ``g_s`` — what one stage adds to the fill-and-drain bubble: ``f_s + b_s`` for
-     gpipe, 1f1b and interleaved_1f1b (Narayanan et al., SC'21 §2.2: bubble (p−1)/v
-     chunk-steps); ``f_s + max(0, b_s − 2·w_s)``, i.e. F + max(0, I − W), for the
-     zero-bubble schedules (Qi et al., ICLR 2024 §3: ZB-H1 bubble (p−1)(T_F + T_B − T_W));
-   * ``H`` — stage-to-stage hops that cross ranks on one micro-batch's path (``S − 1``
-     for looped schedules, ``2p − 2`` for zbv).
-
-   For uniform stages and ``p2p_s = 0`` T equals the simulation exactly: gpipe and 1f1b
-   for every m, interleaved_1f1b for m ≥ p, interleaved_zero_bubble for m ≥ p with m a
-   multiple of p, zbv for m ≥ 2p − 1 with F = I = W. Σ g is the same for every split
-   when each unit's g is additive (always for the non-zero-bubble schedules; for
-   zero-bubble ones when every unit has b ≥ 2w), and then the best T is any feasible
-   split with the least ``t_max``: a binary search over the O(n²) candidate stage costs
-   with an O(S·n) reachability check. Otherwise each candidate ``t_max`` in increasing
-   order runs a min-Σg search. When a rank holds several stages (v > 1) under a finite
-   budget, the ranks' shared budgets make the check a bounded depth-first search; past
-   its node limit the seed stays within budget but may not minimise T.
-2. The split with the least F, by simulation, starting from the seed
-   (:func:`autopar.solvers.stage_split_search.improve_split`). A lower bound L ≤ F
-   (chains of operations every schedule runs one after another) admits, stage by
-   stage, only the splits that could beat the best F found. When at most
-   ``ENUMERATE_SPLITS`` are admitted, those with L below the best F are simulated in
-   increasing order of L until the next L reaches it, and the answer is the exact
-   minimum of F (``stats["exact"]``; within ``SIMULATED_OPS`` of simulation). Otherwise
-   single stage boundaries move while a move simulates faster, each move lowering the
-   bar for admission, and the answer is a local optimum.
+F, the per-rank memory bound M_r, the closed form T with its bubble terms g_s, and
+the two steps of the search are written out in docs/solvers.md, section
+``autopar.solvers.stage_split``.
 """
 
 from __future__ import annotations
@@ -82,12 +35,12 @@ class StageSplit:
     Attributes:
         bounds: ``[start, end)`` unit indices per stage, in pipeline order.
         estimate: :func:`simulate`'s prediction for the split.
-        objective_s: the split's ``F`` of the module docstring: the simulated step time
+        objective_s: the split's ``F`` of docs/solvers.md: the simulated step time
             plus ``exposed_s``, or ``host_s`` when that is longer.
         stats: method, seconds spent, splits simulated, whether the answer is exact, ...
         exposed_s: the dp gradient synchronization no rank hides,
             ``max_r max(0, comm_r − overlap · bwd_r)``.
-        formula_s: the split's closed-form ``T`` (module docstring).
+        formula_s: the split's closed-form ``T`` (docs/solvers.md).
         timeline: the schedule as compiled for the search (for the next split with the
             same schedule, pp, m and v), or None when it was not needed.
         host_s: the busiest rank's host seconds per step, ``max_r host_r``.
@@ -107,7 +60,7 @@ def after_backward(comm: list[float], bwd: list[float], opt: list[float],
                    overlap: float) -> float:
     """Seconds of a step after the last backward of the slowest rank r:
     max_r (max(0, comm_r − overlap · bwd_r) + opt_r), the gradient synchronization its
-    backward did not hide, then its optimizer step (module docstring)."""
+    backward did not hide, then its optimizer step (docs/solvers.md)."""
     return max(max(0.0, c - overlap * w) + o for c, w, o in zip(comm, bwd, opt))
 
 
@@ -166,7 +119,7 @@ def cross_rank_hops(ranks: list[int]) -> int:
 
 
 def _bubble_g(schedule: str, pre: _Prefix, i: int, j: int) -> float:
-    """g of a stage over units [i, j) (module docstring)."""
+    """g of a stage over units [i, j) (docs/solvers.md)."""
     if schedule in ZERO_BUBBLE:
         return (pre.f[j] - pre.f[i]) + max(0.0, (pre.b[j] - pre.b[i]) - 2 * (pre.w[j] - pre.w[i]))
     return pre.c[j] - pre.c[i]
@@ -223,13 +176,13 @@ class _Problem:
         return mem
 
     def exposed(self, bounds: list[tuple[int, int]]) -> float:
-        """max_r (max(0, comm_r − overlap · bwd_r) + opt_r) (module docstring)."""
+        """max_r (max(0, comm_r − overlap · bwd_r) + opt_r) (docs/solvers.md)."""
         pre = self.pre
         return after_backward(self.per_rank(pre.comm, bounds), self.per_rank(pre.b, bounds),
                               self.per_rank(pre.opt, bounds), self.overlap)
 
     def host(self, bounds: list[tuple[int, int]]) -> float:
-        """max_r host_r: the busiest rank's host seconds per step (module docstring)."""
+        """max_r host_r: the busiest rank's host seconds per step (docs/solvers.md)."""
         return max(self.per_rank(self.pre.host, bounds))
 
     def per_rank(self, prefix: list[float], bounds: list[tuple[int, int]]) -> list[float]:
@@ -255,7 +208,7 @@ class _Problem:
         return max(step + self.exposed(bounds), self.host(bounds))
 
     def formula(self, bounds: list[tuple[int, int]]) -> float:
-        """T(split), the closed form of the module docstring (step 1)."""
+        """T(split), the closed form of docs/solvers.md (step 1)."""
         t_max = max(self.pre.c[j] - self.pre.c[i] for i, j in bounds)
         g_sum = sum(_bubble_g(self.schedule, self.pre, i, j) for i, j in bounds)
         return _objective(t_max, g_sum, self.pp, self.m, self.v, self.hops, self.p2p_s)
@@ -325,7 +278,7 @@ def _least_memory(prob: _Problem) -> float:
 
 
 def _g_is_additive(schedule: str, units: list[PieceCost]) -> bool:
-    """Σ_s g_s is the same for every split (module docstring)."""
+    """Σ_s g_s is the same for every split (docs/solvers.md)."""
     return schedule not in ZERO_BUBBLE or all(u.backward_s >= 2 * u.backward_weight_s for u in units)
 
 
@@ -336,7 +289,7 @@ def split_stages(units: list[PieceCost], pp: int, num_microbatches: int, *, sche
                  timeline: Timeline | None = None,
                  initial: list[tuple[int, int]] | None = None) -> StageSplit | None:
     """The split of ``units`` into ``pp · virtual_stages`` contiguous stages with the
-    least ``F`` (module docstring) whose ranks all fit ``memory_budget`` bytes: the
+    least ``F`` (docs/solvers.md) whose ranks all fit ``memory_budget`` bytes: the
     least-``T`` seed improved by simulation. ``overlap``: the share of a rank's backward
     its dp gradient synchronization may hide behind. ``bound``: the caller needs only a
     split with F below it: None when the lower bound shows that none can be
@@ -368,7 +321,7 @@ def split_stages(units: list[PieceCost], pp: int, num_microbatches: int, *, sche
 
 def _formula_split(prob: _Problem, units: list[PieceCost],
                    explain: bool) -> tuple[list[tuple[int, int]], dict]:
-    """The split with the least closed-form T (step 1 of the module docstring) and how
+    """The split with the least closed-form T (step 1 of docs/solvers.md) and how
     it was found; raises NoFeasiblePlanError when no split fits the budget."""
     pre, n, budget = prob.pre, prob.n, prob.budget
     cands = sorted({pre.c[j] - pre.c[i] for i in range(n) for j in range(i + 1, n + 1)})

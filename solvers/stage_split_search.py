@@ -1,46 +1,16 @@
 """Searches for :mod:`autopar.solvers.stage_split`: the closed-form seed under a stage-time
 bound, and the split with the least simulated objective F.
 
-Given ``t`` and a memory budget B, a stage s over units [i, j) is *allowed* when
-``c(i, j) ≤ t`` and its own memory ``static + k_s·act ≤ B``. Both grow with the range,
-so the allowed ends from i form an interval ``[i+1, J_s(i)]`` found by bisection on
-prefix sums, and ``J_s`` is non-decreasing in i.
-
-* :func:`feasible_split` — some split with every stage allowed and every rank's
-  memory ≤ B. With one stage per rank the per-stage test is the whole constraint, and
-  a backward reachability table (O(S·n)) decides it. With v > 1 the stages of a rank
-  share B, and a depth-first search over the table's choices checks the rank sums.
-* :func:`min_g_split` — among those, the least Σ g (a DP over (stage, start) in
-  O(S·n·width); the same depth-first search, bounded by the DP, when ranks share B).
+* :func:`feasible_split` — some split with every stage within a stage-time bound and
+  every rank within the memory budget;
+* :func:`min_g_split` — among those, the least Σ g;
 * :func:`improve_split` — from a seed, the split with the least
-  F = simulate + exposed dp sync, pruned by :func:`lower_bound`.
+  F = simulate + exposed dp sync, pruned by :func:`lower_bound` (:func:`can_beat`
+  tells, without simulating, whether any split can beat a bound).
 
-The lower bound follows two kinds of chains of operations that must run one after
-another in every schedule (f_s, b_s, w_s: stage s's forward, backward and its
-weight-grad part per micro-batch; a hop between stages on different ranks costs p2p):
-
-* rank r runs all its m·Σ_{s on r}(f_s + b_s) seconds one operation at a time. Its first
-  operation F(σ, 0) waits for micro-batch 0's forward through stages 0..σ−1; when its
-  last operation is B(σ', m−1) (gpipe, 1f1b, interleaved_1f1b), the backward of
-  micro-batch m−1 through stages σ'−1..0 follows it:
-
-      Λ_r = Σ_{u<σ} f_u + H(σ)·p2p + m·Σ_{s on r}(f_s + b_s) + Σ_{u<σ'} b_u + H(σ')·p2p
-
-  (H(s): hops among stages 0..s; the second part is 0 on zero-bubble schedules);
-* the last micro-batch's forward at stage s starts after the work its rank runs
-  before it, and is followed by its forward through the later stages and its
-  backward (input-grad, then W of stage 0 on zero-bubble schedules) through all:
-
-      P_s = Λ-start of s's rank + Σ_{ops before F(s, m−1) on it} duration
-            + Σ_{u≥s} f_u + Σ_u b'_u + [zero bubble]·w_0 + (2H − H(s))·p2p
-
-  with b' = b − w (I) on zero-bubble schedules, else b.
-
-So F(split) ≥ L(split) = max(max(max_r Λ_r, max_s P_s) + max_r max(0, comm_r − overlap·bwd_r),
-max_r host_r) (the last: each rank's host seconds, exact). A split can beat the best F
-found only if every stage s over [i, j) has ``Λ-part of s + m·c(i, j) < F`` and its own
-host seconds ``h(i, j) < F`` — an interval of ends again (``m·c`` grows faster in j than
-the prefix terms in i), so the *admitted* splits can be counted in O(S·n).
+Which stages are allowed and admitted, the searches' costs, and the lower bound
+L ≤ F from the chains of operations every schedule runs in turn (Λ_r, P_s) are
+written out in docs/solvers.md, section ``autopar.solvers.stage_split_search``.
 """
 
 from __future__ import annotations
@@ -60,7 +30,7 @@ _NODE_LIMIT = 4_000  # keeps one split under ~0.1 s for 128 units; past it the s
 _REL = 1e-12  # relative slack on "beats": a split must be faster by more than this
 
 ENUMERATE_SPLITS = 2_000
-"""Admitted splits (module docstring) are all enumerated, bounded and, where the bound
+"""Admitted splits (docs/solvers.md) are all enumerated, bounded and, where the bound
 allows, simulated when there are at most this many: each costs one O(S·v) evaluation of
 :func:`lower_bound`, so 2,000 of them take ~50 ms at 64 stages. Past it the search
 moves single stage boundaries, which may stop short of the optimum."""
@@ -234,7 +204,7 @@ def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Boun
 
 @dataclass(frozen=True)
 class PathBound:
-    """What :func:`lower_bound` reads of the schedule (module docstring), per split:
+    """What :func:`lower_bound` reads of the schedule (docs/solvers.md), per split:
 
     Attributes:
         first: per rank, σ with F(σ, 0) its first operation (−1: none).
@@ -292,7 +262,7 @@ class PathBound:
 
 
 def lower_bound(prob: "_Problem", pb: PathBound, bounds: Bounds) -> float:
-    """L(split) ≤ F(split) (module docstring), in O(S·v)."""
+    """L(split) ≤ F(split) (docs/solvers.md), in O(S·v)."""
     pre, m, p2p, n, pp = prob.pre, prob.m, prob.p2p_s, prob.n, prob.pp
     f = [pre.f[j] - pre.f[i] for i, j in bounds]
     b = [pre.b[j] - pre.b[i] for i, j in bounds]
@@ -320,7 +290,7 @@ def lower_bound(prob: "_Problem", pb: PathBound, bounds: Bounds) -> float:
 
 def _admitted(prob: "_Problem", pb: PathBound, theta: float) -> list[list[int]]:
     """J_s(i): the last end of a stage s starting at i whose own memory fits and whose
-    rank term and host seconds can stay below ``theta`` (module docstring); i+1 > J:
+    rank term and host seconds can stay below ``theta`` (docs/solvers.md); i+1 > J:
     none."""
     pre, n, S, m, p2p = prob.pre, prob.n, prob.stages, prob.m, prob.p2p_s
     mem_ends = _ends(prob, float("inf"), prob.budget)
@@ -343,7 +313,7 @@ def _admitted(prob: "_Problem", pb: PathBound, theta: float) -> list[list[int]]:
 
 def can_beat(prob: "_Problem", bound: float) -> bool:
     """False when no split that fits can have F below ``bound``: every split has a stage
-    that the admission of the module docstring rejects at θ = bound (its own memory
+    that the admission of docs/solvers.md rejects at θ = bound (its own memory
     over the budget, or its rank's term with it alone already at ``bound``). O(S·n·log n),
     without simulating."""
     ends = _admitted(prob, PathBound.of(prob, paths=False), bound)
@@ -434,7 +404,7 @@ def improve_split(prob: "_Problem", seed: Bounds,
     ``bound``.
 
     Each round bounds from below every split that could beat θ = min(best F, bound) by
-    the per-stage admission of the module docstring. When the admitted splits number at
+    the per-stage admission of docs/solvers.md. When the admitted splits number at
     most :data:`ENUMERATE_SPLITS`, each gets :func:`lower_bound`, and those below θ are
     simulated in increasing order of it until the next bound reaches the best F: exact,
     unless :data:`SIMULATED_OPS` runs out first. Otherwise the round moves one stage

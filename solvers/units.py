@@ -1,38 +1,16 @@
 """Pipeline units: the model cut into the pieces that pipeline stages are made of, and
 the cost of each piece under an intra-op solution.
 
-The units of a captured graph are, in order: everything before the first repeated
-block (``pre``: the embeddings), each repeated block, and everything after the last
-(``post``: final norm, head and loss). A model with no repeated blocks is one unit.
+The units are everything before the first repeated block (``pre``), each repeated
+block, and everything after the last (``post``); :func:`unit_of_nodes` finds them and
+:func:`unit_costs` gives each its exact share of the intra-op objective under a choice
+of strategies and recomputation modes (:class:`Unit`); :func:`least_unit_costs`
+bounds them over every choice, and :func:`add_tied_copies` charges the copies of a
+tied parameter.
 
-A unit's costs are the exact share of the intra-op objective (see
-:mod:`autopar.solvers.problem`) that its op instances carry: every graph node adds the
-costs of its canonical node's chosen strategy to the unit holding it, and every
-producer→consumer edge adds its resharding cost to the consumer's unit, so the unit
-costs sum to the whole graph's. Per micro-batch:
-
-    forward_s  = Σ (compute − bwd_compute) + comm/2 + reshard/2
-    backward_s = Σ bwd_compute + comm/2 + reshard/2 + exposed ZeRO-3 traffic
-
-(activation collectives and resharding are charged half to each pass: each forward
-conversion has its dual conversion of the gradient in backward.) Bytes per device:
-``static_bytes`` = parameters, gradients, optimizer state and ZeRO-3 gathered
-parameters; ``activation_bytes`` = what autograd saves for one micro-batch.
-``step_comm_s`` is the unit's once-per-step gradient synchronization over ``dp`` and
-``optimizer_s`` its once-per-step optimizer step. ``host_s`` (per micro-batch) and
-``host_step_s`` (per step) are its host seconds on a GPU profile
-(:mod:`autopar.cost_models.host`). Pipelined, a unit that reads a
-parameter of another unit (a tied head) also holds and updates its own copy
-(:func:`add_tied_copies`).
-Of ``forward_s + backward_s``, ``comm_s`` is the activation collectives and resharding
-(both passes), ``param_comm_s`` the ZeRO-3 traffic and ``recompute_s`` the recomputed
-forwards; the rest is :attr:`Unit.compute_s`.
-
-With recomputation (the problem's :class:`~autopar.solvers.problem.RecomputeGroup` s and
-one mode per group), each block instance's ``activation_bytes`` change by the mode's
-``act_delta`` and its ``backward_s`` grows by the recomputed forward ``extra_s``; the
-one block being recomputed at a time (:func:`recompute_transient`) is charged per rank,
-not per unit.
+The unit costs (forward and backward seconds, static and activation bytes) and the
+recomputation terms are written out in docs/solvers.md, section
+``autopar.solvers.units``.
 """
 
 from __future__ import annotations
@@ -50,7 +28,7 @@ from autopar.strategies.build import Built
 
 @dataclass
 class Unit(PieceCost):
-    """One pipeline unit: its costs (see the module docstring), its module paths and
+    """One pipeline unit: its costs (see docs/solvers.md), its module paths and
     its graph nodes."""
 
     modules: list[str] = field(default_factory=list)

@@ -122,7 +122,7 @@ def test_every_op_runs_once(schedule, v):
 def _round_robin(schedule: str, chunks: list[PieceCost], pp: int, m: int, v: int,
                  p2p: float) -> float:
     """Reference makespan: ranks take turns running their next operation once its input
-    has arrived (the module docstring's rules, written out directly)."""
+    has arrived (the rules of docs/solvers.md, written out directly)."""
     ranks = stage_ranks(schedule, pp, v)
     orders = rank_orders(schedule, pp, m, v)
     n = pp * v
