@@ -1,23 +1,14 @@
 """Forward FLOPs and bytes of each aten operator.
 
-Conventions (used by every formula below):
+:func:`flops_and_bytes` gives one op node's forward FLOPs and bytes, from a formula per
+op (a GEMM of (M, K) by (K, N) costs ``2·M·N·K``; :func:`einsum_flops` for einsums)
+and the per-element tables ``POINTWISE_FLOPS``, ``ROW_OP_FLOPS`` and
+``REDUCTION_FLOPS``. Unknown ops get 0 FLOPs and inputs+outputs bytes;
+:func:`is_known_op` tells them apart, and :func:`unknown_ops` lists them for a graph,
+so an under-counted model is easy to spot.
 
-* A multiply-add counts 2 FLOPs, so a GEMM of (M, K) by (K, N) costs ``2·M·N·K``.
-* Pointwise ops cost a fixed number of FLOPs per *output* element, norms, softmaxes and
-  reductions per *input* element (tables ``POINTWISE_FLOPS`` / ``ROW_OP_FLOPS`` /
-  ``REDUCTION_FLOPS``). Each arithmetic operation, comparison and transcendental
-  evaluation (exp, log, tanh, erf, sqrt, ...) counts 1 — first principles: GPUs evaluate
-  a transcendental as one special-function instruction (NVIDIA CUDA C++ Programming
-  Guide, "Intrinsic Functions"). Composite activations are counted from their formulas,
-  stated next to each entry.
-* Bytes are the bytes of the tensor inputs read plus the outputs written, every tensor
-  once. Views (view, transpose, expand, slice, getitem, ...) move 0 bytes; copies
-  (contiguous, cat, ``to`` another dtype, ...) move their bytes; an op that may or may not
-  copy (reshape, flatten, contiguous, ``to``) moves 0 bytes when the capture saw its
-  output alias its input. Embedding reads only the rows it gathers, not the whole table.
-* Unknown ops get 0 FLOPs and inputs+outputs bytes; :func:`is_known_op` tells them apart,
-  and :func:`unknown_ops` lists them for a graph, so an under-counted model is easy to
-  spot.
+The conventions every formula here follows (what counts as a FLOP, per which element,
+which ops move bytes) and their sources: docs/capture.md, section ``autopar.flops``.
 """
 
 from __future__ import annotations

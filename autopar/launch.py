@@ -1,21 +1,9 @@
 """Run a function on N local gloo processes and collect every rank's result: the
 launcher behind ``autopar demo`` and the multi-process tests.
 
-Usage::
-
-    def work(scale: float) -> float:          # module level, so a spawned process can import it
-        t = torch.ones(1) * (dist.get_rank() + 1) * scale
-        dist.all_reduce(t)
-        return t.item()
-
-    results = run_distributed(2, work, 1.0)  # [3.0, 3.0]: one entry per rank, in rank order
-
-Each rank runs with ``torch.set_num_threads(1)`` on a fresh gloo process group (CPU);
-``fn`` and its arguments and return values must be picklable (results travel as
-pickled bytes, so tensors come back as copies). When a rank raises, the call raises
-:class:`RankFailure` carrying that rank's traceback, and ends the other ranks rather
-than letting them wait forever on a collective. Spawning costs a few seconds per rank
-(each process imports torch), so run several configurations in one call.
+:func:`run_distributed` runs each rank on a fresh gloo process group (CPU) and
+returns the results in rank order; a failing rank makes it raise :class:`RankFailure`
+with that rank's traceback. Its docstring shows the usage and what ``fn`` must be.
 """
 
 from __future__ import annotations
@@ -72,6 +60,22 @@ def run_distributed(world: int, fn: Callable[..., Any], *args: Any, timeout_s: f
 
     Raises :class:`RankFailure` with the first failing rank's traceback, or when the
     ranks have not all finished within ``timeout_s`` seconds.
+
+    Usage::
+
+        def work(scale: float) -> float:    # module level, so a spawned process can import it
+            t = torch.ones(1) * (dist.get_rank() + 1) * scale
+            dist.all_reduce(t)
+            return t.item()
+
+        results = run_distributed(2, work, 1.0)  # [3.0, 3.0]: one entry per rank, in rank order
+
+    Each rank runs with ``torch.set_num_threads(1)`` on a fresh gloo process group (CPU);
+    ``fn`` and its arguments and return values must be picklable (results travel as
+    pickled bytes, so tensors come back as copies). When a rank raises, the call raises
+    :class:`RankFailure` carrying that rank's traceback, and ends the other ranks rather
+    than letting them wait forever on a collective. Spawning costs a few seconds per rank
+    (each process imports torch), so run several configurations in one call.
     """
     if world < 1:
         raise ValueError(f"world must be a positive number of ranks, got {world}")

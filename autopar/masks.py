@@ -1,19 +1,13 @@
 """Attention masks that run as ``is_causal``: price and shard them so.
 
-Hugging Face models build their attention mask with ``transformers.masking_utils``.
-Run eagerly with SDPA attention and no padding, that code returns no mask at all when
-the mask would be exactly causal, and the attention runs with ``is_causal=True``
-(FlashAttention, which skips the tiles above the diagonal: half the work). Traced, it
-cannot tell, so the captured graph holds an explicit boolean mask and
-``is_causal=False``, and the op would be priced at twice the work the runtime does
-(autopar runs the model's own eager code).
+A Hugging Face model run eagerly with SDPA attention and no padding builds no mask
+where the mask would be exactly causal, and its attention runs with ``is_causal=True``
+(half the work); traced, the captured graph holds an explicit boolean mask instead.
+:func:`mark_causal_masks` records such an op as causal where :func:`is_causal_mask`
+finds its mask equal to that triangle and :func:`skips_causal_masks` finds a model
+whose code skips such masks.
 
-:func:`mark_causal_masks` settles it from the values: a mask that depends on no
-input, parameter or buffer (built from positions only, as such masks are) is
-evaluated on the CPU at the captured shapes; where it equals the lower triangle
-``is_causal`` selects, and the model is one whose code skips such masks, the op is
-recorded as causal. A sliding-window or padding mask is not that triangle, or not a
-constant, and stays as captured.
+Why, and which masks stay as captured: docs/capture.md, section ``autopar.masks``.
 """
 
 from __future__ import annotations
@@ -55,7 +49,7 @@ def skips_causal_masks(model: nn.Module) -> bool:
 
 def mark_causal_masks(g: Graph, model: nn.Module) -> list[str]:
     """Record as causal each SDPA op of ``g`` whose mask the model's eager code skips
-    (module docstring): ``is_causal`` set in its arguments, its FLOPs halved as
+    (docs/capture.md): ``is_causal`` set in its arguments, its FLOPs halved as
     :func:`autopar.flops` counts causal attention. Returns the ops' names."""
     if g.fx is None or not skips_causal_masks(model):
         return []

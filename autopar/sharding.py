@@ -1,18 +1,13 @@
-"""Sharding vocabulary: placements on a named device mesh.
+"""Sharding vocabulary: placements on a named device mesh (:class:`Mesh`).
 
-A tensor's layout on a mesh is one placement per mesh axis, using
-``torch.distributed.tensor``'s classes: ``Shard(d)`` splits tensor dim ``d`` evenly
-over the axis, ``Replicate()`` keeps a full copy on every device of the axis, and
-``Partial()`` holds a summand of the true value on each device.
-
-Plans write placements as short strings — ``"S(0)"``, ``"R"``, ``"P"``, and
-``"S(d)/k"`` for dim ``d`` cut into ``k`` equal pieces each split over the axis (a
-head-aligned split of a fused q/k/v or gate/up projection: rank ``r`` holds chunk ``r``
-of every piece; DTensor's strided shard, :mod:`autopar.runtime.piecewise`) — and
-strategies are named the Colossal-AI way, one letter group per tensor dim:
-``S0RS1`` is a 3-d tensor split along dim 0 over mesh axis 0 and along dim 2 over
-mesh axis 1 (``P1`` appended marks a partial sum over axis 1), and a strategy reads
-``S0RS1 = S0RR x S1R`` (output = input x weight).
+A tensor's layout on a mesh is one placement per mesh axis, as
+``torch.distributed.tensor``'s ``Shard(d)``, ``Replicate()`` and ``Partial()``. Plans
+write placements as short strings (``"S(0)"``, ``"R"``, ``"P"`` and ``"S(d)/k"``: dim
+``d`` cut into ``k`` equal pieces, each split over the axis) and name strategies the
+Colossal-AI way (``S0RS1 = S0RR x S1R``). :func:`shard_placement`,
+:func:`check_placement`, :func:`shard_dim`, :func:`shard_pieces` and
+:func:`layout_name` write and read them; the grammar in full: docs/capture.md,
+section ``autopar.sharding``.
 
 The planner works on the strings alone and never imports ``torch.distributed``; the
 runtime turns them into placement objects

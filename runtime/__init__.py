@@ -5,14 +5,13 @@
   :class:`ParallelModel`, whose ``step(inputs, targets)`` runs one forward + backward
   of a global batch.
 * With ``plan.pipeline``, :func:`apply_plan` cuts the model into stages
-  (:mod:`.pipeline_split`), lays out this rank's stages and runs them with a
-  ``torch.distributed.pipelining`` schedule (:mod:`.pipeline`).
-* Memory choices: per-block activation recomputation (:mod:`.recompute`), ZeRO stage,
-  offload and mixed precision through FSDP2 (:mod:`.data_parallel`); a
-  same-precision single-process reference (:mod:`.precision`) and a per-rank peak
-  memory probe (:mod:`.memory_probe`) for comparisons.
+  (:mod:`.pipeline_split`) and runs this rank's with a ``torch.distributed.pipelining``
+  schedule (:mod:`.pipeline`).
+* Memory choices: recomputation (:mod:`.recompute`), ZeRO, offload and mixed precision
+  through FSDP2 (:mod:`.data_parallel`); a same-precision reference (:mod:`.precision`)
+  and a per-rank peak memory probe (:mod:`.memory_probe`) for comparisons.
 
-The runtime consumes a Plan and never calls a solver.
+The runtime consumes a Plan and never calls a solver. Design notes: docs/runtime.md.
 """
 
 from autopar.runtime.lower import check_plan, lower, lower_pipeline

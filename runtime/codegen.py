@@ -1,20 +1,15 @@
 """Emit a plan as a standalone, readable distributed training program.
 
 ``emit_program(plan, "path/to/model.py:factory")`` returns the text of a ``torchrun``
-script that needs torch alone: it imports the user's factory by file path, builds
-the model on ``meta`` (on the CPU, under the program's seed, when a module that owns
-tensors has no ``reset_parameters()``), builds the DeviceMesh, applies tensor /
-sequence parallelism as a per-module plan of parallel styles (one
-``parallelize_module`` per block, as in torchtitan's ``parallelize.py``), checkpoints
-the recomputed blocks, wraps every block and the root with ``fully_shard``,
-materializes only the local shards of a meta model and trains (``--steps --lr
---optimizer --seed --data --save --load``). It lays the model out
-exactly as :func:`autopar.runtime.apply_plan` does, so both train alike.
+script that needs torch alone: it builds the user's model, lays it out exactly as
+:func:`autopar.runtime.apply_plan` does (so both train alike) and trains it
+(``--steps --lr --optimizer --seed --data --save --load``).
 
 All program text lives in :mod:`autopar.runtime.codegen_templates`; this module only
 computes the values that fill it, with a comment per decision giving its predicted
 cost; :mod:`autopar.runtime.codegen_pipeline` adds a pipelined plan's stage splitter,
-tied copies and schedule.
+tied copies and schedule. The program's steps in order: docs/runtime.md, section
+``autopar.runtime.codegen``.
 """
 
 from __future__ import annotations

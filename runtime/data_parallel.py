@@ -1,41 +1,15 @@
 """Data parallelism with FSDP2 ``fully_shard``, one call per repeated block and one on
-the root, as in torchtitan's ``apply_fsdp``.
+the root, as in torchtitan's ``apply_fsdp`` (:func:`apply_data_parallel`).
 
-=====  ==========================================  =====================================
-zero   mesh (see :mod:`autopar.runtime.mesh`)       behaviour
-=====  ==========================================  =====================================
-0      ``(dp, dp_shard=1)``: FSDP2 hybrid mode      full replica per rank, gradients
-                                                    all-reduced (averaged) over dp
-1, 2   ``dp``, ``reshard_after_forward=False``      parameters, gradients and optimizer
-                                                    state sharded at rest; parameters
-                                                    stay gathered from forward to backward
-3      ``dp``, blocks ``reshard_after_forward``     fully sharded, gathered per block
-=====  ==========================================  =====================================
+ZeRO 0 runs FSDP2's hybrid mode on a ``(dp, dp_shard=1)`` mesh (a full replica per
+rank), ZeRO 1 and 2 shard at rest and keep parameters gathered from forward to
+backward, ZeRO 3 gathers per block. Precision "bf16"/"fp16" runs one
+``MixedPrecisionPolicy`` on every path (:func:`mixed_precision_policy`), and
+``plan.offload`` a ``CPUOffloadPolicy`` (:func:`offload_policy`).
 
-With tensor parallelism the parameters are already DTensors on the ``tp`` mesh, and
-FSDP2 shards them along dim 0 over ``dp`` as well (2-D parallelism). Gradients are
-averaged over ``dp``, so they equal the gradients of the mean loss over the global
-batch.
-
-Precision: "bf16"/"fp16" use ``MixedPrecisionPolicy(param_dtype=<dtype>,
-reduce_dtype=float32)`` (fp32 master weights, low-precision compute, fp32 gradient
-reduction); fp16 gets no loss scaling here, so prefer bf16. Every path runs this one
-policy: without data parallelism (``dp`` 1: tensor parallelism only, or a pipeline
-stage) the lowering still calls ``fully_shard`` on a ``dp`` mesh of size 1 (see
-:mod:`autopar.runtime.mesh`), which shards nothing and only casts. FSDP2 casts each
-unit's parameters to ``param_dtype`` when it gathers them and the unit's floating
-inputs (``cast_forward_inputs``), so all of a block's ops run in low precision — unlike
-``torch.autocast``, which keeps norms and reductions in fp32. Compare a low-precision
-run with :func:`autopar.runtime.precision.precision_reference`, the same policy on one
-process.
-
-Offload (``plan.offload``, with ``zero`` 3): ``fully_shard(offload_policy=
-CPUOffloadPolicy(pin_memory=<on CUDA>))``. On GPUs the sharded parameters, their
-gradients and hence the optimizer state (created beside its parameter) stay in host
-memory; each unit copies its shard to the GPU before the all-gather and its reduced
-gradient shard back after the reduce-scatter, and ``optimizer.step()`` runs on the
-CPU. On a CPU mesh the host *is* the device: the policy changes no placement and only
-skips pinning (pinned memory needs an accelerator).
+The table of ZeRO stages and meshes, how precision casts and how offload places
+parameters, gradients and optimizer state: docs/runtime.md, section
+``autopar.runtime.data_parallel``.
 """
 
 from __future__ import annotations

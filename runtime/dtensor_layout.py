@@ -1,16 +1,12 @@
 """Tensor and sequence parallelism on DTensors from the model's input to its output.
 
-Every parameter becomes a ``DTensor`` on the ``tp`` mesh with its planned placement,
-whatever module owns it (``nn.Linear``, Hugging Face's ``Conv1D``, a bare
-``nn.Parameter``, a weight tied into ``F.linear`` in the root's forward). The model's
-inputs enter as replicated DTensors and every activation stays a DTensor through the
-user's code, so code that reads shapes (``B, T, C = x.size()``) sees global shapes,
-and DTensor's sharding propagation runs each operator on its shards. Plain tensors
-made inside the forward (``torch.arange(T)``, a causal mask) are read as replicated
-(:func:`implicit_replication`). The planner's layout changes happen at module
-boundaries: a module's first input is redistributed to the layout the plan computes
-it on, and its output to the layout the plan hands on. The model's output leaves as a
-replicated local tensor, for the loss.
+Every parameter becomes a ``DTensor`` on the ``tp`` mesh with its planned placement
+(:func:`place_parameters`), the model's inputs enter and its output leaves replicated
+(:func:`distribute_io`), and the planner's layout changes happen at module boundaries
+(:func:`relayout_modules`); in between, DTensor's sharding propagation runs each
+operator on its shards, and plain tensors made inside the forward are read as
+replicated (:func:`plain_as_replicated`, :func:`tp_context`). How each part works:
+docs/runtime.md, section ``autopar.runtime.dtensor_layout``.
 
 This module imports torch alone: the generated training program carries its source.
 """

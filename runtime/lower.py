@@ -1,23 +1,17 @@
 """Lowering: check a Plan against the live model and the running job, then apply it
-with PyTorch's distributed stack, in torchtitan's order:
-
-1. the meshes (:mod:`~autopar.runtime.mesh`): ``init_device_mesh`` over ("dp", "tp");
-2. tensor / sequence parallelism (:mod:`~autopar.runtime.tensor_parallel`):
-   ``parallelize_module`` styles on the ``tp`` mesh;
-3. activation recomputation (:mod:`~autopar.runtime.recompute`): each block's forward
-   checkpointed as ``plan.recompute`` says;
-4. data parallelism and precision (:mod:`~autopar.runtime.data_parallel`): FSDP2
-   ``fully_shard`` per block and on the root, over ``dp`` (also with ``dp`` 1 under
-   bf16/fp16, so every path runs the same ``MixedPrecisionPolicy``), with
-   ``CPUOffloadPolicy`` when ``plan.offload``;
-5. materialization (:mod:`~autopar.runtime.materialize`) of a ``meta`` model.
-
-With a pipeline (:func:`lower_pipeline`), the model is first cut into stages
-(:mod:`~autopar.runtime.pipeline`) and steps 2 to 5 run on each of this rank's
-stages only.
+with PyTorch's distributed stack, in torchtitan's order: the meshes
+(:mod:`~autopar.runtime.mesh`), tensor / sequence parallelism
+(:mod:`~autopar.runtime.tensor_parallel`), activation recomputation
+(:mod:`~autopar.runtime.recompute`), data parallelism and precision with FSDP2
+(:mod:`~autopar.runtime.data_parallel`), then materialization of a ``meta`` model
+(:mod:`~autopar.runtime.materialize`). :func:`lower` applies a plan;
+:func:`lower_pipeline` first cuts the model into stages
+(:mod:`~autopar.runtime.pipeline`) and applies the steps after the meshes to this
+rank's stages only.
 
 Every check runs before anything is changed, and all of them depend only on the
-plan and the model, so every rank raises the same LoweringError.
+plan and the model, so every rank raises the same LoweringError. Each step in
+detail: docs/runtime.md, section ``autopar.runtime.lower``.
 """
 
 from __future__ import annotations

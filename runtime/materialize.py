@@ -1,21 +1,15 @@
 """Materialize a ``meta``-device model after it has been laid out, so each rank
 allocates only its own shards.
 
-The tensor- and data-parallel passes run on the meta model (they only record
-placements); then ``to_empty(device=...)`` allocates every parameter's local shard,
-and each module's ``reset_parameters()`` initializes it, children before parents, so
-that a model's own ``reset_parameters()`` (GPT's std-0.02 embeddings in
-:mod:`autopar.examples.gpt`) has the last word over its submodules' defaults. A meta
-model therefore gets a fresh initialization, not the weights of any earlier instance;
-an initialization written only in a constructor is not replayed, so put it in
-``reset_parameters()`` (:func:`without_reset_parameters` names a module that lacks
-one; an emitted program then builds the model on the CPU instead). A parameter shared
-by several modules (tied embeddings) is initialized by its first owner in module
-order, as when a model ties its weights after construction.
+:func:`materialize` allocates every parameter's local shard (``to_empty``) and runs
+each module's ``reset_parameters()``, children before parents;
+:func:`materialize_stage` does so for one pipeline stage. A meta model therefore
+gets a fresh initialization from ``reset_parameters()``, which every module that
+directly owns tensors must have (:func:`check_materializable`;
+:func:`without_reset_parameters` names the first that lacks one).
 
-On CPU meshes DTensor random initialization runs on each rank's local generator, so
-seed every rank alike (``torch.manual_seed``) before ``apply_plan`` to get identical
-replicas; on CUDA, DTensor's own RNG tracker keeps replicas consistent.
+The order of initialization, tied parameters and seeding on CPU and CUDA:
+docs/runtime.md, section ``autopar.runtime.materialize``.
 """
 
 from __future__ import annotations

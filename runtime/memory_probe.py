@@ -1,36 +1,16 @@
 """Measure this rank's memory during one training step, for comparing the memory
 model's predictions with what a run really holds.
 
-What is counted (so predictions compare like with like):
+:func:`measure_step_memory` runs one step and returns its peak with a breakdown
+(:class:`StepMemory`): on CPU the bytes of live tensor storages, tracked by PyTorch's
+``MemTracker``; on CUDA ``torch.cuda.max_memory_allocated``, with the same tracker's
+breakdown. :func:`retained_bytes` measures what a call leaves allocated.
 
-* **CPU** (gloo runs): the bytes of tensor *storages* live on this rank, tracked by
-  PyTorch's ``MemTracker`` (a ``TorchDispatchMode`` that records every storage an
-  operator creates and frees it by weak reference, and that also follows
-  ``UntypedStorage.resize_``, which FSDP2 uses to allocate and free gathered
-  parameters). Counted: the parameters, buffers, gradients and optimizer state of
-  the modules and optimizers passed in (as they are when the step starts: a DTensor
-  counts its local shard), plus every storage that operators allocate during the
-  step (activations, gathered parameters, communication buffers, temporaries).
-  Storages are counted once however many views share them, at their exact byte
-  size (no allocator rounding on CPU). Not counted: memory a kernel allocates
-  internally and never hands back as a tensor, allocator caching and fragmentation,
-  gloo's own buffers, and tensors alive before the step that were not passed in
-  (e.g. the input batch).
-* **CUDA**: ``peak_bytes`` is ``torch.cuda.max_memory_allocated`` over the step
-  (reset before it): every byte the caching allocator handed out on this device,
-  including what was allocated before the step and is still held (the input batch,
-  NCCL's allocator use, cuBLAS workspaces), rounded to the allocator's 512-byte
-  blocks; not the allocator's reserved-but-free cache (``max_memory_reserved``). The
-  breakdown then comes from the same tracker as on CPU (rounded as the allocator
-  rounds), run alongside.
+What is counted and what is not, on each device: docs/runtime.md, section
+``autopar.runtime.memory_probe``.
 
-The breakdown is taken at the tracked peak: ``params``, ``buffers``, ``grads``,
-``optimizer`` (state tensors of the optimizers passed in), ``activations`` (tensors
-created in forward), ``temporaries`` (created in backward) and ``other``.
-
-Private API: ``torch.distributed._tools.mem_tracker.MemTracker`` (present with this
-interface, ``track_external`` and ``get_tracker_snapshot``, in torch 2.5 through 2.13);
-:func:`_tracker` is the only place that imports it.
+Private API: ``torch.distributed._tools.mem_tracker.MemTracker`` (torch 2.5 through
+2.13); :func:`_tracker` is the only place that imports it.
 """
 
 from __future__ import annotations
@@ -49,7 +29,7 @@ CATEGORIES = {"PARAM": "params", "BUFFER": "buffers", "GRAD": "grads", "OPT": "o
 
 @dataclass(frozen=True)
 class StepMemory:
-    """One rank's measured memory over one step (see the module docstring).
+    """One rank's measured memory over one step (what is counted: docs/runtime.md).
 
     Attributes:
         peak_bytes: peak bytes on the device during the step (CUDA:

@@ -1,20 +1,13 @@
-"""The device meshes a plan runs on.
+"""The device meshes a plan runs on (:func:`build_meshes`, :class:`PlanMeshes`).
 
 A plan's mesh has the axes ``pp`` (outermost, only with a pipeline), ``dp`` and ``tp``
 (innermost), ranks row-major, so the ranks of one tensor-parallel group are
-neighbours and each pipeline stage runs on a contiguous block of ranks. Tensor parallelism runs on the
-``tp`` sub-mesh; data parallelism runs FSDP2 ``fully_shard`` on a ``dp`` sub-mesh of
-the same root mesh (FSDP2 requires the data- and tensor-parallel meshes to share a
-root, as in torchtitan):
+neighbours and each pipeline stage runs on a contiguous block of ranks. Tensor
+parallelism runs on the ``tp`` sub-mesh; data parallelism runs FSDP2 ``fully_shard``
+on a ``dp`` sub-mesh of the same root mesh (:func:`needs_fsdp` says when FSDP2 runs).
 
-* ``zero`` 1, 2 or 3: the 1-D ``dp`` mesh — parameters sharded over ``dp``;
-* ``zero`` 0: a 2-D ``(dp, dp_shard)`` mesh with ``dp_shard`` of size 1 — FSDP2's
-  hybrid mode then keeps a full replica of every parameter on each ``dp`` rank and
-  all-reduces (averages) gradients over ``dp``, which is plain data parallelism with
-  the public API, and works with DTensor tensor-parallel parameters on both gloo and
-  NCCL (DDP does not accept DTensor parameters without a private transform);
-* ``dp`` 1 under bf16/fp16 or offload: the ``dp`` mesh of size 1, so FSDP2 applies
-  the plan's ``MixedPrecisionPolicy`` (or offload) on every path.
+Which ``dp`` mesh each ZeRO stage gets (and ``dp`` 1 under low precision or
+offload), and why: docs/runtime.md, section ``autopar.runtime.mesh``.
 """
 
 from __future__ import annotations
@@ -39,7 +32,7 @@ class PlanMeshes:
         mesh: the plan's mesh with axes ``("dp", "tp")``, or ``("pp", "dp", "tp")``
             with a pipeline.
         tp: the ``tp`` sub-mesh (tensor and sequence parallelism).
-        fsdp: the mesh FSDP2 runs on (see the module docstring); None without
+        fsdp: the mesh FSDP2 runs on (see docs/runtime.md); None without
             data parallelism (``dp == 1``), low precision or offload.
         pp: the ``pp`` sub-mesh (pipeline stages), or None without a pipeline.
     """

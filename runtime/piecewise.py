@@ -1,31 +1,15 @@
 """Head-aligned shards of fused projections on DTensor.
 
-A fused projection — one ``qkv = Linear(h, 3h)`` split into q, k and v, or one
-``gate_up = Linear(h, 2f)`` split in two — is sharded the way Megatron-LM shards it
-when each rank holds the same share of every piece: rank ``r`` of ``n`` holds chunk
-``r`` of q, of k and of v, so after the split each piece is an ordinary ``Shard`` of
-its heads and attention runs on the rank's heads with no collective. The plan writes
-such a placement ``"S(d)/k"`` (tensor dim ``d`` cut into ``k`` equal pieces, each
-split over the axis); DTensor calls it a strided shard, ``_StridedShard(d,
-split_factor=k)``.
+A fused projection (one ``qkv = Linear(h, 3h)`` split into q, k and v, or one
+``gate_up = Linear(h, 2f)`` split in two) is sharded as Megatron-LM shards it: rank
+``r`` holds chunk ``r`` of every piece, written ``"S(d)/k"`` in a plan
+(:func:`piecewise_shard`, :func:`piecewise_pieces`), DTensor's ``_StridedShard``.
+:func:`register_piecewise_sharding` keeps the pieces local through the split and the
+concatenation, which DTensor would otherwise gather.
 
-DTensor propagates a strided shard through linear, addmm, views and pointwise ops,
-but splits a tensor sharded on the split dim by gathering it first, and concatenates
-shards (the split's backward) likewise. :func:`register_piecewise_sharding` keeps the
-pieces local: a split of a strided dim into whole pieces hands each piece on sharded,
-and a concatenation of equally sized shards makes the strided shard again.
-
-Private API, isolated here (torch 2.11 to 2.13):
-``torch.distributed.tensor.placement_types._StridedShard``; DTensor's op handlers
-(``DTensor._op_dispatcher._custom_op_handlers``: a split whose local sizes are not
-the global ones cannot be a sharding strategy, since DTensor runs the local op with
-the global arguments); and DTensor's sharding propagator
-(``DTensor._op_dispatcher.sharding_propagator``: ``op_strategy_funcs``,
-``op_to_schema_info``, ``register_op_strategy``) with ``OpSpec`` and ``DTensorSpec``
-from ``torch.distributed.tensor._op_schema``. The public
-``torch.distributed.tensor.experimental.register_sharding`` replaces an op's
-strategy outright, and a concatenation must keep every layout DTensor already
-handles, so the new strategy is added beside DTensor's own.
+Private API (torch 2.11 to 2.13) is isolated here; which parts, and why the public
+``register_sharding`` does not serve: docs/runtime.md, section
+``autopar.runtime.piecewise``.
 
 This module imports torch alone: the generated training program carries its source.
 """

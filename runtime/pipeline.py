@@ -1,27 +1,16 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``, combined with tensor
 parallelism and FSDP2 inside each stage, on the 3-D mesh ``("pp", "dp", "tp")``.
 
-In torchtitan's order (``pipeline_llm`` / ``apply_pp``):
+In torchtitan's order: :func:`check_pipeline` checks the plan's pipeline first;
+:func:`~autopar.runtime.pipeline_split.split_stages` cuts the model into stages;
+:func:`untie_across_stages` gives each stage its own copy of a parameter several
+stages use; :func:`parallelize_stage` lays out each of this rank's stages; and
+:func:`build_pipeline_schedule` wraps them in the plan's schedule.
+:class:`PipelineRuntime` runs a step and keeps the tied copies equal, as Megatron-LM's
+shared embedding does.
 
-1. :func:`check_pipeline` checks the plan's pipeline against the model and the
-   schedule's rules, before anything changes;
-2. :func:`~autopar.runtime.pipeline_split.split_stages` cuts the model's exported
-   program at its block boundaries into one ``GraphModule`` per stage that calls the
-   model's own blocks (and other modules) under their original paths;
-3. :func:`untie_across_stages` gives each stage its own copy of a parameter that
-   several stages use (GPT's token embedding tied to its output head);
-4. for each of this rank's stages: tensor parallelism (parameters as DTensors on the
-   ``tp`` mesh by their names, the stage's inputs and outputs replicated),
-   activation recomputation of its blocks, FSDP2 over ``dp`` per block and on the
-   stage, materialization of a ``meta`` model's own stage only;
-5. :func:`build_pipeline_schedule` wraps the stages in ``PipelineStage`` and the
-   plan's schedule.
-
-Tied parameters across stages follow Megatron-LM's shared embedding: every stage
-keeps one copy, the copies start equal (broadcast from the first owning stage), and
-after each step's backward :meth:`PipelineRuntime.step` sums the copies' gradients
-over the owning pp ranks (and the owning stages of one rank) and gives every copy
-the sum, so the copies stay equal and training equals a single-process run.
+The steps in detail and the rule for tied parameters: docs/runtime.md, section
+``autopar.runtime.pipeline``.
 """
 
 from __future__ import annotations

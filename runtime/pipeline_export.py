@@ -1,27 +1,17 @@
 """The model's exported program as one flat graph that calls its blocks as modules.
 
-Pipeline stages are cut from the program ``torch.export.export(model, inputs,
-strict=False)`` captures (the training IR, as :mod:`autopar.capture` uses), so
-whatever export captures can be pipelined: code in the root's forward (a tied head
-``F.linear(x, self.wte.weight)``, ``torch.arange`` positions, rotary tables, masks),
-Hugging Face models, data-independent control flow.
+:func:`export_program` exports the model with ``torch.export.export(model, inputs,
+strict=False)``, keeping the call signature of each *outlined* module
+(:func:`outlined_paths`: every block, and every other module that owns parameters,
+contains no block and sits in no block); :func:`outlined_graph` rewrites the program
+so that each such call is one ``call_module`` of the model's own module. A stage cut
+from this graph (:mod:`autopar.runtime.pipeline_split`) holds the model's own blocks
+under their own paths.
 
-The export keeps the call signature of each *outlined* module
-(``preserve_module_call_signature``): every block, and every other module that owns
-parameters, contains no block and sits in no block (embeddings, final norm, head).
-:func:`outlined_graph` then rewrites the exported graph so that each such call is one
-``call_module`` of the model's own module, with the arguments the forward passed it
-(tensors, ``None``, flags) rebuilt from the recorded signature, and everything else
-stays an aten op; parameters, buffers and constants become ``get_attr`` nodes under
-their fully qualified names. So a stage module cut from this graph holds the model's
-own blocks under their own paths: ``fully_shard``, activation checkpointing and
-tensor parallelism address them as in the unpipelined model.
-
-The functions here use torch alone: :mod:`autopar.runtime.codegen_pipeline` copies
-their source into an emitted program (``inspect.getsource``), so the program cuts its
-model by the same code. They read only public parts of ``torch.export`` (the graph
-signature, ``module_call_graph`` and the ``nn_module_stack`` node metadata of the
-export IR), as torch 2.11 to 2.13 write them.
+The functions here use torch alone, so :mod:`autopar.runtime.codegen_pipeline` copies
+their source into an emitted program. What export captures, and which parts of it
+are read (torch 2.11 to 2.13): docs/runtime.md, section
+``autopar.runtime.pipeline_export``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
 """Cut a model into pipeline stage modules at its block boundaries.
 
-The cut is made on the model's exported program (:mod:`autopar.runtime.pipeline_export`:
-``torch.export`` in non-strict mode, each block and each other parameter-owning module
-one ``call_module`` of the model's own module), so the model is left as written and
-anything export captures can be pipelined, with no second trace.
-
-Which stage runs each node of that graph:
-
-* a block call runs on its block's stage; the blocks' stages must rise in call order;
-* everything before the first block runs on the first stage, everything after the last
-  block on the last stage, and a node between blocks on the stage of the block before
-  it, unless it reads a value made later (then on the latest stage among its inputs);
-* a node that reads only the model's inputs, buffers and constants (``torch.arange``
-  positions, rotary tables, attention masks) is recomputed by every stage that uses
-  it, unless it reads a parameter, is a module call or is random: those are placed as
-  above and their outputs handed on. A parameter read by several stages (a tied head
-  ``F.linear(x, self.wte.weight)`` on the last stage, the embedding on the first) is
-  held by each; :func:`autopar.runtime.pipeline.untie_across_stages` gives the later
-  ones their own copies.
-
-Every stage module is called as ``stage(*activations, **model_inputs)``: the
-activations are the values made on earlier stages that it or a later one reads (as a
-tuple, in graph order), and the model inputs of the current micro-batch reach every
-stage as keyword arguments (``torch.distributed.pipelining`` passes a schedule's
-``step(**kwargs)`` to all stages). The first stage takes no activations; the last
-returns the model's flat outputs (one tensor, or a tuple), which
-:attr:`StageCut.out_spec` turns back into what the forward returns.
-
-A stage module holds the model's own modules and parameters under their fully
-qualified names (``stage.get_submodule("h.3")`` is the model's block), so
-``fully_shard``, activation checkpointing and tensor parallelism address a stage as
-they address the model. The export is made for one micro-batch's shapes.
+The cut is made on the model's exported program (:mod:`autopar.runtime.pipeline_export`),
+so the model is left as written and anything export captures can be pipelined, with
+no second trace. :func:`split_stages` cuts it (:class:`StageCut`);
+:func:`assign_stages` decides which stage runs each node, :func:`stage_graph` builds a
+stage's graph, and :func:`pipeline_blocker` tells the planner why a model cannot be cut.
 
 :func:`assign_stages`, :func:`stage_graph` and :func:`cut_program` use torch alone, so
 an emitted program copies them (``inspect.getsource``) and cuts by the same code.
+The rules for placing nodes, and how a stage module is called and what it holds:
+docs/runtime.md, section ``autopar.runtime.pipeline_split``.
 """
 
 from __future__ import annotations

@@ -2,18 +2,13 @@
 
 A parallel run under ``plan.precision`` "bf16"/"fp16" computes with FSDP2's
 ``MixedPrecisionPolicy(param_dtype=<dtype>, reduce_dtype=float32)`` on every path (see
-:mod:`autopar.runtime.data_parallel`). To compare like with like, the reference runs
-the *same* model under the *same* policy on one process: ``fully_shard`` per block and
-on the root over a mesh of this rank alone, so each block's parameters are cast to the
-low dtype when gathered, its inputs are cast, the gradients come back in fp32, and the
-optimizer updates fp32 master weights — exactly what each rank of the parallel run
-does, without splitting the batch.
+:mod:`autopar.runtime.data_parallel`). To compare like with like,
+:func:`precision_reference` runs the *same* model under the *same* policy on one
+process, over the mesh of this rank alone that :func:`single_rank_mesh` builds:
+exactly what each rank of the parallel run does, without splitting the batch.
 
-Usage, inside a running job (every rank may build its own reference)::
-
-    mesh = single_rank_mesh("cpu")          # collective: every rank calls it
-    ref = precision_reference(make_model(), plan, mesh)
-    loss = loss_fn(ref(x), y); loss.backward()
+What the reference casts, and its usage: docs/runtime.md, section
+``autopar.runtime.precision``.
 """
 
 from __future__ import annotations

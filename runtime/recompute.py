@@ -1,31 +1,15 @@
 """Activation recomputation per block, as ``plan.recompute`` says, with
 ``torch.utils.checkpoint`` (non-reentrant).
 
-Applied after tensor parallelism and before FSDP2, in torchtitan's order
-(``apply_tp`` → ``apply_ac`` → ``apply_fsdp``), so ``fully_shard``'s hooks sit outside
-the checkpointed region: the block's parameters are gathered before its forward and
-again (ZeRO-3) before its backward, which is when the recomputation runs.
+:func:`apply_ac` checkpoints each block (:func:`checkpoint_block`), after tensor
+parallelism and before FSDP2, in torchtitan's order: ``"full"`` keeps only the block's
+inputs, ``"selective"`` saves the outputs of :data:`autopar.plans.SELECTIVE_SAVE_OPS`
+and recomputes every other op (:func:`selective_policy`), ``"none"`` leaves autograd
+as it is. The block's ``forward`` is replaced in place (:class:`CheckpointedForward`),
+so parameter names stay as they were.
 
-* ``"full"``: the block keeps only its inputs; its whole forward runs again in
-  backward.
-* ``"selective"``: operator-level checkpointing with
-  ``create_selective_checkpoint_contexts``: the outputs of the ops named in
-  :data:`autopar.plans.SELECTIVE_SAVE_OPS` (matrix products, attention) are saved
-  (``MUST_SAVE``), every other op (norms, pointwise ops, softmax, views, collectives)
-  is recomputed (``PREFER_RECOMPUTE``). With tensor parallelism the policy sees the
-  DTensor-level aten ops.
-* ``"none"`` (or a block not listed): autograd saves what it saves.
-
-Why ``torch.utils.checkpoint.checkpoint`` and not ``checkpoint_wrapper``: it is
-public and stable, takes the selective policy through ``context_fn``, and wraps a
-*function*, so the block's ``forward`` is replaced in place (an instance attribute,
-:class:`CheckpointedForward`) instead of the block being replaced by a wrapper module.
-``checkpoint_wrapper`` lives in a private package
-(``torch.distributed.algorithms._checkpoint``) and inserts a
-``_checkpoint_wrapped_module`` level into every parameter name, which would break the
-plan's parameter paths, ``named_parameters`` and the pipeline stages (which call the
-model's own block modules). Here FQNs and state dicts keep their original names,
-and a pipeline stage's ``GraphModule`` calls the very block object that was wrapped.
+The modes in detail, and why ``checkpoint`` rather than ``checkpoint_wrapper``:
+docs/runtime.md, section ``autopar.runtime.recompute``.
 """
 
 from __future__ import annotations
