@@ -127,7 +127,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="the loss(output, targets) to train with (default: cross-entropy over "
                         "the output's last dim)")
     c.add_argument("-o", "--output", default="train.py", help="the program to write")
-    from autopar.cost_models.profiler import build_parser as profile_parser
+    from autopar.cost_models.profiling.run import build_parser as profile_parser
 
     profile_parser(sub.add_parser("profile", help="measure this machine's GPU (or CPU) "
                                   "and write a profile JSON"))
@@ -266,7 +266,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     """``autopar profile``: measure GEMMs, attention, memory-bound ops, launch overhead
     (and collectives under torchrun) and write a profile JSON."""
-    from autopar.cost_models.profiler import main as profile_main
+    from autopar.cost_models.profiling.run import main as profile_main
 
     return profile_main(args)
 

@@ -131,7 +131,7 @@ def measure_layouts(m: int, n: int, k: int, operands: bool = False) -> dict[str,
     ``operands``, its rows per operand values (:data:`OPERANDS`) instead."""
     import time
 
-    from autopar.cost_models.profiler_core import Timer
+    from autopar.cost_models.profiling.timing import Timer
 
     timer = Timer(torch.device("cuda"))
     # every operand made before any CUDA graph is captured (torch.randn after a capture
@@ -178,7 +178,7 @@ def operand_products(m: int, n: int, k: int) -> dict[str, Callable[[], Any]]:
 
 def main_layouts(out_path: str, operands: bool = False) -> int:
     """``--layouts``: every shape's layout rows, written after each shape."""
-    from autopar.cost_models.profiler_core import provenance
+    from autopar.cost_models.profiling.timing import provenance
 
     rows = []
     for shape in SHAPES:
@@ -206,7 +206,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.layouts or args.operands:
         return main_layouts(args.out, args.operands)
-    from autopar.cost_models.profiler_core import provenance
+    from autopar.cost_models.profiling.timing import provenance
 
     rows = []
     for shape in SHAPES:

@@ -154,7 +154,7 @@ def main() -> int:
     ap.add_argument("--write-plans", type=Path, metavar="DIR",
                     help="only plan every case (h100-sxm profile) into DIR, then stop")
     args = ap.parse_args()
-    from autopar.cost_models.profiler_core import provenance
+    from autopar.cost_models.profiling.timing import provenance
 
     if args.write_plans:
         args.write_plans.mkdir(parents=True, exist_ok=True)

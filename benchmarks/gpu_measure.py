@@ -19,7 +19,7 @@ Backward = ``torch.autograd.grad`` of the op's output with respect to its floati
 inputs and parameters. Bytes are the sum of the tensors an op reads and writes once
 (forward: inputs, parameters, output; backward: output grad, inputs, parameters and the
 grads it produces); FLOPs are counted for GEMMs (2mnk forward, 4mnk backward) and
-attention (:func:`autopar.cost_models.profiler_ops.attention_flops`), None elsewhere.
+attention (:func:`autopar.cost_models.profiling.compute_bound.attention_flops`), None elsewhere.
 
 (b) One-device training step (zero_grad, forward, cross-entropy, backward, AdamW step)
 of a ~1.3B GPT (GPT-3 XL's 24 layers × 2048, Brown et al. 2020, Table 2.1, with 16
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autopar.cost_models.profiler_core import Timer, compact_json, provenance, row, sig
+from autopar.cost_models.profiling.timing import Timer, compact_json, provenance, row, sig
 from autopar.examples import gpt, llama
 
 # run as a script, this file's folder is on sys.path

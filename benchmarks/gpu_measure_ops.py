@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.cost_models.profiler_ops import attention_flops
+from autopar.cost_models.profiling.compute_bound import attention_flops
 from autopar.examples import gpt, llama
 
 BF16 = torch.bfloat16

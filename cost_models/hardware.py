@@ -119,7 +119,7 @@ class HardwareProfile:
     GPU (:func:`accuracy_text`)."""
 
     host_overhead_s: dict[str, float] = field(default_factory=dict)
-    """Host seconds the parallel wrappers add (:mod:`autopar.cost_models.profiler_host`):
+    """Host seconds the parallel wrappers add (:mod:`autopar.cost_models.profiling.host_wrappers`):
     DTensor per call of a tensor-parallel Linear and of a sequence-parallel norm
     (``linear_fwd``, ``linear_bwd``, ``norm_fwd``, ``norm_bwd``) and FSDP2 per
     parameter of a ``fully_shard`` unit per micro-batch (``fsdp_param_fwd``,
@@ -143,7 +143,7 @@ class HardwareProfile:
         """This profile as each of ``n`` processes per node sees it.
 
         A CPU profile measures its rates with N one-thread processes sharing the
-        machine (``per_process``, keyed by N; see :mod:`autopar.cost_models.measure_cpu`):
+        machine (``per_process``, keyed by N; see :mod:`autopar.cost_models.profiling.cpu`):
         GEMM rate, copy bandwidth, per-op time and the collectives' α-β fits. The entry
         for ``n`` replaces the top-level figures (every dtype's matrix and vector rate
         scaled by the measured fp32 GEMM rate over the top-level one); without an entry

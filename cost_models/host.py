@@ -9,7 +9,8 @@ measured 2026-11-23 the host of a 1.3B GPT's forward+backward at micro-batch 1 t
 about 130 ms against 48 ms of kernels (benchmarks/results/h100_runtime_steps.json).
 
 Host seconds come from the profile's ``host_overhead_s``
-(:mod:`autopar.cost_models.profiler_dispatch`, :mod:`autopar.cost_models.profiler_host`),
+(:mod:`autopar.cost_models.profiling.host_dispatch`,
+:mod:`autopar.cost_models.profiling.host_wrappers`),
 each measured on chains of tiny ops, where the wall time is the host's:
 
 * per op, forward and backward, by kind (:func:`op_kind`): ``op_<kind>_fwd`` /

@@ -82,8 +82,8 @@ def fsdp_copy_time(local_elements: float, compute_bytes: int, shard: int, zero: 
     of ``local_elements`` elements (the tensor-parallel local size): the bytes moved
     at the achieved memory bandwidth, plus, on a CPU (where the host is the device),
     FSDP2's host time per parameter where the profile measured it (``host_overhead_s``:
-    hooks and per-parameter bookkeeping; :mod:`autopar.cost_models.profiler_host`). On a
-    GPU that host time runs beside the device (:mod:`autopar.cost_models.host`)."""
+    hooks and per-parameter bookkeeping; :mod:`autopar.cost_models.profiling.host_wrappers`).
+    On a GPU that host time runs beside the device (:mod:`autopar.cost_models.host`)."""
     rate = hw.achieved_memory_bandwidth
     fwd, bwd = fsdp_copy_bytes(compute_bytes, shard, zero, num_microbatches)
     host = {} if hw.host_runs_ahead else hw.host_overhead_s

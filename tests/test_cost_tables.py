@@ -13,7 +13,7 @@ import torch
 import autopar
 from autopar.cost_models.compute import OpShapes, compute_time, op_time
 from autopar.cost_models.hardware import load_profile
-from autopar.cost_models.profiler import run_profile
+from autopar.cost_models.profiling.run import run_profile
 from autopar.cost_models.tables import (ComputeTables, attention_time, gemm_time,
                                         isotonic_gemm, memory_bound_time, tables_from_profile)
 from autopar.errors import PlanFormatError
@@ -87,7 +87,7 @@ def test_op_time_uses_tables_and_launch_floor():
 def quick_profile(tmp_path_factory):
     """A measured CPU profile written by the profiler on a small grid (seconds), its host
     figures measured once (their median over rounds: test_profiler.py)."""
-    from autopar.cost_models.profiler_grid import Grid
+    from autopar.cost_models.profiling.grid import Grid
 
     grid = Grid(gemm=tuple((m, m, m, "fp32", "square") for m in (32, 64, 128, 256)),
                 attention=((2, 4, 4, 64, 16, "fp32"),), pointwise=((4096, "fp32"), (65536, "fp32")),

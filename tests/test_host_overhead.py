@@ -10,7 +10,8 @@ import torch
 
 from autopar.capture import capture
 from autopar.cost_models.hardware import load_profile
-from autopar.cost_models.profiler_host import DTENSOR_OP_KEYS, HOST_KEYS, REDISTRIBUTE_KEYS
+from autopar.cost_models.profiling.host_wrappers import (DTENSOR_OP_KEYS, HOST_KEYS,
+                                                         REDISTRIBUTE_KEYS)
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.solvers.intra_op_ilp import solve_ilp
@@ -23,7 +24,7 @@ from tests.dist_utils import RankPool
 def _measure() -> dict[str, float]:
     import torch.distributed as dist
 
-    from autopar.cost_models.profiler_host import host_overhead
+    from autopar.cost_models.profiling.host_wrappers import host_overhead
     torch.set_num_threads(1)
     return host_overhead("cpu", dist.barrier)
 
@@ -41,7 +42,7 @@ def _measure_redistribute() -> dict[str, float]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.cost_models.profiler_host import redistribute_overhead
+    from autopar.cost_models.profiling.host_wrappers import redistribute_overhead
     torch.set_num_threads(1)
     return redistribute_overhead(init_device_mesh("cpu", (dist.get_world_size(),)),
                                  dist.barrier)

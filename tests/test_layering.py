@@ -65,8 +65,10 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("autopar.strategies.grad_sum", "autopar.solvers.problem"),  # a type hint alone
     ("autopar.strategies.recompute", "autopar.solvers.problem"),
     # a profiler times the runtime's own code, so it runs it:
-    ("autopar.cost_models.profiler_dispatch", "autopar.runtime.recompute"),  # selective_context
-    ("autopar.cost_models.profiler_host", "autopar.runtime.dtensor_layout"),  # DTensor ops
+    ("autopar.cost_models.profiling.host_dispatch",
+     "autopar.runtime.recompute"),  # selective_context
+    ("autopar.cost_models.profiling.host_wrappers",
+     "autopar.runtime.dtensor_layout"),  # DTensor ops
 })
 
 

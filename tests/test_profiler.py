@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from autopar.cost_models.hardware import load_profile
-from autopar.cost_models.profiler import load_partial, partial_path, run_profile
-from autopar.cost_models.profiler_dispatch import DISPATCH_KEYS
-from autopar.cost_models.profiler_host import DTENSOR_OP_KEYS, HOST_KEYS
-from autopar.cost_models.profiler_comm import fit_alpha_beta, fit_table, ring_factor
-from autopar.cost_models.profiler_grid import Grid
+from autopar.cost_models.profiling.run import load_partial, partial_path, run_profile
+from autopar.cost_models.profiling.host_dispatch import DISPATCH_KEYS
+from autopar.cost_models.profiling.host_wrappers import DTENSOR_OP_KEYS, HOST_KEYS
+from autopar.cost_models.profiling.collectives import fit_alpha_beta, fit_table, ring_factor
+from autopar.cost_models.profiling.grid import Grid
 from tests.dist_utils import RankPool
 
 TINY = Grid(gemm=((32, 32, 32, "fp32", "square"), (64, 16, 32, "fp32", "ffn_col_tp2")),
@@ -132,7 +132,7 @@ def test_resume_refuses_another_device(tmp_path: Path):
 
 def _comm_rows() -> list[dict]:
     """Run inside each rank: the profiler's timing rows of every collective."""
-    from autopar.cost_models.profiler_comm import measure_collectives
+    from autopar.cost_models.profiling.collectives import measure_collectives
 
     return measure_collectives([1024, 16384, 262144], torch.device("cpu"), reps=3)
 
@@ -151,7 +151,7 @@ def test_collectives_on_two_gloo_ranks(rank_pool: RankPool):
 
 def test_host_figures_are_the_median_of_their_rounds(monkeypatch) -> None:
     """``measure_host`` keeps each figure's median over its rounds."""
-    from autopar.cost_models import profiler_host
+    from autopar.cost_models.profiling import host_wrappers as profiler_host
 
     rounds = iter([{"a": 1.0, "b": 9.0}, {"a": 5.0, "b": 7.0}, {"a": 2.0, "b": 8.0}])
     monkeypatch.setattr(profiler_host, "host_overhead", lambda *a, **k: next(rounds))

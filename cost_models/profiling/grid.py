@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.cost_models.profiler_core import Task
-from autopar.cost_models.profiler_membound import (cross_entropy_tasks, embedding_tasks,
-                                                   pointwise_tasks, row_tasks)
-from autopar.cost_models.profiler_ops import (AttnShape, GemmShape, attention_tasks,
-                                              gemm_task, launch_tasks)
+from autopar.cost_models.profiling.timing import Task
+from autopar.cost_models.profiling.compute_bound import (AttnShape, GemmShape, attention_tasks,
+                                                         gemm_task, launch_tasks)
+from autopar.cost_models.profiling.memory_bound import (cross_entropy_tasks, embedding_tasks,
+                                                        pointwise_tasks, row_tasks)
 
 
 @dataclass(frozen=True)

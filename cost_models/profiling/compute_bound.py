@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from autopar.cost_models.profiler_core import DTYPES, Task, Timer, row, sig, summarize
+from autopar.cost_models.profiling.timing import DTYPES, Task, Timer, row, sig, summarize
 
 GemmShape = tuple[int, int, int, str, str]
 """(m, n, k, dtype name, tag) of one GEMM point."""

@@ -4,7 +4,7 @@ Run under ``torchrun --nproc-per-node N`` (N > 1): every rank calls
 :func:`measure_collectives`; NCCL on CUDA, gloo on CPU. Each point is the median over
 repeats of the slowest rank's time (a MAX all-reduce of the per-rank medians).
 
-Message sizes follow nccl-tests' convention, the same as :mod:`.comm`'s ``B``:
+Message sizes follow nccl-tests' convention, the same as :mod:`autopar.cost_models.comm`'s ``B``:
 all_reduce the buffer, all_gather the gathered (full) tensor, reduce_scatter the full
 input, all_to_all the bytes each rank holds, send_recv the message (one way of a
 ping-pong between ranks 0 and 1).
@@ -14,9 +14,10 @@ least squares on the *relative* residuals ``(α + B/β - t)/t`` so that small me
 (which set α) weigh as much as large ones (which set β). β is then the algorithm
 bandwidth. The ring factor ``f`` (2(n-1)/n for all_reduce, (n-1)/n for all_gather,
 reduce_scatter and all_to_all, 1 for send_recv; Thakur et al. 2005, as in
-:mod:`.comm`) turns it into the per-link bandwidth of the ring model, ``β·f`` (nccl-tests'
-"bus bandwidth"), and α into the per-step latency ``α / steps`` with steps = 2(n-1)
-for all_reduce, n-1 for the others and 1 for send_recv.
+:mod:`autopar.cost_models.comm`) turns it into the per-link bandwidth of the ring
+model, ``β·f`` (nccl-tests' "bus bandwidth"), and α into the per-step latency
+``α / steps`` with steps = 2(n-1) for all_reduce, n-1 for the others and 1 for
+send_recv.
 
 This module imports ``torch.distributed`` inside its functions only, so that importing
 the profiler never pulls it in.
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from autopar.cost_models.profiler_core import Timer, sig
+from autopar.cost_models.profiling.timing import Timer, sig
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 """The collectives measured, in order."""

@@ -26,7 +26,7 @@ recording as in training:
   through DTensor's Python layer).
 
 FSDP2's per-parameter hooks and DTensor's tensor-parallel wrappers are measured by
-:mod:`autopar.cost_models.profiler_host`.
+:mod:`autopar.cost_models.profiling.host_wrappers`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.cost_models.profiler_host import (backward_times, median_difference, median_time,
-                                               paired_times)
+from autopar.cost_models.profiling.host_wrappers import (backward_times, median_difference,
+                                                         median_time, paired_times)
 
 OP_KINDS = ("matmul", "attention", "norm", "pointwise", "view", "embedding")
 """Op kinds whose host time is measured (:func:`op_kind` maps a graph op to one)."""

@@ -223,7 +223,7 @@ def provenance(device: torch.device, **extra: Any) -> dict[str, Any]:
                        "same calls captured in one CUDA graph and replayed (device time "
                        "without host overhead or launch gaps)")
     else:
-        from autopar.cost_models.measure_cpu import _cpu_name  # the shipped CPU profile's
+        from autopar.cost_models.profiling.cpu import _cpu_name  # the shipped CPU profile's
 
         p["device_name"] = _cpu_name()
         p["timing"] = ("time.perf_counter around batches of back-to-back calls; median "

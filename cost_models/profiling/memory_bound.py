@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from autopar.cost_models.profiler_core import DTYPES, Task, Timer, row
+from autopar.cost_models.profiling.timing import DTYPES, Task, Timer, row
 
 Forward = Callable[[list[torch.Tensor]], torch.Tensor]
 

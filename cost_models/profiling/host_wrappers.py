@@ -241,7 +241,7 @@ def host_overhead(device_type: str, sync: Callable[[], None],
     """Every figure of :data:`HOST_KEYS` and :data:`DTENSOR_OP_KEYS` (:func:`dtensor_overhead`,
     :func:`fsdp_overhead`), non-negative, on a mesh of this process alone; with
     ``dispatch`` also those of
-    :data:`~autopar.cost_models.profiler_dispatch.DISPATCH_KEYS` (what a GPU profile
+    :data:`~autopar.cost_models.profiling.host_dispatch.DISPATCH_KEYS` (what a GPU profile
     needs: there the host runs beside the device, and the op tables do not see it).
     On CUDA the FSDP2 figure is taken in bf16, as GPU plans run. Needs an initialized
     process group: every rank calls it, as the one-process groups are created
@@ -253,7 +253,7 @@ def host_overhead(device_type: str, sync: Callable[[], None],
     low = torch.bfloat16 if device_type == "cuda" else None
     got = {**dtensor_overhead(mesh, sync), **fsdp_overhead(mesh, sync, low)}
     if dispatch:
-        from autopar.cost_models.profiler_dispatch import dispatch_overhead
+        from autopar.cost_models.profiling.host_dispatch import dispatch_overhead
         got.update(dispatch_overhead(mesh, sync))
     return {k: max(0.0, v) for k, v in got.items()}
 

@@ -1,6 +1,6 @@
 """Measure this CPU machine and write the ``cpu`` hardware profile.
 
-    python -m autopar.cost_models.measure_cpu --out cost_models/profiles/cpu.json
+    python -m autopar.cost_models.profiling.cpu --out cost_models/profiles/cpu.json
 
 A plan on a CPU runs as N gloo processes of one thread each (``autopar.launch`` and
 torchrun's default ``OMP_NUM_THREADS=1``), so every rate is measured the way a plan
@@ -17,9 +17,9 @@ Per N the profile stores, under ``per_process["N"]`` (see
 - per-op time: the median eager time of a tiny ``torch.add`` on tensors that require
   grad (ATen dispatch plus the autograd node a training step records);
 - the host seconds DTensor adds to a tensor-parallel Linear and a sequence-parallel
-  norm, and FSDP2 per parameter of a unit (:mod:`autopar.cost_models.profiler_host`);
+  norm, and FSDP2 per parameter of a unit (:mod:`autopar.cost_models.profiling.host_wrappers`);
 - for N > 1, the seconds DTensor adds to a redistribution per collective kind
-  (:func:`autopar.cost_models.profiler_host.redistribute_overhead`);
+  (:func:`autopar.cost_models.profiling.host_wrappers.redistribute_overhead`);
 - for N > 1, the share of an all-reduce that GEMMs hide (``comm_overlap``;
   :func:`comm_overlap`);
 - for N > 1, gloo all-reduce, all-gather and reduce-scatter over loopback, each fitted
@@ -33,8 +33,8 @@ Every per-N figure is the median of ``--repeats`` rounds over N = 1, 2, 4 in tur
 (:func:`measure_repeated`; one round's figures move by up to 20% on a shared machine).
 
 The top-level fields keep N = 1 with all of the machine's threads (a single process
-planning or running alone). The only module of cost_models that uses
-torch.distributed; nothing imports it.
+planning or running alone). Nothing imports it but the profile's provenance (its
+CPU name).
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cost_models.comm import fit_alpha_beta
-from autopar.cost_models.profiler_host import (DTENSOR_OP_KEYS, HOST_KEYS, REDISTRIBUTE_KEYS,
-                                               host_overhead,
-                                               median_of, median_time, redistribute_overhead)
+from autopar.cost_models.profiling.host_wrappers import (DTENSOR_OP_KEYS, HOST_KEYS,
+                                                         REDISTRIBUTE_KEYS, host_overhead,
+                                                         median_of, median_time,
+                                                         redistribute_overhead)
 
 SIZES = [2**k for k in (12, 16, 18, 20, 22)]
 """Bytes of the collective buffers (the full tensor: reduced, gathered or scattered)."""
@@ -259,7 +260,7 @@ def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]
     entry["host_overhead_s"] = {
         k: _n(v, f"{where}: host seconds {_HOST_WHAT[k.rsplit('_', 1)[0]]} adds per "
                  f"{'forward' if k.endswith('fwd') else 'backward'} on a one-process mesh "
-                 "(cost_models/profiler_host.py), median over ranks")
+                 "(cost_models/profiling/host_wrappers.py), median over ranks")
         for k, v in m["host_overhead_s"].items() if k not in REDISTRIBUTE_KEYS}
     for k in REDISTRIBUTE_KEYS:
         if k in m["host_overhead_s"]:
@@ -268,7 +269,7 @@ def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]
                 f"{where}: seconds DTensor adds to a redistribution that runs an "
                 f"{k.removeprefix('redistribute_').replace('_', '-')} (a 64 KiB activation "
                 f"on the {world}-process mesh, less the plain gloo collective; "
-                "cost_models/profiler_host.py), median over ranks")
+                "cost_models/profiling/host_wrappers.py), median over ranks")
     if world > 1:
         for kind, fit in m["collectives"].items():
             entry[kind] = {
@@ -291,7 +292,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, not {args.repeats}")
-    how = "measured by `python -m autopar.cost_models.measure_cpu`"
+    how = "measured by `python -m autopar.cost_models.profiling.cpu`"
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     alone = lambda: None  # noqa: E731 - no peers to wait for

@@ -1,22 +1,22 @@
 """``autopar profile``: measure this machine's GPU (or CPU) and write a profile JSON.
 
     autopar profile [--quick] [--out FILE] [--resume] [--time-limit-s S]
-    python -m autopar.cost_models.profiler ...             # the same, without the CLI
-    torchrun --nproc-per-node 8 -m autopar.cost_models.profiler --out p.json
+    python -m autopar.cost_models.profiling.run ...             # the same, without the CLI
+    torchrun --nproc-per-node 8 -m autopar.cost_models.profiling.run --out p.json
                                                            # adds collectives + α-β fits
 
 Tables (each a list of rows: the shape, dtype, median seconds and the achieved rate):
 
 - ``gemm`` — torch.mm over square, skinny and tensor-parallel shard shapes, in bf16,
-  fp16, fp32 and tf32 (:mod:`.profiler_ops`, :mod:`.profiler_grid`);
+  fp16, fp32 and tf32 (:mod:`.compute_bound`, :mod:`.grid`);
 - ``attention`` — causal scaled_dot_product_attention, forward and backward;
 - ``memory_bound`` — pointwise ops, norms, softmax, embedding, cross-entropy as
-  bytes/s, forward and backward (:mod:`.profiler_membound`);
+  bytes/s, forward and backward (:mod:`.memory_bound`);
 - ``launch`` — the overhead of a tiny op;
 - ``host_overhead_s`` (not a table: one figure per key) — host seconds per op kind,
   forward and backward, what selective checkpointing, FSDP2 and DTensor add, and the
-  optimizer step's per parameter (:mod:`.profiler_host`, :mod:`.profiler_dispatch`);
-- ``collectives`` — under torchrun with more than one process (:mod:`.profiler_comm`).
+  optimizer step's per parameter (:mod:`.host_wrappers`, :mod:`.host_dispatch`);
+- ``collectives`` — under torchrun with more than one process (:mod:`.collectives`).
 
 The run is resumable: every measured row is appended to ``FILE.partial.jsonl`` as it
 is measured; ``--resume`` skips the rows already there (same device only), and the
@@ -37,11 +37,11 @@ from typing import Any, Callable, TextIO
 
 import torch
 
-from autopar.cost_models.profiler_comm import (FIT_FORMULA, fit_table, init_from_env,
-                                               measure_collectives)
-from autopar.cost_models.profiler_core import Task, Timer, compact_json, provenance
-from autopar.cost_models.profiler_grid import Grid, cpu_grid, gpu_grid
-from autopar.cost_models.profiler_host import measure_host
+from autopar.cost_models.profiling.collectives import (FIT_FORMULA, fit_table, init_from_env,
+                                                       measure_collectives)
+from autopar.cost_models.profiling.grid import Grid, cpu_grid, gpu_grid
+from autopar.cost_models.profiling.host_wrappers import measure_host
+from autopar.cost_models.profiling.timing import Task, Timer, compact_json, provenance
 
 FORMAT = "autopar-profile/1"
 """Version tag of the profile JSON written here."""
