@@ -104,17 +104,3 @@ def group_link(mesh_sizes: tuple[int, ...], axis: int, gpus_per_node: int,
     span = stride * mesh_sizes[axis]
     inside = span <= gpus_per_node and gpus_per_node % span == 0
     return hw.intra_node if inside or mesh_sizes[axis] == 1 else hw.inter_node
-
-
-def fit_alpha_beta(sizes: list[float], times: list[float], kind: str,
-                   group_size: int) -> LinkSpec:
-    """Least-squares α and β from measured (bytes, seconds) of one collective kind."""
-    import numpy as np
-
-    a_coef, b_coef = ring_shape(kind, 1.0, group_size)
-    x = np.array([[a_coef, b_coef * s] for s in sizes], dtype=float)
-    y = np.array(times, dtype=float)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(x, y, rcond=None)
-    alpha = max(float(alpha), 0.0)
-    inv_beta = max(float(inv_beta), 1e-30)
-    return LinkSpec(bandwidth=1.0 / inv_beta, latency=alpha)

@@ -26,13 +26,6 @@ ALLOWED: frozenset[str] = frozenset({
     "autopar.cost_models.memory",
     "autopar.cost_models.offload",
     "autopar.cost_models.param_work",
-    "autopar.cost_models.profiling.collectives",
-    "autopar.cost_models.profiling.cpu",
-    "autopar.cost_models.profiling.grid",
-    "autopar.cost_models.profiling.host_dispatch",
-    "autopar.cost_models.profiling.host_wrappers",
-    "autopar.cost_models.profiling.memory_bound",
-    "autopar.cost_models.profiling.run",
     "autopar.cost_models.tables",
     # strategies, not trimmed yet:
     "autopar.strategies.batch_flow",

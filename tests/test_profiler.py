@@ -1,9 +1,11 @@
-"""The profiler (``autopar profile``): α-β fit, a tiny CPU run, resume, collectives."""
+"""The profilers (``autopar profile``, the ``cpu`` profile): the α-β fit, a tiny CPU run,
+resume, collectives."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from importlib import resources
 import socket
 from pathlib import Path
 
@@ -11,12 +13,15 @@ import numpy as np
 import pytest
 import torch
 
+from autopar.cost_models.comm import ring_shape
 from autopar.cost_models.hardware import load_profile
-from autopar.cost_models.profiling.run import load_partial, partial_path, run_profile
-from autopar.cost_models.profiling.host_dispatch import DISPATCH_KEYS
-from autopar.cost_models.profiling.host_wrappers import DTENSOR_OP_KEYS, HOST_KEYS
-from autopar.cost_models.profiling.collectives import fit_alpha_beta, fit_table, ring_factor
+from autopar.cost_models.profiling.cpu import SIZES, per_process_entry
+from autopar.cost_models.profiling.fit import fit_alpha_beta, fit_table, ring_link
 from autopar.cost_models.profiling.grid import Grid
+from autopar.cost_models.profiling.host_dispatch import DISPATCH_KEYS
+from autopar.cost_models.profiling.host_wrappers import (DTENSOR_OP_KEYS, HOST_KEYS,
+                                                         REDISTRIBUTE_KEYS)
+from autopar.cost_models.profiling.run import load_partial, partial_path, run_profile
 from tests.dist_utils import RankPool
 
 TINY = Grid(gemm=((32, 32, 32, "fp32", "square"), (64, 16, 32, "fp32", "ffn_col_tp2")),
@@ -44,14 +49,53 @@ def test_fit_recovers_alpha_beta_exactly():
     assert fit.max_rel_error < 1e-9
 
 
-def test_fit_is_robust_to_noise_and_weighs_small_messages():
-    rng = np.random.default_rng(0)
-    alpha, beta = 20e-6, 40e9
-    sizes = [2.0**k for k in range(8, 31)]
-    times = [(alpha + s / beta) * (1 + 0.03 * rng.standard_normal()) for s in sizes]
-    fit = fit_alpha_beta(sizes, times)
-    assert fit.alpha == pytest.approx(alpha, rel=0.1)
-    assert fit.beta == pytest.approx(beta, rel=0.1)
+def test_fit_is_least_squares_on_the_seconds():
+    """Three points off a line, by hand: B = 1, 2, 3 MB at 3, 5, 6 ms; the line through
+    their means (2 MB, 14/3 ms) with slope 3 ms / 2 MB gives α = 5/3 ms and
+    β = 1/(1.5e-9 s/B); the largest relative residual is 1/3 ms on 5 ms."""
+    fit = fit_alpha_beta([1e6, 2e6, 3e6], [3e-3, 5e-3, 6e-3])
+    assert fit.alpha == pytest.approx(5e-3 / 3, rel=1e-9)
+    assert fit.beta == pytest.approx(1 / 1.5e-9, rel=1e-9)
+    assert fit.max_rel_error == pytest.approx((1e-3 / 3) / 5e-3, rel=1e-9)
+
+
+def test_the_cpu_profiles_fits_keep_their_ring_least_squares():
+    """The shipped ``cpu`` profile's gloo fits were least squares of the ring model,
+    ``t = steps·α + traffic/β`` with α per step and β per link: the one fit read per
+    link gives the same figures on its stored seconds."""
+    doc = json.loads((resources.files("autopar.cost_models") / "profiles" / "cpu.json")
+                     .read_text())
+    checked = 0
+    for n, entry in doc["per_process"].items():
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            if kind not in entry:
+                continue
+            times = entry[kind]["seconds"]
+            steps, traffic = ring_shape(kind, 1.0, int(n))
+            x = np.array([[steps, traffic * s] for s in SIZES], dtype=float)
+            (alpha, inv_beta), *_ = np.linalg.lstsq(x, np.array(times), rcond=None)
+            link = ring_link(fit_alpha_beta([float(s) for s in SIZES], times), kind, int(n))
+            assert link.latency == pytest.approx(max(alpha, 0.0), rel=1e-9)
+            assert link.bandwidth == pytest.approx(1 / inv_beta, rel=1e-9)
+            checked += 1
+    assert checked == 6
+
+
+def test_the_cpu_profile_names_every_host_figure():
+    """Each host figure the ``cpu`` profile measures at 2 processes gets its value and a
+    source saying where it was measured (made-up values)."""
+    keys = HOST_KEYS + DTENSOR_OP_KEYS + REDISTRIBUTE_KEYS
+    measured = {"gemm_flops": 1e9, "copy_bandwidth": 1e10, "op_overhead_s": 1e-5,
+                "host_overhead_s": {k: 1e-6 for k in keys}, "comm_overlap": 0.5,
+                "collectives": {"all_reduce": {"bandwidth": 1e9, "latency": 1e-3,
+                                               "seconds": [1e-3, 2e-3]}}}
+    host = per_process_entry(2, measured, "here")["host_overhead_s"]
+    assert set(host) == set(keys)
+    assert all(h["value"] == 1e-6 and h["source"].startswith("here, 2 concurrent one-thread "
+                                                             "processes: ")
+               for h in host.values())
+    assert "DTensor (per pointwise op run on it) adds per backward" in \
+        host["dtensor_op_bwd"]["source"]
 
 
 def test_fit_table_applies_ring_factor():
@@ -59,7 +103,7 @@ def test_fit_table_applies_ring_factor():
     rows = [{"op": "all_reduce", "world": n, "bytes": s, "seconds": alpha + s / beta}
             for s in (1e3, 1e5, 1e7, 1e9)]
     fit = fit_table(rows)["all_reduce/4"]
-    assert ring_factor("all_reduce", n) == (1.5, 6)
+    assert (fit["ring_factor"], fit["latency_steps"]) == (1.5, 6)
     assert fit["bus_bandwidth_bytes_per_s"] == pytest.approx(beta * 1.5, rel=1e-3)
     assert fit["alpha_per_step_s"] == pytest.approx(alpha / 6, rel=1e-3)
 
@@ -151,9 +195,9 @@ def test_collectives_on_two_gloo_ranks(rank_pool: RankPool):
 
 def test_host_figures_are_the_median_of_their_rounds(monkeypatch) -> None:
     """``measure_host`` keeps each figure's median over its rounds."""
-    from autopar.cost_models.profiling import host_wrappers as profiler_host
+    from autopar.cost_models.profiling import host_wrappers
 
     rounds = iter([{"a": 1.0, "b": 9.0}, {"a": 5.0, "b": 7.0}, {"a": 2.0, "b": 8.0}])
-    monkeypatch.setattr(profiler_host, "host_overhead", lambda *a, **k: next(rounds))
-    got = profiler_host.measure_host(torch.device("cpu"), rounds=3)
+    monkeypatch.setattr(host_wrappers, "host_overhead", lambda *a, **k: next(rounds))
+    got = host_wrappers.measure_host(torch.device("cpu"), rounds=3)
     assert got == {"a": 2.0, "b": 8.0}

@@ -1,32 +1,18 @@
-"""Collective measurements of ``autopar profile`` and their α-β fit.
+"""Collective timings of ``autopar profile``, under ``torchrun --nproc-per-node N``
+(N > 1): every rank calls :func:`measure_collectives`; NCCL on CUDA, gloo on CPU. Each
+point is the median over repeats of the slowest rank's time (a MAX all-reduce of the
+per-rank medians); :func:`autopar.cost_models.profiling.fit.fit_table` fits them.
 
-Run under ``torchrun --nproc-per-node N`` (N > 1): every rank calls
-:func:`measure_collectives`; NCCL on CUDA, gloo on CPU. Each point is the median over
-repeats of the slowest rank's time (a MAX all-reduce of the per-rank medians).
-
-Message sizes follow nccl-tests' convention, the same as :mod:`autopar.cost_models.comm`'s ``B``:
-all_reduce the buffer, all_gather the gathered (full) tensor, reduce_scatter the full
-input, all_to_all the bytes each rank holds, send_recv the message (one way of a
-ping-pong between ranks 0 and 1).
-
-Fit (:func:`fit_alpha_beta`): ``t = α + bytes/β`` per collective and group size, by
-least squares on the *relative* residuals ``(α + B/β - t)/t`` so that small messages
-(which set α) weigh as much as large ones (which set β). β is then the algorithm
-bandwidth. The ring factor ``f`` (2(n-1)/n for all_reduce, (n-1)/n for all_gather,
-reduce_scatter and all_to_all, 1 for send_recv; Thakur et al. 2005, as in
-:mod:`autopar.cost_models.comm`) turns it into the per-link bandwidth of the ring
-model, ``β·f`` (nccl-tests' "bus bandwidth"), and α into the per-step latency
-``α / steps`` with steps = 2(n-1) for all_reduce, n-1 for the others and 1 for
-send_recv.
-
-This module imports ``torch.distributed`` inside its functions only, so that importing
-the profiler never pulls it in.
+Message sizes B follow nccl-tests' convention, the same as
+:mod:`autopar.cost_models.comm`'s: all_reduce the buffer, all_gather the gathered
+(full) tensor, reduce_scatter the full input, all_to_all the bytes each rank holds,
+send_recv the message (one way of a ping-pong between ranks 0 and 1).
+``torch.distributed`` is imported inside the functions only.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -37,72 +23,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 """The collectives measured, in order."""
 
 
-@dataclass(frozen=True)
-class AlphaBeta:
-    """``t = alpha + bytes / beta`` (seconds, bytes/s), with the fit's largest
-    relative residual."""
-
-    alpha: float
-    beta: float
-    max_rel_error: float
-
-
-def fit_alpha_beta(sizes: list[float], times: list[float]) -> AlphaBeta:
-    """Least squares on relative residuals of ``t = α + B/β`` (module docstring).
-    α is clamped at 0; β at 1e-30 s/byte inverse (a flat curve)."""
-    import numpy as np
-
-    b = np.asarray(sizes, dtype=float)
-    t = np.asarray(times, dtype=float)
-    if len(b) < 2:
-        raise ValueError("an α-β fit needs at least two message sizes")
-    x = np.stack([1.0 / t, b / t], axis=1)  # (α + B·γ)/t ≈ 1, γ = 1/β
-    (alpha, gamma), *_ = np.linalg.lstsq(x, np.ones_like(t), rcond=None)
-    alpha, gamma = max(float(alpha), 0.0), max(float(gamma), 1e-30)
-    pred = alpha + b * gamma
-    return AlphaBeta(alpha=alpha, beta=1.0 / gamma,
-                     max_rel_error=float(np.max(np.abs(pred - t) / t)))
-
-
-def ring_factor(kind: str, n: int) -> tuple[float, int]:
-    """(bandwidth factor, latency steps) of the ring algorithm for ``kind`` on n ranks."""
-    if kind == "send_recv":
-        return 1.0, 1
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n, 2 * (n - 1)
-    return (n - 1) / n, n - 1
-
-
-FIT_FORMULA = ("t = alpha_s + bytes / beta_bytes_per_s (least squares on relative "
-               "residuals); ring link bandwidth = beta · ring_factor (bus bandwidth), "
-               "per-step latency = alpha / latency_steps")
-"""How to read a fit of :func:`fit_table` (stored beside the fits in the profile)."""
-
-
-def fit_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """α-β fits of measured collective rows, keyed ``"<op>/<world>"``."""
-    fits: dict[str, Any] = {}
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in rows:
-        if "seconds" in r:
-            groups.setdefault((r["op"], r["world"]), []).append(r)
-    for (op, n), pts in sorted(groups.items()):
-        if len(pts) < 2:
-            continue
-        ab = fit_alpha_beta([p["bytes"] for p in pts], [p["seconds"] for p in pts])
-        f, steps = ring_factor(op, n)
-        fits[f"{op}/{n}"] = {
-            "op": op, "world": n, "alpha_s": sig(ab.alpha), "beta_bytes_per_s": sig(ab.beta),
-            "max_rel_error": sig(ab.max_rel_error, 2), "ring_factor": sig(f),
-            "latency_steps": steps, "bus_bandwidth_bytes_per_s": sig(ab.beta * f),
-            "alpha_per_step_s": sig(ab.alpha / steps),
-        }
-    return fits
-
-
-def _op(kind: str, nbytes: int, rank: int, world: int,
-        device: torch.device) -> Callable[[], Any]:
-    """A closure running one ``kind`` collective of ``nbytes`` (fp32 elements)."""
+def collective_call(kind: str, nbytes: int, rank: int, world: int,
+                    device: torch.device) -> Callable[[], Any]:
+    """A closure running one ``kind`` collective of ``nbytes`` (fp32 elements; B as in
+    the module docstring) on the current process group, as ``rank`` of ``world``."""
     import torch.distributed as dist
 
     n = max(world, nbytes // 4 // world * world)  # elements, a multiple of world
@@ -148,7 +72,7 @@ def measure_collectives(sizes: list[int], device: torch.device, reps: int = 10,
             row: dict[str, Any] = {"op": kind, "world": world, "bytes": nbytes,
                                    "key": key, "backend": dist.get_backend()}
             try:
-                fn = _op(kind, nbytes, rank, world, device)
+                fn = collective_call(kind, nbytes, rank, world, device)
                 for _ in range(3):  # warm-up: NCCL communicators and buffers
                     fn()
                 times = []

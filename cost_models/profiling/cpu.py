@@ -1,40 +1,17 @@
-"""Measure this CPU machine and write the ``cpu`` hardware profile.
+"""Measure this CPU machine and write the shipped ``cpu`` hardware profile.
 
     python -m autopar.cost_models.profiling.cpu --out cost_models/profiles/cpu.json
 
-A plan on a CPU runs as N gloo processes of one thread each (``autopar.launch`` and
-torchrun's default ``OMP_NUM_THREADS=1``), so every rate is measured the way a plan
-runs: N one-thread processes started together, N = 1, 2 and 4, each timing its own
-work while the others time theirs. With more processes than cores they share the
-cores, and each process' rate falls accordingly; that is measured, not assumed.
-
-Per N the profile stores, under ``per_process["N"]`` (see
-:meth:`autopar.cost_models.hardware.HardwareProfile.for_processes`):
-
-- fp32 GEMM rate: median over repetitions of torch.mm on square n = 256, 512, 1024,
-  the best size kept;
-- copy bandwidth: a 64 MiB copy (beyond the last-level cache), bytes read + written;
-- per-op time: the median eager time of a tiny ``torch.add`` on tensors that require
-  grad (ATen dispatch plus the autograd node a training step records);
-- the host seconds DTensor adds to a tensor-parallel Linear and a sequence-parallel
-  norm, and FSDP2 per parameter of a unit (:mod:`autopar.cost_models.profiling.host_wrappers`);
-- for N > 1, the seconds DTensor adds to a redistribution per collective kind
-  (:func:`autopar.cost_models.profiling.host_wrappers.redistribute_overhead`);
-- for N > 1, the share of an all-reduce that GEMMs hide (``comm_overlap``;
-  :func:`comm_overlap`);
-- for N > 1, gloo all-reduce, all-gather and reduce-scatter over loopback, each fitted
-  to α-β (:func:`autopar.cost_models.comm.fit_alpha_beta`). Each collective is timed
-  between two GEMMs, as a training step issues it, and the time of the GEMMs alone
-  (same processes, same loop) is subtracted: with the cores oversubscribed a
-  collective waits for peers the scheduler has put aside, which an idle measurement
-  misses.
-
-Every per-N figure is the median of ``--repeats`` rounds over N = 1, 2, 4 in turn
-(:func:`measure_repeated`; one round's figures move by up to 20% on a shared machine).
-
-The top-level fields keep N = 1 with all of the machine's threads (a single process
-planning or running alone). Nothing imports it but the profile's provenance (its
-CPU name).
+A plan on a CPU runs as N gloo processes of one thread each, so every rate is measured
+that way: N = 1, 2 and 4 one-thread processes started together (:func:`_worker`), each
+timing its own work while the others time theirs. Per N (``per_process["N"]``,
+:meth:`autopar.cost_models.hardware.HardwareProfile.for_processes`): the fp32 GEMM
+rate, a copy's bandwidth, a tiny op's eager time, the host seconds of the parallel
+wrappers (:mod:`.host_wrappers`), and for N > 1 the share of an all-reduce that GEMMs
+hide (:func:`comm_overlap`) and gloo's collectives with their α-β fits
+(:func:`collective_fits`, :mod:`.fit`), each the median of ``--repeats`` rounds
+(:func:`measure_repeated`). What each figure counts: docs/profiling.md; why it is
+measured so: benchmarks/results/README.md, "Profiling".
 """
 
 from __future__ import annotations
@@ -43,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import time
@@ -53,11 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.cost_models.comm import fit_alpha_beta
+from autopar.cost_models.profiling.collectives import collective_call
+from autopar.cost_models.profiling.fit import fit_alpha_beta, ring_link
 from autopar.cost_models.profiling.host_wrappers import (DTENSOR_OP_KEYS, HOST_KEYS,
                                                          REDISTRIBUTE_KEYS, host_overhead,
-                                                         median_of, median_time,
                                                          redistribute_overhead)
+from autopar.cost_models.profiling.timing import cpu_name, median_of, median_time
 
 SIZES = [2**k for k in (12, 16, 18, 20, 22)]
 """Bytes of the collective buffers (the full tensor: reduced, gathered or scattered)."""
@@ -110,20 +87,9 @@ def op_overhead() -> float:
     return statistics.median(t)
 
 
-def _collective(kind: str, nbytes: int, world: int) -> Callable[[], None]:
-    """One call of collective ``kind`` whose full tensor holds ``nbytes``."""
-    full = torch.ones(max(world, nbytes // 4 // world * world))
-    part = torch.ones(full.numel() // world)
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(full)
-    if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, part)
-    return lambda: dist.reduce_scatter_tensor(part, full)
-
-
 def collective_fits(world: int, sync: Callable[[], None]) -> dict[str, dict[str, Any]]:
     """Per kind: the seconds of each size in SIZES, timed between GEMMs with the GEMM
-    time subtracted (module docstring), and their α-β fit."""
+    time subtracted (module docstring), and their α-β fit (:func:`.fit.ring_link`)."""
     a = torch.randn(512, 512)
 
     def compute() -> None:
@@ -133,14 +99,14 @@ def collective_fits(world: int, sync: Callable[[], None]) -> dict[str, dict[str,
     for kind in KINDS:
         times = []
         for size in SIZES:
-            coll = _collective(kind, size, world)
+            coll = collective_call(kind, size, dist.get_rank(), world, torch.device("cpu"))
 
             def step() -> None:
                 compute()
                 coll()
             times.append(max(0.0, median_time(step, sync, 5, COLLECTIVE_LOOPS) - base))
-        fit = fit_alpha_beta([float(s) for s in SIZES], times, kind, world)
-        out[kind] = {"seconds": times, "bandwidth": fit.bandwidth, "latency": fit.latency}
+        link = ring_link(fit_alpha_beta([float(s) for s in SIZES], times), kind, world)
+        out[kind] = {"seconds": times, "bandwidth": link.bandwidth, "latency": link.latency}
     return out
 
 
@@ -228,23 +194,15 @@ def measure_repeated(counts: tuple[int, ...], repeats: int) -> dict[int, dict[st
     return {w: median_of([r[w] for r in rounds]) for w in counts}
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _n(value: Any, source: str) -> dict[str, Any]:
     return {"value": value, "source": source}
 
 
 _HOST_WHAT = {"linear": "a tensor-parallel Linear on DTensor", "norm": "a sequence-parallel "
-              "norm on DTensor", "fsdp_param": "FSDP2 (per parameter of a unit)"}
+              "norm on DTensor", "fsdp_param": "FSDP2 (per parameter of a unit)",
+              "dtensor_op": "DTensor (per pointwise op run on it)"}
+"""What each figure of :data:`HOST_KEYS` and :data:`DTENSOR_OP_KEYS` times, by its
+name less ``_fwd`` / ``_bwd``."""
 
 
 def per_process_entry(world: int, m: dict[str, Any], how: str) -> dict[str, Any]:
@@ -302,7 +260,7 @@ def main() -> None:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     n = _n
     prof = {
-        "name": "cpu", "device_name": _cpu_name(),
+        "name": "cpu", "device_name": cpu_name(),
         "provenance": {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                        "threads": threads, "cpus": os.cpu_count()},
         "memory_bytes": n(mem, "physical memory (sysconf) of the measured machine"),

@@ -1,7 +1,5 @@
-"""The grids of points ``autopar profile`` measures: full and ``--quick`` on a GPU, and
-the same structure with small shapes on a CPU.
-
-Shapes come from the models autopar plans for:
+"""The points ``autopar profile`` measures: full and ``--quick`` grids on a GPU, and the
+same structure with small shapes on a CPU. Shapes come from the models autopar plans for:
 
 - hidden sizes 4096, 8192, 12288 with FFN sizes 14336 / 28672 (Llama 3 8B / 70B,
   Meta's release configs), 4h = 16384 / 32768 / 49152 (GPT-style MLPs; GPT-3 175B has
@@ -40,7 +38,7 @@ class Grid:
     cross_entropy: tuple[tuple[int, int, str], ...]  # (tokens, vocab, dtype)
     comm_sizes: tuple[int, ...]                     # bytes
     launch: bool = True
-    host: bool = True                               # host overheads (profiler_host)
+    host: bool = True                               # host overheads (host_wrappers)
     host_rounds: int = 3                            # their median over this many rounds
     budget_s: float = 0.25                          # timed seconds per point (Timer)
 

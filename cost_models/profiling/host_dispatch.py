@@ -1,32 +1,14 @@
-"""Host time of eager execution on a GPU: per op, under selective checkpointing, and
-per parameter of the optimizer step.
+"""Host seconds of eager execution on a GPU: per op, in checkpointed regions, and per
+parameter of the optimizer step (:data:`DISPATCH_KEYS`, :func:`dispatch_overhead`).
 
-On a GPU the host issues kernels while the device runs earlier ones; a step takes the
-longer of the two (:mod:`autopar.solvers.problem`, exposed host time). The device side
-is priced from the measured tables; this module measures the host side, each figure as
-seconds per call of a chain of tiny ops (so the device finishes each kernel before the
-host has issued the next one, and the wall time is the host's), with autograd
-recording as in training:
-
-- ``op_<kind>_fwd`` / ``op_<kind>_bwd`` for the kinds of :data:`OP_KINDS`: one op's
-  forward call, and its node's backward (what autograd's engine spends on it, the
-  backward kernels' launches included);
-- ``ckpt_op_fwd`` / ``ckpt_op_bwd``: what a full ``torch.utils.checkpoint`` region
-  (non-reentrant) adds per op: its saved-tensor hooks in the forward, and in backward
-  the unpacking and the re-run's bookkeeping beyond the recomputed op's own forward
-  dispatch;
-- ``sac_op_fwd`` / ``sac_op_bwd``: what ``torch.utils.checkpoint`` with a selective
-  policy (the runtime's :func:`autopar.runtime.recompute.selective_context`) adds per
-  op: every op of the region runs through its ``TorchDispatchMode`` in the forward,
-  and again when the region is re-run in backward (beyond the recomputed op's own
-  forward dispatch, which is ``op_pointwise_fwd``);
-- ``optimizer_param`` / ``optimizer_param_fsdp``: host seconds per parameter of
-  ``AdamW(fused=True).step()`` plus ``zero_grad()``, on plain parameters and on the
-  ``DTensor`` parameters of an FSDP2 unit (fused AdamW over DTensors is dispatched
-  through DTensor's Python layer).
-
-FSDP2's per-parameter hooks and DTensor's tensor-parallel wrappers are measured by
-:mod:`autopar.cost_models.profiling.host_wrappers`.
+On a GPU the host issues kernels while the device runs earlier ones, and a step takes
+the longer of the two (exposed host time, :mod:`autopar.cost_models.host`); the device
+side comes from the measured tables, the host side from here. Each figure is seconds
+per op of a chain of tiny ops with autograd recording, so the wall time is the host's:
+per op kind (:func:`op_dispatch`), what full and selective checkpoint regions add
+(:func:`checkpoint_dispatch`), and the fused AdamW step per parameter
+(:func:`optimizer_dispatch`). What each figure counts: docs/profiling.md; FSDP2's hooks
+and DTensor are in :mod:`.host_wrappers`.
 """
 
 from __future__ import annotations
@@ -37,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.cost_models.profiling.host_wrappers import (backward_times, median_difference,
-                                                         median_time, paired_times)
+from autopar.cost_models.profiling.timing import (backward_times, median_difference,
+                                                  median_time, paired_times)
 
 OP_KINDS = ("matmul", "attention", "norm", "pointwise", "view", "embedding")
-"""Op kinds whose host time is measured (:func:`op_kind` maps a graph op to one)."""
+"""Op kinds whose host time is measured (:func:`autopar.cost_models.host.op_kind` maps a graph op to one)."""
 
 DISPATCH_KEYS = tuple(f"op_{k}_{p}" for k in OP_KINDS for p in ("fwd", "bwd")) + (
     "ckpt_op_fwd", "ckpt_op_bwd", "sac_op_fwd", "sac_op_bwd", "optimizer_param",

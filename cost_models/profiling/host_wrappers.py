@@ -1,36 +1,28 @@
-"""Host overhead of the parallel wrappers: DTensor modules and FSDP2 units.
+"""Host seconds the parallel wrappers add: DTensor modules, FSDP2 units, redistributions.
 
-A tensor-parallel Linear (``ColwiseParallel`` / ``RowwiseParallel``) and a
-sequence-parallel norm (``SequenceParallel``) dispatch through DTensor: sharding
-propagation, placement checks and the wrapping of inputs and outputs, on the host, for
-every call and its backward. On a tiny module this host time is all there is, so it is
-measured as the difference between the parallel module and the same plain module, on a
-mesh of one process (no collective runs; the collectives are priced by the
-communication model), forward and forward+backward.
-
-FSDP2's hooks and per-parameter bookkeeping are measured the same way, per parameter
-of a ``fully_shard`` unit (:func:`fsdp_overhead`). The figures, in seconds
-(:data:`HOST_KEYS`), go into the profile's ``host_overhead_s``
-(:attr:`autopar.cost_models.hardware.HardwareProfile.host_overhead_s`).
-
-A redistribution between placements that runs a collective (an all-gather of sequence
-shards, a reduce-scatter or all-reduce of partial sums) also goes through DTensor, and
-on a mesh of one process it runs none, so it is measured on the mesh of every process
-(:func:`redistribute_overhead`, one key per collective kind): an activation's
-redistribution against the plain collective on the same tensor.
+A tensor-parallel Linear, a sequence-parallel norm and any op run on a DTensor dispatch
+through DTensor on the host, every call and its backward; FSDP2 adds hooks and
+per-parameter bookkeeping to a ``fully_shard`` unit. Each figure is the wrapped
+module's time less the plain module's on a mesh of one process (no collective runs),
+forward and backward (:func:`host_overhead`: :data:`HOST_KEYS`,
+:data:`DTENSOR_OP_KEYS`); a redistribution that runs a collective is timed on the mesh
+of every process against the plain collective (:func:`redistribute_overhead`). The
+figures go into a profile's ``host_overhead_s``, priced by
+:mod:`autopar.cost_models.host`; what each counts: docs/profiling.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from autopar.cost_models.profiling.timing import (backward_times, median_difference, median_of,
+                                                  median_time, paired_times)
 
 HOST_KEYS = ("linear_fwd", "linear_bwd", "norm_fwd", "norm_bwd", "fsdp_param_fwd",
              "fsdp_param_bwd")
@@ -42,62 +34,6 @@ DTENSOR_OP_KEYS = ("dtensor_op_fwd", "dtensor_op_bwd")
 profiles shipped before that lack it, and a plan then charges nothing for it."""
 
 _CALLS, _REPS = 100, 5
-
-
-def median_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int = 7,
-                loops: int = 1, warmup: int = 1) -> float:
-    """Median over ``reps`` runs (after ``warmup`` calls) of the seconds per call of
-    ``loops`` calls of ``fn``, timed from one ``sync`` to the next (a barrier: every
-    process starts together, and a run lasts until the slowest process is done, as a
-    step does)."""
-    return statistics.median(paired_times([fn], sync, reps, loops, warmup)[0])
-
-
-def paired_times(fns: list[Callable[[], Any]], sync: Callable[[], None], reps: int = 11,
-                 loops: int = 1, warmup: int = 1) -> list[list[float]]:
-    """Seconds per call of each of ``fns`` (``loops`` calls timed from one ``sync`` to
-    the next), measured ``reps`` times round-robin: each repetition times every function
-    once, in turn, so a change of the host's speed during the measurement (clock
-    scaling, another process) touches all of them alike. A figure taken as the
-    difference of two functions is then the median of per-repetition differences
-    (:func:`median_difference`), which is steadier than the difference of two medians
-    taken at different times (on one H100 machine the latter gave selective
-    checkpointing's per-op backward as 55, 126 and 167 µs in three rounds)."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, times):
-            sync()
-            t = time.perf_counter()
-            for _ in range(loops):
-                fn()
-            sync()
-            out.append((time.perf_counter() - t) / loops)
-    return times
-
-
-def median_difference(a: list[float], b: list[float]) -> float:
-    """Median over repetitions of ``b[i] - a[i]`` (times from :func:`paired_times`)."""
-    return statistics.median(y - x for x, y in zip(a, b))
-
-
-def backward_times(fwd: list[float], both: list[float]) -> list[float]:
-    """Per repetition, the backward's share of a forward + backward (``both``) timed
-    beside the forward alone (``fwd``), from :func:`paired_times`."""
-    return [b - f for f, b in zip(fwd, both)]
-
-
-def median_of(runs: list[Any]) -> Any:
-    """The element-wise median of repeated measurements of one shape (numbers, lists and
-    dicts of them, nested): each figure is the median of its repetitions."""
-    first = runs[0]
-    if isinstance(first, dict):
-        return {k: median_of([r[k] for r in runs]) for k in first}
-    if isinstance(first, list):
-        return [median_of(list(col)) for col in zip(*runs)]
-    return statistics.median(runs)
 
 
 def _fwd_and_step(module: nn.Module, x: torch.Tensor,

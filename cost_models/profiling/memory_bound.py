@@ -1,27 +1,10 @@
-"""Memory-bound measurements of ``autopar profile``: achieved bytes/s of pointwise ops,
-normalizations, softmax, embedding and cross-entropy, forward and backward.
+"""Memory-bound points of ``autopar profile``: achieved bytes/s of pointwise ops,
+normalizations, softmax, embedding and cross-entropy, forward and backward
+(:func:`pointwise_tasks`, :func:`row_tasks`, :func:`embedding_tasks`,
+:func:`cross_entropy_tasks`).
 
 Bytes are the fewest each op must move through device memory (each input read once,
-each output written once; small per-channel weights and statistics left out), with
-``e`` the element size:
-
-=================  ==========================  ==================================
-op                 forward                     backward (grads of all inputs)
-=================  ==========================  ==================================
-copy               2·n·e (read + write)        —
-add                3·n·e                       — (autograd passes the grad through)
-mul                3·n·e                       5·n·e (read g, a, b; write ga, gb)
-gelu, silu         2·n·e                       3·n·e (read g, x; write gx)
-layer_norm         2·n·e                       3·n·e (read g, x; write gx)
-rms_norm           2·n·e                       3·n·e
-softmax (last)     2·n·e                       3·n·e (read g, y; write gx)
-embedding          T·H·e rows read + written   T·H·e read + V·H·e written (dense
-                   (2·T·H·e) + 8·T indices     grad of the table, zero-filled)
-cross_entropy      T·V·e (read logits)         2·T·V·e (read logits, write grad)
-=================  ==========================  ==================================
-
-Tensors that fit in the GPU's L2 cache (50 MB on an H100) are timed warm; the large
-sizes of each op are the HBM numbers.
+each output written once); the count per op and pass: docs/profiling.md.
 """
 
 from __future__ import annotations

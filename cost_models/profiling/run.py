@@ -1,27 +1,16 @@
 """``autopar profile``: measure this machine's GPU (or CPU) and write a profile JSON.
 
     autopar profile [--quick] [--out FILE] [--resume] [--time-limit-s S]
-    python -m autopar.cost_models.profiling.run ...             # the same, without the CLI
     torchrun --nproc-per-node 8 -m autopar.cost_models.profiling.run --out p.json
                                                            # adds collectives + α-β fits
 
-Tables (each a list of rows: the shape, dtype, median seconds and the achieved rate):
-
-- ``gemm`` — torch.mm over square, skinny and tensor-parallel shard shapes, in bf16,
-  fp16, fp32 and tf32 (:mod:`.compute_bound`, :mod:`.grid`);
-- ``attention`` — causal scaled_dot_product_attention, forward and backward;
-- ``memory_bound`` — pointwise ops, norms, softmax, embedding, cross-entropy as
-  bytes/s, forward and backward (:mod:`.memory_bound`);
-- ``launch`` — the overhead of a tiny op;
-- ``host_overhead_s`` (not a table: one figure per key) — host seconds per op kind,
-  forward and backward, what selective checkpointing, FSDP2 and DTensor add, and the
-  optimizer step's per parameter (:mod:`.host_wrappers`, :mod:`.host_dispatch`);
-- ``collectives`` — under torchrun with more than one process (:mod:`.collectives`).
-
-The run is resumable: every measured row is appended to ``FILE.partial.jsonl`` as it
-is measured; ``--resume`` skips the rows already there (same device only), and the
-finished profile replaces the partial file. ``--quick`` measures a smaller grid in a
-few minutes. Nothing here imports pulp or the planner.
+:func:`run_profile` measures the points of :mod:`.grid` into tables (``launch``,
+``gemm``, ``attention``: :mod:`.compute_bound`; ``memory_bound``: :mod:`.memory_bound`;
+``collectives`` under torchrun: :mod:`.collectives`, fitted by :mod:`.fit`) and host
+seconds (``host_overhead_s``: :mod:`.host_dispatch`, :mod:`.host_wrappers`), appends
+every row to ``FILE.partial.jsonl`` as it is measured (``--resume`` skips those) and
+writes the profile (:func:`assemble`, :func:`dump`). The format: docs/profiling.md.
+Nothing here imports pulp or the planner.
 """
 
 from __future__ import annotations
@@ -37,8 +26,8 @@ from typing import Any, Callable, TextIO
 
 import torch
 
-from autopar.cost_models.profiling.collectives import (FIT_FORMULA, fit_table, init_from_env,
-                                                       measure_collectives)
+from autopar.cost_models.profiling.collectives import init_from_env, measure_collectives
+from autopar.cost_models.profiling.fit import FIT_FORMULA, fit_table
 from autopar.cost_models.profiling.grid import Grid, cpu_grid, gpu_grid
 from autopar.cost_models.profiling.host_wrappers import measure_host
 from autopar.cost_models.profiling.timing import Task, Timer, compact_json, provenance

@@ -1,11 +1,13 @@
-"""Timing and bookkeeping shared by the profiler's measurement modules.
+"""How ``autopar profile`` and the ``cpu`` profile time what they measure.
 
-:class:`Timer` times a callable the way the profiler's method prescribes: warm up,
-pick a batch of back-to-back calls long enough to hide launch jitter, repeat the batch,
-take the median. On CUDA the clock is a pair of CUDA events around each batch
-(device time, launches queued asynchronously); on CPU it is ``time.perf_counter``.
-A :class:`Task` is one point to measure: its table, a unique key, the parameters that
-describe it, and a function that measures it with a Timer.
+:class:`Timer` times one point of a table: warm up, pick a batch of back-to-back calls
+long enough to hide launch jitter, repeat the batch, take the median. On CUDA the clock
+is a pair of CUDA events around each batch (device time, launches queued
+asynchronously); on CPU it is ``time.perf_counter``. A :class:`Task` is one point to
+measure: its table, a unique key, the parameters that describe it, and a function that
+measures it with a Timer. Host overheads are differences of wall-clock times taken
+round-robin (:func:`paired_times`, :func:`median_difference`). :func:`provenance` says
+where and how a profile was measured.
 """
 
 from __future__ import annotations
@@ -148,6 +150,74 @@ def summarize(times: list[float], inner: int = 1) -> Measurement:
     return Measurement(seconds=med, spread=spread, reps=len(times), inner=inner)
 
 
+def median_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int = 7,
+                loops: int = 1, warmup: int = 1) -> float:
+    """Median over ``reps`` runs (after ``warmup`` calls) of the seconds per call of
+    ``loops`` calls of ``fn``, timed from one ``sync`` to the next (a barrier: every
+    process starts together, and a run lasts until the slowest process is done, as a
+    step does)."""
+    return statistics.median(paired_times([fn], sync, reps, loops, warmup)[0])
+
+
+def paired_times(fns: list[Callable[[], Any]], sync: Callable[[], None], reps: int = 11,
+                 loops: int = 1, warmup: int = 1) -> list[list[float]]:
+    """Seconds per call of each of ``fns`` (``loops`` calls timed from one ``sync`` to
+    the next), measured ``reps`` times round-robin: each repetition times every function
+    once, in turn, so a change of the host's speed during the measurement (clock
+    scaling, another process) touches all of them alike. A figure taken as the
+    difference of two functions is then the median of per-repetition differences
+    (:func:`median_difference`), which is steadier than the difference of two medians
+    taken at different times (on one H100 machine the latter gave selective
+    checkpointing's per-op backward as 55, 126 and 167 µs in three rounds)."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            sync()
+            t = time.perf_counter()
+            for _ in range(loops):
+                fn()
+            sync()
+            out.append((time.perf_counter() - t) / loops)
+    return times
+
+
+def median_difference(a: list[float], b: list[float]) -> float:
+    """Median over repetitions of ``b[i] - a[i]`` (times from :func:`paired_times`)."""
+    return statistics.median(y - x for x, y in zip(a, b))
+
+
+def backward_times(fwd: list[float], both: list[float]) -> list[float]:
+    """Per repetition, the backward's share of a forward + backward (``both``) timed
+    beside the forward alone (``fwd``), from :func:`paired_times`."""
+    return [b - f for f, b in zip(fwd, both)]
+
+
+def median_of(runs: list[Any]) -> Any:
+    """The element-wise median of repeated measurements of one shape (numbers, lists and
+    dicts of them, nested): each figure is the median of its repetitions."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in runs]) for k in first}
+    if isinstance(first, list):
+        return [median_of(list(col)) for col in zip(*runs)]
+    return statistics.median(runs)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def sig(x: float, digits: int = 4) -> float:
     """``x`` rounded to ``digits`` significant digits (keeps the JSON reviewable)."""
     if x == 0 or not math.isfinite(x):
@@ -223,9 +293,7 @@ def provenance(device: torch.device, **extra: Any) -> dict[str, Any]:
                        "same calls captured in one CUDA graph and replayed (device time "
                        "without host overhead or launch gaps)")
     else:
-        from autopar.cost_models.profiling.cpu import _cpu_name  # the shipped CPU profile's
-
-        p["device_name"] = _cpu_name()
+        p["device_name"] = cpu_name()
         p["timing"] = ("time.perf_counter around batches of back-to-back calls; median "
                        "of repeated batches after warm-up")
     p.update(extra)
