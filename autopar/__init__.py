@@ -9,12 +9,13 @@ and run it with PyTorch's own distributed stack::
     print(plan.summary())
 """
 
-from autopar.api import Spec, detect_cluster, estimate, parallelize, plan
+from autopar.api import detect_cluster, estimate, parallelize, plan
 from autopar.cluster import Cluster
 from autopar.compare import Comparison, compare
 from autopar.errors import (AutoparError, CaptureError, ConfigError, LoweringError,
                             NoFeasiblePlanError, PlanFormatError, UnsupportedOpError)
 from autopar.plans import ModulePlan, Plan
+from autopar.spec import Spec
 
 __version__ = "0.1.0"
 

@@ -8,51 +8,20 @@ import math
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ConfigError
+from autopar.spec import Spec, check_choice, split_space
 
 if TYPE_CHECKING:
     import torch
 
+    from autopar.plans import Plan
+    from autopar.runtime import ParallelModel
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-SEARCH_KEYS = ("dp", "tp", "pp", "microbatch_size", "zero", "sequence_parallel", "schedule",
-               "virtual_stages", "time_limit_s", "recompute", "offload", "top_k", "progress")
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A hand-written parallel configuration, scored by :func:`estimate`.
-
-    Degrees left out are 1, except ``dp``, which fills the world. ``microbatch_size``
-    defaults to each data-parallel rank's whole share of the global batch, or with
-    pipelining (``pp`` > 1) to the largest that still gives ``pp`` micro-batches.
-    ``schedule`` (with ``pp`` > 1) defaults to "1f1b". ``recompute`` ("none",
-    "selective" or "full") applies to every block; None lets the solver choose per layer.
-    ``offload`` keeps parameters and optimizer state in host memory (needs ``zero=3``).
-    """
-
-    dp: int | None = None
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    microbatch_size: int | None = None
-    schedule: str | None = None
-    virtual_stages: int = 1
-    recompute: str | None = None
-    zero: int = 0
-    sequence_parallel: bool = False
-    offload: bool = False
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
-    return value
 
 
 def _budget(memory_budget: float | None, hw) -> float:
@@ -140,6 +109,14 @@ def _batch_of(example_inputs: Any) -> int:
     return int(first.shape[0])
 
 
+def _global_batch(global_batch: int | None, example_inputs: Any) -> int:
+    """``global_batch``, or the batch of ``example_inputs`` when it is None."""
+    gb = global_batch if global_batch is not None else _batch_of(example_inputs)
+    if not isinstance(gb, int) or gb < 1:
+        raise ConfigError(f"global_batch={global_batch!r}: expected a positive integer")
+    return gb
+
+
 def _heads(graph) -> int | None:
     """The greatest common divisor of every attention's head count (None: no attention)."""
     counts = [n.out.shape[-3] for n in graph.nodes
@@ -163,34 +140,28 @@ def _check_heads(graph, tp: int) -> None:
                     f"{[d for d in range(1, heads + 1) if heads % d == 0]}")
 
 
-def _check_pipeline_space(space: dict, num_blocks: int) -> None:
-    """A requested schedule must be known, and pipelining needs repeated blocks."""
-    from autopar.plans import SCHEDULES
-
-    sched = space.get("schedule")
-    if sched is not None and sched not in SCHEDULES:
-        raise ConfigError(f"schedule={sched!r} is not supported; choose one of "
-                          f"{', '.join(SCHEDULES)}")
-    pp = space.get("pp")
+def _check_pipeline_depth(pp: int | None, num_blocks: int) -> None:
+    """Pipelining needs a pipeline unit per stage: the repeated blocks and what comes
+    before and after them."""
     if pp is not None and pp > 1 and pp > num_blocks + 2:
         raise ConfigError(f"pp={pp} needs at least {pp} pipeline units but the model has "
                           f"{num_blocks} repeated blocks (+ what comes before and after "
                           f"them); choose pp <= {num_blocks + 2}")
 
 
-def _unsplittable_for_pipelining(model, example_inputs, graph, space: dict) -> str | None:
+def _unsplittable_for_pipelining(model, example_inputs, graph, pp: int | None) -> str | None:
     """Why pipeline parallelism is left out of the plan, or None. The runtime cuts
     stages from the model's exported program at its blocks, and this asks the
     runtime's own cut (:func:`autopar.runtime.pipeline_split.pipeline_blocker`), so a
-    model it cannot cut is never offered pp > 1. A pp > 1 the caller asked for raises
+    model it cannot cut is never offered pp > 1. A ``pp`` the caller asked for raises
     ConfigError with the reason instead."""
     from autopar.runtime.pipeline_split import pipeline_blocker
 
     reason = pipeline_blocker(model, example_inputs, [lay.path for lay in graph.layers])
     if reason is None:
         return None
-    if space.get("pp") is not None:
-        raise ConfigError(f"pp={space['pp']} cannot run: {reason}")
+    if pp is not None:
+        raise ConfigError(f"pp={pp} cannot run: {reason}")
     return f"pipeline parallelism left out of the plan: {reason}"
 
 
@@ -199,24 +170,6 @@ def _input_specs(example_inputs, global_batch: int) -> list[dict]:
     xs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     return [{"shape": [global_batch, *(int(d) for d in x.shape[1:])],
              "dtype": str(x.dtype).removeprefix("torch.")} for x in xs]
-
-
-def _recompute_modes(value) -> tuple[str, ...] | None:
-    """A forced recomputation mode (one of RECOMPUTE) as the tuple the search takes."""
-    from autopar.plans import RECOMPUTE
-
-    if value is None:
-        return None
-    _check_choice("recompute", value, RECOMPUTE)
-    return (value,)
-
-
-def _offload(value, zero) -> bool | None:
-    """``offload=True`` needs ZeRO-3 (FSDP2 offloads sharded parameters)."""
-    if value and zero not in (None, 3):
-        raise ConfigError(f"offload=True needs zero=3 (FSDP2 offloads sharded parameters), "
-                          f"not zero={zero}")
-    return value
 
 
 @contextlib.contextmanager
@@ -235,65 +188,59 @@ def _collect_less() -> Iterator[None]:
 
 @_collect_less()
 def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | None,
-                loss_fn, precision: str, optimizer: str, memory_budget, space: dict,
+                loss_fn, precision: str, optimizer: str, memory_budget, spec: Spec,
+                time_limit_s: float | None = None, top_k: int = 1,
+                progress: Callable[[int, int, float | None], None] | None = None,
                 name: str | None = None, example_targets: torch.Tensor | None = None):
+    """Search the configurations ``spec`` leaves open (its fields, already checked by
+    :class:`Spec`) for the fastest plan that fits; (plan, the search's result)."""
     from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
     from autopar.solvers.outer_search import SearchResult, candidates, search
     from autopar.strategies.analysis import analyze
 
-    unknown = sorted(set(space) - set(SEARCH_KEYS))
-    if unknown:
-        raise ConfigError(f"unknown planning option(s) {', '.join(unknown)}; "
-                          f"known: {', '.join(SEARCH_KEYS)}")
-    _check_choice("precision", precision, PRECISIONS)
-    _check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
     if not isinstance(cluster, Cluster):
         raise ConfigError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     hw = cluster.hardware()
     budget = _budget(memory_budget, hw)
-    gb = global_batch if global_batch is not None else _batch_of(example_inputs)
-    if not isinstance(gb, int) or gb < 1:
-        raise ConfigError(f"global_batch={global_batch!r}: expected a positive integer")
+    gb = _global_batch(global_batch, example_inputs)
     world = cluster.world_size
-    tp = space.get("tp")
-    if tp is not None and (tp < 1 or world % tp):
-        raise ConfigError(f"tp={tp} does not divide the {world} devices of the cluster")
+    if spec.tp is not None and world % spec.tp:
+        raise ConfigError(f"tp={spec.tp} does not divide the {world} devices of the cluster")
     graph = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                     name=name)
-    _check_heads(graph, tp or 1)
+    _check_heads(graph, spec.tp or 1)
     an = analyze(graph)
-    _check_pipeline_space(space, len(graph.layers))
-    cands = candidates(world, gb, dp=space.get("dp"), tp=tp, pp=space.get("pp"),
-                       microbatch_size=space.get("microbatch_size"), zero=space.get("zero"),
-                       schedule=space.get("schedule"),
-                       virtual_stages=space.get("virtual_stages"),
+    _check_pipeline_depth(spec.pp, len(graph.layers))
+    cands = candidates(world, gb, dp=spec.dp, tp=spec.tp, pp=spec.pp,
+                       microbatch_size=spec.microbatch_size, zero=spec.zero,
+                       schedule=spec.schedule, virtual_stages=spec.virtual_stages,
                        num_units=len(graph.layers) + 2 if graph.layers else 1,
                        heads=_heads(graph))
-    top_k = space.get("top_k", 1)
     if not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k={top_k!r}: expected a positive integer (1 = the best plan "
                           f"only)")
     pp_note = None
-    asked = (space.get("pp") or 1) > 1
+    asked = (spec.pp or 1) > 1
     if asked:  # a model that cannot be cut is an error
-        _unsplittable_for_pipelining(model, example_inputs, graph, space)
+        _unsplittable_for_pipelining(model, example_inputs, graph, spec.pp)
 
     def run(cands: list) -> SearchResult:
         return search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node,
                       precision=precision, optimizer=optimizer, memory_budget=budget,
-                      sequence_parallel=space.get("sequence_parallel"),
-                      recompute=_recompute_modes(space.get("recompute")),
-                      offload=_offload(space.get("offload"), space.get("zero")),
-                      time_limit_s=space.get("time_limit_s"), top_k=top_k,
-                      progress=space.get("progress"))
+                      sequence_parallel=spec.sequence_parallel,
+                      recompute=(spec.recompute,) if spec.recompute is not None else None,
+                      offload=spec.offload, time_limit_s=time_limit_s, top_k=top_k,
+                      progress=progress)
 
     res = run(cands)
     # whether the runtime can cut the model into stages is asked only of a search that
     # kept a pipeline (a second export): one it cannot cut is searched again without
     if not asked and any(r.candidate is not None and r.candidate.pp > 1
                          for r in [res, *res.runners_up]):
-        pp_note = _unsplittable_for_pipelining(model, example_inputs, graph, space)
+        pp_note = _unsplittable_for_pipelining(model, example_inputs, graph, spec.pp)
         if pp_note:
             res = run([c for c in cands if c.pp == 1])
     peak = hw.matmul_flops.get(precision, hw.matmul_flops.get("fp32", 1.0))
@@ -316,7 +263,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     if pp_note:
         plan.notes.append(pp_note)
     if "gap" in plan.solver:
-        plan.notes.append(f"the search stopped at its time limit of {space['time_limit_s']} s; "
+        plan.notes.append(f"the search stopped at its time limit of {time_limit_s} s; "
                           f"no plan it did not try can be more than "
                           f"{plan.solver['gap'] * 100:.1f}% faster")
     return plan, res
@@ -325,7 +272,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
 def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch: int | None = None,
          loss_fn: Callable | None = None, precision: str = "bf16", optimizer: str = "adamw",
          memory_budget: float | None = None, example_targets: torch.Tensor | None = None,
-         **space) -> "Plan":
+         space: Spec | None = None, **knobs: Any) -> "Plan":
     """Find the fastest plan for ``model`` on ``cluster`` that fits in memory.
 
     ``example_inputs`` is one global batch (real or ``meta`` tensors); ``global_batch``
@@ -333,24 +280,30 @@ def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch:
     output's last dim; ``example_targets`` (the targets of that batch) may be left out,
     and a custom loss is then tried with int64 class targets of the output's leading
     shape, then with float targets shaped like the output (see
-    :func:`autopar.capture.capture`). ``space`` narrows the search: ``dp``, ``tp``,
-    ``pp``, ``microbatch_size``, ``zero`` (0-3), ``sequence_parallel`` (True/False),
-    ``schedule`` (one of :data:`autopar.plans.SCHEDULES`), ``virtual_stages``,
-    ``recompute`` (force "none", "selective" or "full" on every block; by default the
-    solver picks per layer), ``offload`` (True / False; by default only when nothing
-    fits without it), ``time_limit_s`` (stop early with the best plan found; the
-    optimality gap is in ``plan.solver["gap"]``), ``top_k`` (also list the next
-    ``top_k`` − 1 fastest configurations in ``plan.runners_up``, each with the terms it
-    loses on) and ``progress`` (called as ``progress(done, total, best_step_time_s)``
-    after each configuration). ``memory_budget`` defaults to the GPU's
-    memory less the profile's stated reserve. Without a cluster, plans for the running job (see
-    :func:`detect_cluster`).
+    :func:`autopar.capture.capture`).
+
+    The search space is a :class:`Spec`, given as ``space=Spec(...)`` or as its fields
+    by name (``plan(model, inputs, tp=2, recompute="full")``; a field named beside
+    ``space`` replaces the Spec's): ``dp``, ``tp``, ``pp``, ``microbatch_size``,
+    ``zero`` (0-3), ``sequence_parallel``, ``schedule`` (one of
+    :data:`autopar.plans.SCHEDULES`), ``virtual_stages``, ``recompute`` ("none",
+    "selective" or "full" on every block) and ``offload``; each one left None is the
+    solver's choice (recomputation per block; offload only when nothing fits without
+    it). Three keywords steer the search itself: ``time_limit_s`` (stop early with the
+    best plan found; the optimality gap is in ``plan.solver["gap"]``), ``top_k`` (also
+    list the next ``top_k`` − 1 fastest configurations in ``plan.runners_up``, each with
+    the terms it loses on) and ``progress`` (called as ``progress(done, total,
+    best_step_time_s)`` after each configuration). Any other keyword raises ConfigError
+    naming the valid ones. ``memory_budget`` (bytes per device) defaults to the GPU's
+    memory less the profile's stated reserve. Without a cluster, plans for the running
+    job (see :func:`detect_cluster`).
     """
+    spec, options = split_space(knobs, space)
     cluster = cluster or detect_cluster()
     p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=global_batch,
                        loss_fn=loss_fn, precision=precision, optimizer=optimizer,
-                       memory_budget=memory_budget, space=space,
-                       example_targets=example_targets)
+                       memory_budget=memory_budget, spec=spec,
+                       example_targets=example_targets, **options)
     return p
 
 
@@ -364,43 +317,21 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
              example_targets: torch.Tensor | None = None) -> "Plan":
     """Score a hand-written configuration with the same cost model as :func:`plan`.
 
-    The intra-op layout within the given degrees is still chosen by the solver (so
-    ``tp=8`` gives the best 8-way tensor-parallel layout). ``loss_fn`` and
+    What ``spec`` leaves out is filled as :meth:`Spec.for_estimate` says: degrees are 1,
+    except ``dp``, which fills the world. The intra-op layout within the given degrees
+    is still chosen by the solver (so ``tp=8`` gives the best 8-way tensor-parallel
+    layout), and so is recomputation when ``spec.recompute`` is None. ``loss_fn`` and
     ``example_targets`` are those of :func:`plan`.
     """
     if not isinstance(spec, Spec):
         raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
-    for name in ("cp", "ep"):
-        if getattr(spec, name) != 1:
-            raise ConfigError(f"Spec({name}={getattr(spec, name)}) is not supported yet; "
-                              f"this version plans data, tensor and pipeline parallelism")
-    if spec.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"Spec(zero={spec.zero}) is not a ZeRO stage; use 0, 1, 2 or 3")
     cluster = cluster or detect_cluster()
-    world = cluster.world_size
-    if spec.tp < 1 or spec.pp < 1 or world % (spec.tp * spec.pp):
-        raise ConfigError(f"Spec(tp={spec.tp}, pp={spec.pp}) does not divide the {world} "
-                          f"devices of the cluster")
-    dp = spec.dp if spec.dp is not None else world // (spec.tp * spec.pp)
-    if dp * spec.tp * spec.pp != world:
-        raise ConfigError(f"Spec(dp={dp}, tp={spec.tp}, pp={spec.pp}) uses "
-                          f"{dp * spec.tp * spec.pp} devices but the cluster has {world}")
-    gb = global_batch if global_batch is not None else _batch_of(example_inputs)
-    if gb % dp:
-        raise ConfigError(f"the global batch {gb} is not divisible by dp={dp}")
-    local = gb // dp
-    mb = spec.microbatch_size or max(d for d in range(1, local + 1)
-                                     if local % d == 0 and (local // d >= spec.pp or d == 1))
-    space = {"dp": dp, "tp": spec.tp, "pp": spec.pp, "microbatch_size": mb, "zero": spec.zero,
-             "sequence_parallel": spec.sequence_parallel if spec.tp > 1 else None,
-             "recompute": spec.recompute, "offload": spec.offload}
-    if spec.pp > 1:
-        space["schedule"] = spec.schedule or "1f1b"
-        space["virtual_stages"] = spec.virtual_stages
+    gb = _global_batch(global_batch, example_inputs)
+    scored = spec.for_estimate(cluster.world_size, gb)
     p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=gb, loss_fn=loss_fn,
                        precision=precision, optimizer=optimizer, memory_budget=memory_budget,
-                       space=space, example_targets=example_targets)
-    p.notes.append(f"scored hand-written configuration {spec}")
+                       spec=scored, example_targets=example_targets)
+    p.notes.append(f"scored hand-written configuration {scored}")
     return p
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from autopar.cluster import Cluster
+    from autopar.spec import Spec
 
 
 def parse_bytes(text: str) -> float:
@@ -56,34 +57,54 @@ def _cluster_from_args(args: argparse.Namespace) -> Cluster:
                            inter_node_bandwidth=args.inter_node_bandwidth)
 
 
-def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
-    """``autopar compare MODEL``: the cluster and workload, then the hand-written
-    configuration (degrees left out are 1, except --dp, which fills the world)."""
+def _add_spec_args(g: argparse._ActionsContainer) -> None:
+    """One option per field of :class:`autopar.Spec`, by the field's name; each left out
+    is None. The values are checked by Spec itself."""
     from autopar.plans import RECOMPUTE, SCHEDULES
 
+    g.add_argument("--dp", type=int, help="data-parallel degree")
+    g.add_argument("--tp", type=int, help="tensor-parallel degree")
+    g.add_argument("--pp", type=int, help="pipeline-parallel degree")
+    g.add_argument("--cp", type=int, help="context-parallel degree (not implemented yet: 1)")
+    g.add_argument("--ep", type=int, help="expert-parallel degree (not implemented yet: 1)")
+    g.add_argument("--microbatch-size", "--microbatch", type=int, dest="microbatch_size",
+                   help="samples per forward/backward pass on one data-parallel rank")
+    g.add_argument("--schedule", metavar="{" + ",".join(SCHEDULES) + "}",
+                   help="pipeline schedule")
+    g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
+    g.add_argument("--recompute", metavar="{" + ",".join(RECOMPUTE) + "}",
+                   help="recomputation of every block")
+    g.add_argument("--zero", type=int, metavar="{0,1,2,3}", help="ZeRO stage")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                   help="norms and pointwise ops on sequence shards (with tp)")
+    g.add_argument("--offload", action=argparse.BooleanOptionalAction,
+                   help="parameters, gradients and optimizer state in host memory (with "
+                   "--zero 3)")
+
+
+def _spec_from_args(args: argparse.Namespace) -> Spec:
+    """The :class:`autopar.Spec` named by the options of :func:`_add_spec_args`."""
+    from dataclasses import fields
+
+    from autopar.spec import Spec
+
+    return Spec(**{f.name: getattr(args, f.name) for f in fields(Spec)})
+
+
+def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    """``autopar compare MODEL``: the cluster and workload, then the hand-written
+    configuration (as :func:`autopar.estimate` scores it)."""
     p = sub.add_parser("compare", help="score a hand-written configuration beside the plan")
     p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory")
     _add_cluster_args(p)
     _add_workload_args(p.add_argument_group("workload"))
-    h = p.add_argument_group("hand-written configuration")
-    h.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    h.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    h.add_argument("--dp", type=int, help="data-parallel degree (default: fills the world)")
-    h.add_argument("--microbatch-size", "--microbatch", type=int, dest="microbatch_size",
-                   help="micro-batch size (default: the largest that gives pp micro-batches)")
-    h.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
-    h.add_argument("--virtual-stages", type=int,
-                   help="model chunks per pipeline rank (default 1; 2 for zbv)")
-    h.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
-    h.add_argument("--recompute", choices=RECOMPUTE,
-                   help="recomputation of every block (default: the solver's choice per layer)")
-    h.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
-                   default=False, help="norms and pointwise ops on sequence shards (with tp)")
+    _add_spec_args(p.add_argument_group(
+        "hand-written configuration (left out, as autopar.estimate fills it: degrees 1, "
+        "except --dp, which fills the world; --zero 0; --schedule 1f1b; the largest "
+        "micro-batch that gives pp micro-batches; recomputation the solver's)"))
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from autopar.plans import RECOMPUTE
-
     ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the best plan for a model on a cluster")
@@ -91,24 +112,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    "(returning a model, (model, inputs) or (model, inputs, targets))")
     _add_cluster_args(p)
     _add_workload_args(p.add_argument_group("workload"))
-    f = p.add_argument_group("search space (each option fixes one choice)")
-    f.add_argument("--dp", type=int, help="fix the data-parallel degree")
-    f.add_argument("--tp", type=int, help="fix the tensor-parallel degree")
-    f.add_argument("--pp", type=int, help="fix the pipeline-parallel degree")
-    f.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b",
-                                          "interleaved_zero_bubble", "zbv"],
-                   help="fix the pipeline schedule")
-    f.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
-    f.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="fix the ZeRO stage")
-    f.add_argument("--microbatch-size", "--microbatch", type=int, dest="microbatch_size",
-                   help="fix the micro-batch size")
-    f.add_argument("--recompute", choices=RECOMPUTE,
-                   help="fix the recomputation of every block (default: chosen per layer)")
-    f.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
-                   help="force sequence parallelism on or off (default: either)")
-    f.add_argument("--offload", action=argparse.BooleanOptionalAction,
-                   help="force CPU offload of ZeRO-3 parameters on or off (default: only "
-                   "when nothing fits without)")
+    _add_spec_args(p.add_argument_group(
+        "search space (each option fixes one choice; left out, the solver chooses)"))
     p.add_argument("--top-k", "--top", type=int, default=1, metavar="N", dest="top_k",
                    help="also list the next N-1 fastest configurations and why they lost")
     p.add_argument("--time-limit-s", "--time-limit", type=float, metavar="SECONDS",
@@ -152,14 +157,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cluster = _cluster_from_args(args)
     model, inputs, targets = _load_model(args.model, args.seq_len)
-    space = {k: getattr(args, k) for k in ("dp", "tp", "pp", "zero", "microbatch_size",
-                                           "schedule", "virtual_stages", "recompute",
-                                           "sequence_parallel", "offload", "time_limit_s")
-             if getattr(args, k) is not None}
     plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
                         precision=args.precision, optimizer=args.optimizer,
                         memory_budget=args.memory_budget, example_targets=targets,
-                        top_k=args.top_k, progress=_progress_line(sys.stderr), **space)
+                        space=_spec_from_args(args), top_k=args.top_k,
+                        time_limit_s=args.time_limit_s, progress=_progress_line(sys.stderr))
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if ":" not in args.model:
@@ -203,12 +205,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cluster = _cluster_from_args(args)
     model, inputs, targets = _load_model(args.model, args.seq_len)
-    spec = autopar.Spec(dp=args.dp, tp=args.tp, pp=args.pp, microbatch_size=args.microbatch_size,
-                        schedule=args.schedule,
-                        virtual_stages=args.virtual_stages or (2 if args.schedule == "zbv" else 1),
-                        recompute=args.recompute, zero=args.zero,
-                        sequence_parallel=args.sequence_parallel)
-    result = autopar.compare(model, inputs, spec, cluster=cluster,
+    result = autopar.compare(model, inputs, _spec_from_args(args), cluster=cluster,
                              global_batch=args.global_batch, precision=args.precision,
                              optimizer=args.optimizer, memory_budget=args.memory_budget,
                              example_targets=targets)

@@ -1,7 +1,7 @@
 """Score a hand-written configuration beside the plan the planner chooses, term by term.
 
 :func:`compare` plans the model (``space`` narrows the search as in
-:func:`autopar.plan`) and scores a :class:`~autopar.api.Spec` with the same cost model
+:func:`autopar.plan`) and scores a :class:`~autopar.spec.Spec` with the same cost model
 (:func:`autopar.estimate`). The :class:`Comparison` lines the two up: their layouts,
 then the terms that add up to each step time (:data:`autopar.summary.STEP_TERMS`:
 compute, recomputation, exposed communication, bubble, optimizer step), memory
@@ -16,11 +16,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from autopar.api import Spec, detect_cluster, estimate, plan
+from autopar.api import _global_batch, detect_cluster, estimate, plan
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.plans import Plan
-from autopar.summary import STEP_TERMS, fmt_bytes, fmt_time, term_differences, term_label
+from autopar.spec import Spec
+from autopar.summary import STEP_TERMS, fmt_time, term_differences, term_label
+from autopar.units_text import fmt_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +133,7 @@ class Comparison:
         return self.needs_bytes is not None and math.isfinite(self.needs_bytes)
 
     def _needs_text(self) -> str:
-        """'needs at least X GiB per device against the Y GiB budget'."""
+        """'needs at least X GB per device against the Y GB budget'."""
         return (f"needs at least {fmt_bytes(self.needs_bytes)} per device against the "
                 f"{fmt_bytes(self.memory_budget_bytes)} budget")
 
@@ -183,34 +185,23 @@ def _recompute_summary(p: Plan) -> str:
     return ", ".join(f"{mode} {n} block{'s' if n > 1 else ''}" for mode, n in counts.items())
 
 
-def _spec_microbatches(spec: Spec, dp: int, global_batch: int) -> str:
-    """The Spec's 'micro-batch x count', with :func:`autopar.estimate`'s default size
-    (the largest that still gives ``pp`` micro-batches)."""
-    if dp < 1 or global_batch % dp:
-        return f"{spec.microbatch_size or '?'} x ?"
-    local = global_batch // dp
-    mb = spec.microbatch_size or max(d for d in range(1, local + 1)
-                                     if local % d == 0 and (local // d >= spec.pp or d == 1))
-    return f"{mb} x {local // mb}"
-
-
 def _layout(spec: Spec, planned: Plan) -> list[tuple[str, Callable[[Plan], str], str]]:
-    """(label, the text of a plan's value, the Spec's requested value as text)."""
-    world = planned.world_size
-    dp = spec.dp if spec.dp is not None else world // max(1, spec.tp * spec.pp)
-    mesh = ({"pp": spec.pp} if spec.pp > 1 else {}) | {"dp": dp, "tp": spec.tp}
-    sched = "none" if spec.pp == 1 else (spec.schedule or "1f1b") + (
-        f", {spec.virtual_stages} virtual stages" if spec.virtual_stages > 1 else "")
+    """(label, the text of a plan's value, the Spec's value as :func:`autopar.estimate`
+    scores it, as text)."""
+    s = spec.for_estimate(planned.world_size, planned.global_batch)
+    mesh = ({"pp": s.pp} if s.pp > 1 else {}) | {"dp": s.dp, "tp": s.tp}
+    v = s.virtual_stages or 1
+    sched = "none" if s.pp == 1 else s.schedule + (f", {v} virtual stages" if v > 1 else "")
     return [
         ("mesh", lambda p: _mesh_text(p.mesh), _mesh_text(mesh)),
         ("micro-batch x count", lambda p: f"{p.microbatch_size} x {p.num_microbatches}",
-         _spec_microbatches(spec, dp, planned.global_batch)),
+         f"{s.microbatch_size} x {planned.global_batch // s.dp // s.microbatch_size}"),
         ("schedule", _schedule_text, sched),
-        ("ZeRO", lambda p: _zero_text(p.zero, p.offload), _zero_text(spec.zero, spec.offload)),
+        ("ZeRO", lambda p: _zero_text(p.zero, p.offload), _zero_text(s.zero, s.offload)),
         ("sequence parallel", lambda p: "yes" if p.sequence_parallel else "no",
-         "yes" if spec.sequence_parallel else "no"),
+         "yes" if s.sequence_parallel else "no"),
         ("recompute", _recompute_summary,
-         f"{spec.recompute}, every block" if spec.recompute else "solver's choice"),
+         f"{s.recompute}, every block" if s.recompute else "solver's choice"),
     ]
 
 
@@ -221,15 +212,18 @@ def compare(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None
             **space: Any) -> Comparison:
     """Plan ``model`` and score the hand-written ``spec`` beside the plan.
 
-    The arguments are those of :func:`autopar.plan` (``space`` narrows its search) and
-    :func:`autopar.estimate`. When the Spec does not fit in memory the comparison says
+    The arguments are those of :func:`autopar.plan` (``space``, a Spec or its fields by
+    name, narrows its search) and :func:`autopar.estimate`. When the Spec does not fit in memory the comparison says
     what it needs against the budget instead of raising; an invalid Spec (a degree that
     does not divide the world, ...) raises ConfigError, and when the planner finds no
     plan at all its NoFeasiblePlanError is raised, as :func:`autopar.plan` does.
     """
     if not isinstance(spec, Spec):
         raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
-    common = dict(cluster=cluster or detect_cluster(), global_batch=global_batch,
+    cluster = cluster or detect_cluster()
+    # an invalid Spec fails before the search, not after it
+    spec.for_estimate(cluster.world_size, _global_batch(global_batch, example_inputs))
+    common = dict(cluster=cluster, global_batch=global_batch,
                   loss_fn=loss_fn, precision=precision, optimizer=optimizer,
                   memory_budget=memory_budget, example_targets=example_targets)
     planned = plan(model, example_inputs, **common, **space)

@@ -6,6 +6,7 @@ import re
 
 from autopar.cost_models.hardware import accuracy_text
 from autopar.plans import Plan
+from autopar.units_text import fmt_bytes
 
 
 STEP_TERMS = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "optimizer_s",
@@ -58,15 +59,6 @@ def term_label(key: str) -> str:
     """The readable name of breakdown key ``key`` (``"bubble_s"`` -> "bubble"; an unknown
     ``"a_b_s"`` -> "a b")."""
     return dict(TERM_LABELS + DETAIL_LABELS).get(key, key.removesuffix("_s").replace("_", " "))
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes in the largest binary unit that keeps the number readable."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def fmt_time(s: float) -> str:

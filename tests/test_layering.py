@@ -9,13 +9,14 @@ layer and the layers below, never one above. Imports inside functions and under
 ====  ==========  ===========================================================
 layer name        modules
 ====  ==========  ===========================================================
-0     base        autopar.errors, autopar.graph, autopar.memory_choices
+0     base        autopar.errors, autopar.graph, autopar.memory_choices,
+                  autopar.units_text
 1     capture     autopar.flops, autopar.layers, autopar.masks, autopar.capture,
                   autopar.loader
 2     strategies  autopar.sharding, autopar.strategies.*
 3     cost        autopar.cost_models.*, autopar.cluster
 4     solve       autopar.solvers.*
-5     plan        autopar.plans, autopar.summary, autopar.assemble
+5     plan        autopar.plans, autopar.spec, autopar.summary, autopar.assemble
 6     runtime     autopar.runtime.*
 7     api         autopar (the package's __init__), autopar.api, autopar.compare,
                   autopar.cli, autopar.demo, autopar.launch
@@ -36,13 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and below
-    ("base", ("autopar.errors", "autopar.graph", "autopar.memory_choices")),
+    ("base", ("autopar.errors", "autopar.graph", "autopar.memory_choices",
+              "autopar.units_text")),
     ("capture", ("autopar.flops", "autopar.layers", "autopar.masks", "autopar.capture",
                  "autopar.loader")),
     ("strategies", ("autopar.sharding", "autopar.strategies.*")),
     ("cost", ("autopar.cost_models.*", "autopar.cluster")),
     ("solve", ("autopar.solvers.*",)),
-    ("plan", ("autopar.plans", "autopar.summary", "autopar.assemble")),
+    ("plan", ("autopar.plans", "autopar.spec", "autopar.summary", "autopar.assemble")),
     ("runtime", ("autopar.runtime.*",)),
     ("api", ("autopar", "autopar.api", "autopar.compare", "autopar.cli", "autopar.demo",
              "autopar.launch")),

@@ -1,0 +1,179 @@
+"""One description of a parallel configuration for :func:`autopar.plan`,
+:func:`autopar.estimate`, :func:`autopar.compare` and the command line.
+
+A :class:`Spec` names the choices a plan makes. To :func:`autopar.plan` a field left
+None is the solver's to choose; :func:`autopar.estimate` scores one configuration and
+fills what is left out as :meth:`Spec.for_estimate` says. Each field is checked here,
+once, when a Spec is made, so the same mistake gets the same message from every entry
+point.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from autopar.errors import ConfigError
+from autopar.memory_choices import RECOMPUTE
+from autopar.plans import SCHEDULES
+
+__all__ = ["Spec", "SEARCH_OPTIONS", "split_space", "check_choice", "default_microbatch"]
+
+SEARCH_OPTIONS = ("time_limit_s", "top_k", "progress")
+"""Keywords of :func:`autopar.plan` that steer the search rather than name a choice."""
+
+COUNTS = ("dp", "tp", "pp", "microbatch_size", "virtual_stages")
+"""The fields that are positive integers."""
+
+NOT_IMPLEMENTED = {
+    "cp": ("context parallelism",
+           "to fit long sequences, use tp with sequence_parallel=True, and recompute"),
+    "ep": ("expert parallelism",
+           "a mixture of experts is planned like the other layers, with dp, tp, pp and zero"),
+}
+"""Degrees that keep their names but are not planned yet: (what, what to use instead)."""
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> Any:
+    """``value`` when it is one of ``allowed``; ConfigError otherwise."""
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
+@dataclass(frozen=True, repr=False)
+class Spec:
+    """A parallel configuration; each field left None is the solver's choice.
+
+    :func:`autopar.plan` searches every field left None (``plan(model, inputs, tp=2)``
+    and ``plan(model, inputs, space=Spec(tp=2))`` are the same search).
+    :func:`autopar.estimate` scores one configuration: degrees left out are 1, except
+    ``dp``, which fills the world, and the rest is filled as :meth:`for_estimate` says.
+
+    Attributes:
+        dp, tp, pp: data-, tensor- and pipeline-parallel degrees.
+        cp, ep: context- and expert-parallel degrees: not implemented yet, so only None
+            or 1 (any other value raises ConfigError saying what to use instead).
+        microbatch_size: samples per forward/backward pass on one data-parallel rank.
+        schedule: the pipeline schedule, one of :data:`autopar.plans.SCHEDULES`.
+        virtual_stages: model chunks per pipeline rank (None: 1, or 2 for "zbv").
+        recompute: "none", "selective" or "full" on every block (None: chosen per block).
+        zero: ZeRO stage 0-3 over ``dp``.
+        sequence_parallel: norms and pointwise ops on sequence shards (with ``tp``).
+        offload: parameters, gradients and optimizer state in host memory between uses
+            (needs ``zero=3``; None: only when nothing fits without it).
+    """
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    microbatch_size: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    recompute: str | None = None
+    zero: int | None = None
+    sequence_parallel: bool | None = None
+    offload: bool | None = None
+
+    def __post_init__(self) -> None:
+        """Check every field given (the one place they are checked)."""
+        for name in COUNTS + ("zero", "cp", "ep"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _integer(name, value))
+        for name, (what, instead) in NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if value not in (None, 1):
+                raise ConfigError(f"{name}={value}: {what} is not implemented yet; autopar "
+                                  f"plans data (dp, zero), tensor (tp, sequence_parallel) and "
+                                  f"pipeline (pp) parallelism. Leave {name} out (or 1): "
+                                  f"{instead}")
+        for name in COUNTS:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value}: expected a positive integer")
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero={self.zero}: expected a ZeRO stage, 0, 1, 2 or 3")
+        if self.schedule is not None:
+            check_choice("schedule", self.schedule, SCHEDULES)
+        if self.recompute is not None:
+            check_choice("recompute", self.recompute, RECOMPUTE)
+        for name in ("sequence_parallel", "offload"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected True or False")
+        if self.offload and self.zero not in (None, 3):
+            raise ConfigError(f"offload=True needs zero=3 (FSDP2 offloads sharded parameters), "
+                              f"not zero={self.zero}")
+
+    def __repr__(self) -> str:
+        """The fields given: ``Spec(tp=2, recompute='full')``."""
+        return "Spec(" + ", ".join(f"{k}={v!r}" for k, v in self.given().items()) + ")"
+
+    def given(self) -> dict[str, Any]:
+        """The fields that are not None, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    def for_estimate(self, world: int, global_batch: int) -> Spec:
+        """The configuration :func:`autopar.estimate` scores on ``world`` devices: ``tp``
+        and ``pp`` left out are 1, ``dp`` fills the world, ``microbatch_size`` is
+        :func:`default_microbatch`, ``schedule`` (with ``pp`` > 1) is "1f1b", ``zero``
+        0, ``sequence_parallel`` (with ``tp`` > 1) and ``offload`` False; ``recompute``
+        and ``virtual_stages`` left out stay the solver's.
+
+        Raises:
+            ConfigError: the degrees do not multiply to ``world``, or ``dp`` does not
+                divide ``global_batch``.
+        """
+        tp, pp = self.tp or 1, self.pp or 1
+        if world % (tp * pp):
+            raise ConfigError(f"tp={tp} x pp={pp} does not divide the {world} devices of "
+                              f"the cluster")
+        dp = self.dp if self.dp is not None else world // (tp * pp)
+        if dp * tp * pp != world:
+            raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} uses {dp * tp * pp} devices but "
+                              f"the cluster has {world}")
+        if global_batch % dp:
+            raise ConfigError(f"the global batch {global_batch} is not divisible by dp={dp}")
+        mb = self.microbatch_size or default_microbatch(global_batch // dp, pp)
+        return replace(self, dp=dp, tp=tp, pp=pp, microbatch_size=mb,
+                       schedule=(self.schedule or "1f1b") if pp > 1 else self.schedule,
+                       zero=self.zero or 0, offload=bool(self.offload),
+                       sequence_parallel=bool(self.sequence_parallel) if tp > 1 else None)
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int (an integral number, not a bool); ConfigError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name}={value!r}: expected an integer")
+    return int(value)
+
+
+def default_microbatch(local_batch: int, pp: int) -> int:
+    """The largest micro-batch size that divides a data-parallel rank's ``local_batch``
+    and still gives ``pp`` micro-batches (1 when none does)."""
+    return max(d for d in range(1, local_batch + 1)
+               if local_batch % d == 0 and (local_batch // d >= pp or d == 1))
+
+
+def split_space(knobs: dict[str, Any], space: Spec | None = None
+                ) -> tuple[Spec, dict[str, Any]]:
+    """:func:`autopar.plan`'s keywords as (the Spec they name, the search options of
+    :data:`SEARCH_OPTIONS`). Fields named as keywords replace those of ``space``.
+
+    Raises:
+        ConfigError: a keyword is neither a field of Spec nor a search option, ``space``
+            is not a Spec, or a field's value is invalid.
+    """
+    if space is not None and not isinstance(space, Spec):
+        raise ConfigError(f"space must be an autopar.Spec, got {type(space).__name__}")
+    names = tuple(f.name for f in fields(Spec))
+    unknown = sorted(set(knobs) - set(names) - set(SEARCH_OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown planning option(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(names + SEARCH_OPTIONS)} (or space=autopar.Spec(...))")
+    spec = replace(space or Spec(), **{k: v for k, v in knobs.items() if k in names})
+    return spec, {k: v for k, v in knobs.items() if k in SEARCH_OPTIONS}
