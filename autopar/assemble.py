@@ -12,10 +12,11 @@ from autopar.sharding import shard_dim
 from autopar.solvers.intra_op_ilp import Solution
 from autopar.solvers.pipelined_candidate import PipelineOutcome, pipeline_terms
 from autopar.solvers.problem import evaluate
+from autopar.solvers.problem_build import Built
 from autopar.solvers.schedule_sim import stage_ranks
 from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
-from autopar.strategies.build import Built, NodeStrategy
+from autopar.strategies.enumeration import NodeStrategy
 from autopar.strategies.rules import loss_reduction
 
 

@@ -14,7 +14,7 @@ Per case it prints the measured and predicted forward+backward time and, per ter
   time minus its kernel time; predicted: the exposed host time of the plan).
 
 The predicted terms come from the planner's own per-node prices
-(:func:`autopar.strategies.build.build_problem` on the one-device mesh), grouped by
+(:func:`autopar.solvers.problem_build.build_problem` on the one-device mesh), grouped by
 :func:`autopar.cost_models.host.op_kind`; their sum plus recomputation and exposed host
 time is the plan's forward+backward time, which is what the case's total compares.
 The MAPE is over the cases that ran, and apart for the device-bound ones (measured
@@ -61,7 +61,8 @@ def predicted_terms(case: LayerCase, profile: str, plan: Any) -> dict[str, float
     from autopar.cost_models.host import op_kind
     from autopar.sharding import Mesh
     from autopar.strategies.analysis import analyze
-    from autopar.strategies.build import Settings, build_problem
+    from autopar.solvers.problem_build import build_problem
+    from autopar.strategies.settings import Settings
 
     model, x, y = build(case)
     graph = capture(model, (x,), loss_fn=mse_loss, example_targets=y)

@@ -26,12 +26,12 @@ from autopar.solvers.outer_search import Candidate, candidate_settings, tiers
 from autopar.solvers.pipelined_candidate import (boundary_p2p, rank_host_time, rank_transients,
                                                  shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
+from autopar.solvers.problem_build import Built, build_problem
 from autopar.solvers.cost_terms import PieceCost
 from autopar.solvers.schedule_sim import simulate, stage_ranks
 from autopar.solvers.stage_split import after_backward, stage_in_flight
 from autopar.solvers.units import Unit, unit_costs, unit_of_nodes
 from autopar.strategies.analysis import GraphAnalysis
-from autopar.strategies.build import Built, build_problem
 
 _TOL = 1e-12
 """Relative slack on a memory budget, as the stage split allows it."""

@@ -27,10 +27,11 @@ from autopar.memory_choices import RECOMPUTE
 from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, in_flight,
                                                  pipeline_problem, refine_modes, solve_pipeline)
 from autopar.solvers.problem import evaluate, least_memory
+from autopar.solvers.problem_build import Built, build_problem
 from autopar.solvers.schedule_sim import ZERO_BUBBLE, needs_a_microbatch_per_stage, validate
 from autopar.solvers.units import least_unit_costs, unit_members
 from autopar.strategies.analysis import GraphAnalysis
-from autopar.strategies.build import Built, Settings, build_problem
+from autopar.strategies.settings import Settings
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ from autopar.sharding import Mesh, shard_count
 from autopar.solvers.cost_terms import PieceCost, StepTerms
 from autopar.solvers.intra_op_ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
+from autopar.solvers.problem_build import Built
 from autopar.solvers.schedule_sim import simulate, stage_ranks
 from autopar.solvers.stage_split import StageSplit, split_stages, stage_in_flight
 from autopar.solvers.units import (Unit, backward_transients, copy_static_bytes, tied_copies,
                                     unit_costs)
-from autopar.strategies.build import Built
 
 
 @dataclass

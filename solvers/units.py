@@ -22,8 +22,8 @@ from autopar.graph import Graph
 from autopar.sharding import shard_count
 from autopar.solvers.cost_terms import PieceCost
 from autopar.solvers.problem import Problem
+from autopar.solvers.problem_build import Built
 from autopar.strategies.analysis import param_users
-from autopar.strategies.build import Built
 
 
 @dataclass

@@ -17,9 +17,10 @@ from autopar.capture import capture
 from autopar.demo import reference_step, sgd_losses
 from autopar.errors import UnsupportedOpError
 from autopar.sharding import Mesh
+from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze
 from autopar.strategies.batch_flow import BATCH, reshape_batch
-from autopar.strategies.build import Settings, build_problem
+from autopar.strategies.settings import Settings
 from tests.dist_utils import RankPool
 from tests.foreign_models import TinyLlama
 

@@ -8,8 +8,9 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.examples import zoo
 from autopar.sharding import Mesh
+from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze
-from autopar.strategies.build import Settings, build_problem
+from autopar.strategies.settings import Settings
 
 
 @pytest.fixture(scope="module")

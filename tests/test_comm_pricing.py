@@ -12,8 +12,9 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.hardware import load_profile
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
+from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze, unit_shares
-from autopar.strategies.build import Settings, build_problem
+from autopar.strategies.settings import Settings
 from tests.dist_utils import RankPool
 
 

@@ -29,10 +29,7 @@ ALLOWED: frozenset[str] = frozenset({
     "autopar.cost_models.tables",
     # strategies, not trimmed yet:
     "autopar.strategies.batch_flow",
-    "autopar.strategies.build",
     "autopar.strategies.fused",
-    "autopar.strategies.grad_sum",
-    "autopar.strategies.recompute",
     "autopar.strategies.rules",
     "autopar.strategies.rules_moe",
 })

@@ -16,8 +16,9 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.solvers.intra_op_ilp import solve_ilp
 from autopar.solvers.problem import evaluate
+from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze
-from autopar.strategies.build import Settings, build_problem
+from autopar.strategies.settings import Settings
 from tests.dist_utils import RankPool
 
 
@@ -71,7 +72,7 @@ def test_dtensor_redistribution_costs_host_time_on_two_processes(rank_pool: Rank
 def _builder(hw, mesh: tuple[int, int] = (2, 2), precision: str = "fp32",
              num_microbatches: int = 1):
     """The strategy builder of a one-block GPT on a dp x tp mesh."""
-    from autopar.strategies.build import _Builder
+    from autopar.cost_models.strategy_price import StrategyPricer as _Builder
 
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=256, n_layers=1, n_heads=4))

@@ -14,15 +14,16 @@ from autopar.capture import capture
 from autopar.cost_models.hardware import load_profile
 from autopar.cost_models.host import op_kind
 from autopar.examples.gpt import GPT, GPTConfig
+from autopar.flops import op_name
 from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.sharding import Mesh
 from autopar.solvers.exhaustive import solve_exhaustive
 from autopar.solvers.intra_op_ilp import IntraOpILP, solve_ilp
 from autopar.solvers.problem import (NodeChoice, Problem, RecomputeGroup, StrategyCost,
                                      evaluate, host_exposure)
+from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze
-from autopar.strategies.build import Settings, build_problem
-from autopar.strategies.recompute import op_name
+from autopar.strategies.settings import Settings
 from tests.test_solver_random import random_problem
 
 

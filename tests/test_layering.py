@@ -54,18 +54,6 @@ EXAMPLES = len(LAYERS) - 1
 EXAMPLE_USERS = frozenset({"autopar.cli", "autopar.demo"})  # the only importers of examples
 
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    # build.py prices each strategy as it builds it; the pricing moves out with its split:
-    ("autopar.strategies.build", "autopar.cost_models.comm"),
-    ("autopar.strategies.build", "autopar.cost_models.compute"),
-    ("autopar.strategies.build", "autopar.cost_models.host"),
-    ("autopar.strategies.build", "autopar.cost_models.memory"),
-    ("autopar.strategies.build", "autopar.cost_models.offload"),
-    ("autopar.strategies.build", "autopar.cost_models.param_work"),
-    ("autopar.strategies.recompute", "autopar.cost_models.host"),  # prices recompute modes
-    # the Problem the strategies fill in is defined beside the solvers that read it:
-    ("autopar.strategies.build", "autopar.solvers.problem"),
-    ("autopar.strategies.grad_sum", "autopar.solvers.problem"),  # a type hint alone
-    ("autopar.strategies.recompute", "autopar.solvers.problem"),
     # a profiler times the runtime's own code, so it runs it:
     ("autopar.cost_models.profiling.host_dispatch",
      "autopar.runtime.recompute"),  # selective_context

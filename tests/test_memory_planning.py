@@ -17,8 +17,9 @@ from autopar.sharding import Mesh
 from autopar.solvers.exhaustive import solve_exhaustive
 from autopar.solvers.intra_op_ilp import IntraOpILP, solve_ilp
 from autopar.solvers.problem import evaluate
+from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze
-from autopar.strategies.build import Settings, build_problem
+from autopar.strategies.settings import Settings
 
 
 class MLPBlock(nn.Module):

@@ -9,9 +9,10 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.solvers.intra_op_ilp import solve_ilp
 from autopar.solvers.problem import evaluate
+from autopar.solvers.problem_build import build_problem
 from autopar.solvers.units import recompute_transient, unit_costs
 from autopar.strategies.analysis import analyze
-from autopar.strategies.build import Settings, build_problem
+from autopar.strategies.settings import Settings
 
 
 def _solved(mesh: tuple[int, int], zero: int):

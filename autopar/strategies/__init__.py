@@ -1,2 +1,3 @@
-"""Sharding strategies: per-op rules, their enumeration on a mesh, and the cost tables
-the solvers read (see :func:`autopar.strategies.build.build_problem`)."""
+"""Sharding strategies: per-op rules and their enumeration on a mesh
+(:mod:`autopar.strategies.enumeration`); :func:`autopar.solvers.problem_build.build_problem`
+prices them into the problem the solvers read."""

@@ -1,44 +1,30 @@
-"""Activation recomputation as a solver choice: one :class:`RecomputeGroup` per distinct
-repeated layer (the canonical layer that identical blocks share), with what each mode
-keeps and what it costs again in backward.
+"""Activation recomputation as a solver choice: what one group is made of. A group is
+one distinct repeated layer (the canonical layer that identical blocks share): its
+canonical op nodes, and the block inputs each is charged for (the activations the
+layer reads from outside itself, which ``torch.utils.checkpoint`` keeps).
 
-For a canonical op node v of the layer and its strategy i, per micro-batch and per
-layer instance (bytes per device, seconds):
-
-* kept bytes ``K_r``:
-  - none: what autograd saves (the node's share of ``memory["activations"]``);
-  - selective: the node's output when its operator is in
-    :data:`autopar.memory_choices.SELECTIVE_SAVE_OPS` (matrix products and attention: the
-    selective-checkpoint policy caches them), plus the block input below;
-  - full: only the block input: each activation the layer reads from outside it
-    (the residual stream), charged to its first reader, sized by the placement that
-    reader takes it in (``torch.utils.checkpoint`` saves the block's inputs);
-* ``act_delta_r = K_r − K_none`` and ``transient_r = K_none − K_r`` (during its own
-  backward, the layer being recomputed holds all its activations again: one layer at
-  a time, so counted once, not per instance);
-* ``extra_s``: the forward time the mode runs again inside backward: for selective,
-  the forward of every op not in the save list; for full, the forward of every op;
-  both re-run the forward half of the node's activation collectives (``comm/2``: the
-  policy keeps the matrix-product output, not the collective's). Resharding on edges
-  inside the layer (zero for the Megatron layouts) is not re-charged.
-* host seconds, on a GPU profile (:mod:`autopar.cost_models.host`): full re-issues the
-  op's forward in backward (its forward host time) and pays the checkpoint's hooks per
-  op in both passes (``ckpt_op_fwd``, ``ckpt_op_bwd``); selective runs every op of the
-  block through its dispatch mode in both passes (``sac_op_fwd``, ``sac_op_bwd``) and
-  re-issues the forward of the ops it recomputes.
+What each mode keeps and re-runs is priced by :mod:`autopar.cost_models.recompute_price`;
+:mod:`autopar.solvers.problem_build` puts the groups into the problem.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autopar.cost_models.host import charges_host, checkpoint_host_time
-from autopar.flops import op_name
-from autopar.memory_choices import RECOMPUTE, SELECTIVE_SAVE_OPS
-from autopar.solvers.problem import RecomputeGroup, StrategyCost
-
 if TYPE_CHECKING:
-    from autopar.strategies.build import NodeStrategy, _Builder
+    from autopar.strategies.enumeration import StrategySpace
+
+
+@dataclass
+class RecomputeLayer:
+    """One distinct repeated layer: the paths of the blocks that share it, its
+    canonical nodes in the problem, and per node the (input position, input name) of
+    the block inputs charged to it."""
+
+    paths: list[str]
+    names: list[str]
+    inputs: dict[str, list[tuple[int, str]]]
 
 
 def layer_groups(g) -> dict[int, list[str]]:
@@ -53,19 +39,19 @@ def layer_groups(g) -> dict[int, list[str]]:
     return out
 
 
-def _block_inputs(b: "_Builder", layer: int, names: list[str]) -> dict[tuple[str, int], str]:
+def block_inputs(space: "StrategySpace", names: list[str]) -> dict[tuple[str, int], str]:
     """(node, input position) -> input name for the first reader of each activation the
-    layer reads from outside itself."""
-    an = b.an
+    layer of nodes ``names`` reads from outside itself."""
+    an = space.an
     inside = set(names)
     seen: set[str] = set()
     out: dict[tuple[str, int], str] = {}
     for name in names:
-        n = b.node(name)
+        n = space.node(name)
         if n.kind != "op":
             continue
         for pos, i in enumerate(n.inputs):
-            src = b.node(i)
+            src = space.node(i)
             if i in inside or i in seen or src.kind == "param" or i in an.constants \
                     or an.batch_dim.get(i) is None:
                 continue
@@ -74,83 +60,14 @@ def _block_inputs(b: "_Builder", layer: int, names: list[str]) -> dict[tuple[str
     return out
 
 
-def _kept(b: "_Builder", name: str, ns: "NodeStrategy", mode: str,
-          inputs: list[tuple[int, str]]) -> float:
-    """K_mode of node ``name`` under strategy ``ns`` (module docstring), bytes per
-    instance; ``inputs`` are the (input position, input name) of the block inputs
-    charged to it (:func:`_block_inputs`)."""
-    if mode == "none":
-        return ns.memory.get("activations", 0.0)
-    n = b.node(name)
-    kept = sum(b.tensor_bytes(i) / b.degree(ns.ins[pos]) for pos, i in inputs)
-    if mode == "selective" and n.requires_grad and op_name(n.target) in SELECTIVE_SAVE_OPS:
-        kept += b.tensor_bytes(name) / b.degree(ns.raw_out)
-    return kept
-
-
-def _extra(b: "_Builder", name: str, ns: "NodeStrategy", sc: StrategyCost,
-           mode: str) -> float:
-    """Forward seconds re-run in backward under ``mode`` (module docstring): the op's
-    forward and the forward half of its output's conversion (not the reduction of its
-    parameters' gradients, which ``sc.comm_s`` also holds)."""
-    if mode == "none":
-        return 0.0
-    n = b.node(name)
-    fwd = sc.compute_s - sc.bwd_compute_s
-    if mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS:
-        fwd = 0.0
-    return fwd + b._output_comm(n, ns.raw_out, ns.out) / 2
-
-
-def _host(b: "_Builder", name: str, sc: StrategyCost, mode: str) -> tuple[float, float]:
-    """(forward, backward) host seconds ``mode`` adds to node ``name`` with strategy
-    cost ``sc`` on a GPU profile (module docstring)."""
-    n = b.node(name)
-    if mode == "none" or n.kind != "op":
-        return 0.0, 0.0
-    again = sc.host_s - sc.host_bwd_s  # the op's forward, issued again
-    hook_f, hook_b = checkpoint_host_time(b.st.hw, mode)
-    saved = mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS
-    return hook_f, hook_b + (0.0 if saved else again)
-
-
-def recompute_groups(b: "_Builder", index: dict[str, int], details: list[list["NodeStrategy"]],
-                     costs: list[list[StrategyCost]]) -> list[RecomputeGroup]:
-    """One group per canonical layer of the graph, over the modes ``b.st.recompute_modes``
-    allows (mode indices follow :data:`autopar.memory_choices.RECOMPUTE`)."""
-    g = b.g
-    allowed = tuple(k for k, m in enumerate(RECOMPUTE) if m in b.st.recompute_modes)
-    host = charges_host(b.st.hw)
-    groups = []
+def recompute_layers(space: "StrategySpace", index: dict[str, int]) -> list[RecomputeLayer]:
+    """The layers of the graph, each with its nodes among ``index`` (the problem's)."""
+    g = space.g
+    layers = []
     for layer, paths in layer_groups(g).items():
         names = [n for n in g.layers[layer].nodes if n in index]
         inputs: dict[str, list[tuple[int, str]]] = {}
-        for (v, pos), i in _block_inputs(b, layer, names).items():
+        for (v, pos), i in block_inputs(space, names).items():
             inputs.setdefault(v, []).append((pos, i))
-        nodes, extra, delta, trans, h_fwd, h_bwd = [], [], [], [], [], []
-        for name in names:
-            k = index[name]
-            ex_k, de_k, tr_k, hf_k, hb_k = [], [], [], [], []
-            own = inputs.get(name, [])
-            for ns, sc in zip(details[k], costs[k]):
-                base = _kept(b, name, ns, "none", own)
-                kept = [_kept(b, name, ns, m, own) for m in RECOMPUTE]
-                ex_k.append([_extra(b, name, ns, sc, m) for m in RECOMPUTE])
-                de_k.append([x - base for x in kept])
-                tr_k.append([base - x for x in kept])
-                hosts = [_host(b, name, sc, m) if host else (0.0, 0.0) for m in RECOMPUTE]
-                hf_k.append([f for f, _ in hosts])
-                hb_k.append([h for _, h in hosts])
-            if any(v for row in ex_k + de_k + hf_k + hb_k for v in row):
-                nodes.append(k)
-                extra.append(ex_k)
-                delta.append(de_k)
-                trans.append(tr_k)
-                h_fwd.append(hf_k)
-                h_bwd.append(hb_k)
-        if nodes:
-            groups.append(RecomputeGroup(",".join(paths), nodes, extra, delta, trans,
-                                         RECOMPUTE, allowed,
-                                         host_fwd_s=h_fwd if host else [],
-                                         host_bwd_s=h_bwd if host else []))
-    return groups
+        layers.append(RecomputeLayer(paths, names, inputs))
+    return layers

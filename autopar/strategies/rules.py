@@ -13,7 +13,7 @@ Labels in ``forbid`` are never split (normalized dims of a norm, the softmax dim
 attention's head dim, a sliced or concatenated dim, ...). This one description
 covers linear/matmul/bmm/einsum, embeddings, norms, softmax, pointwise ops with
 broadcasting, reductions, views, attention and the loss, and it lets a generic
-enumerator produce every legal strategy of every op (see ``build.py``).
+enumerator produce every legal strategy of every op (:mod:`autopar.strategies.enumeration`).
 
 Labels in ``per_rank`` are forbidden to the model-parallel axes but data parallelism
 may split them: each rank runs the op on its own samples, which is what a

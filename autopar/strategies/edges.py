@@ -1,0 +1,162 @@
+"""What connects the strategies of two ops: the collectives that re-lay a tensor out
+from one placement to another, the strategy pairs each edge of the graph allows with
+the conversion each pair needs, and the ties between the readers of one parameter.
+
+A conversion, per mesh axis whose placement changes, is one collective over that axis
+(:func:`collectives`: S→R all-gather, P→R all-reduce, P→S reduce-scatter, S(i)→S(j)
+all-to-all; R→S is a local slice), forward and, for tensors that need gradients, the
+dual conversion of the gradient backward. :mod:`autopar.cost_models.strategy_price`
+prices them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from autopar.strategies.enumeration import NodeStrategy, StrategySpace
+from autopar.strategies.grad_sum import edge_backward
+
+Placements = tuple[str, ...]
+
+
+def collectives(src: Placements, dst: Placements, nbytes: float,
+                sizes: tuple[int, ...]) -> tuple[tuple[str, int, float], ...] | None:
+    """The collectives that re-lay a tensor of ``nbytes`` (whole) out from ``src`` to
+    ``dst`` on a mesh of ``sizes``, in axis order: (kind, mesh axis, bytes of its
+    buffer: each device's piece of the other axes' splits, and for an all-to-all the
+    bytes each device holds). None where no collective can: a split turned into a
+    partial sum."""
+    steps = []
+    for a, (s, d) in enumerate(zip(src, dst)):
+        if s == d:
+            continue
+        local = nbytes
+        for b, p in enumerate(src):
+            if b != a and p.startswith("S("):
+                local /= sizes[b]
+        if s.startswith("S(") and d == "R":
+            kind, size = "all_gather", local
+        elif s == "P" and d == "R":
+            kind, size = "all_reduce", local
+        elif s == "P" and d.startswith("S("):
+            kind, size = "reduce_scatter", local
+        elif s.startswith("S(") and d.startswith("S("):
+            kind, size = "all_to_all", local / sizes[a]
+        elif s.startswith("S(") and d == "P":
+            return None
+        else:
+            continue  # a local slice or a partial view: no collective
+        steps.append((kind, a, size))
+    return tuple(steps)
+
+
+def reachable(src: Placements, dst: Placements) -> bool:
+    """Whether some collectives turn ``src`` into ``dst`` (:func:`collectives`)."""
+    return not any(s != d and s.startswith("S(") and d == "P" for s, d in zip(src, dst))
+
+
+class Conversion(NamedTuple):
+    """What an edge converts between a pair of strategies: the producer's output from
+    ``src`` to the consumer's input ``dst`` forward and, when gradients flow, the
+    gradient the consumer hands back from ``grad`` to ``src`` (partial sums reduced)."""
+
+    src: Placements
+    dst: Placements
+    grad: Placements
+
+
+@dataclass
+class EdgeOptions:
+    """The strategy pairs one edge of canonical nodes allows: (producer strategies,
+    consumer strategies, the conversion every pair of them needs)."""
+
+    producer: int
+    consumer: int
+    count: int      # how many graph edges the pair of nodes stands for
+    tensor: str     # the producer's node name
+    needs_grad: bool
+    pairs: list[tuple[list[int], list[int], Conversion]]
+
+
+def edge_counts(g, index: dict[str, int]) -> dict[tuple[int, int, int], int]:
+    """(producer, consumer, input position) of canonical nodes (positions in ``index``)
+    -> how many graph edges the pair stands for."""
+    canon = g.canonical
+    counts: dict[tuple[int, int, int], int] = {}
+    for n in g.nodes:
+        if n.kind != "op":
+            continue
+        v = index[canon.get(n.name, n.name)]
+        for pos, i in enumerate(n.inputs):
+            if g.node(i).kind == "param":
+                continue
+            u = index[canon.get(i, i)]
+            counts[(u, v, pos)] = counts.get((u, v, pos), 0) + 1
+    return counts
+
+
+def edge_options(space: StrategySpace, counts: dict[tuple[int, int, int], int],
+                 details: list[list[NodeStrategy]], names: list[str]) -> list[EdgeOptions]:
+    """The strategy pairs of every edge in ``counts``, strategies grouped by what the
+    edge sees of them (the producer's output, the consumer's input and gradient
+    placements): a module consumer converts whatever it is handed; elsewhere producer
+    and consumer agree, but for a gradient that comes back partial."""
+    an, free = space.an, space.free
+    edges = []
+    for (u, v, pos), mult in counts.items():
+        un, vn = space.node(names[u]), space.node(names[v])
+        module_consumer = vn.name in an.module_ops
+        sums = any(su.grad_sum for su in details[u])
+        outs: dict[tuple[Placements, tuple[int, ...]], list[int]] = {}
+        for i, su in enumerate(details[u]):
+            outs.setdefault((su.out, su.grad_sum), []).append(i)
+        needs: dict[tuple[Placements, Placements], list[int]] = {}
+        for j, sv in enumerate(details[v]):
+            needs.setdefault((sv.ins[pos], sv.grads[pos]), []).append(j)
+        pairs: list[tuple[list[int], list[int], Conversion]] = []
+        # a constant is computed on each rank from its local shapes: it is whatever the
+        # consumer needs on the data-parallel axis
+        fixed = [a for a in range(space.mesh.ndim) if a not in free
+                 and not (un.name in an.constants and a == space.dp_axis)]
+        axes = free + fixed
+        for (out, summed), ii in outs.items():
+            for (need, grad), jj in needs.items():
+                if any(out[a] != need[a] for a in fixed):
+                    continue
+                if all(out[a] == need[a] for a in axes):
+                    # no forward collective, but a gradient that comes back partial over
+                    # a tensor-parallel axis (a column-wise Linear's replicated input) is
+                    # all-reduced at the module boundary; partial over data parallelism,
+                    # it is a parameter's, reduced with the parameter gradients
+                    back = edge_backward(tuple(grad[a] if a in free else "R" if p == "P" else p
+                                               for a, p in enumerate(out)), out,
+                                         summed if sums else None, free)
+                    if back is not None:
+                        pairs.append((ii, jj, Conversion(out, need, back)))
+                elif module_consumer and reachable(out, need):
+                    pairs.append((ii, jj, Conversion(out, need, grad)))
+        edges.append(EdgeOptions(u, v, mult, un.name, un.requires_grad, pairs))
+    return edges
+
+
+def tied_groups(space: StrategySpace, index: dict[str, int], details: list[list[NodeStrategy]]
+                ) -> list[tuple[int, int, list[list[int]], list[list[int]]]]:
+    """Ops that read the same parameter must agree on its placement: per pair of
+    readers (node indices a, c), the groups of each one's strategies, one group per
+    placement of the parameter, that go together."""
+    ties = []
+    canon = space.g.canonical
+    for p, users in space.an.param_consumers.items():
+        first = users[0]
+        a = index[canon.get(first[0], first[0])]
+        for other in users[1:]:
+            c = index[canon.get(other[0], other[0])]
+            if c == a and other[1] == first[1]:
+                continue
+            keys = sorted({s.ins[first[1]] for s in details[a]} |
+                          {s.ins[other[1]] for s in details[c]})
+            ga = [[i for i, s in enumerate(details[a]) if s.ins[first[1]] == k] for k in keys]
+            gb = [[j for j, s in enumerate(details[c]) if s.ins[other[1]] == k] for k in keys]
+            ties.append((a, c, ga, gb))
+    return ties

@@ -1,0 +1,68 @@
+"""What a solver problem is built for besides the graph: the mesh, the micro-batching,
+the ZeRO stage, precision, optimizer, memory budget and hardware profile.
+
+Enumeration (:mod:`autopar.strategies.enumeration`) reads the mesh, the micro-batch
+size and the sequence-parallel and recomputation choices; pricing
+(:mod:`autopar.cost_models.strategy_price`) reads the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.sharding import Mesh
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a problem is built for, besides the graph."""
+
+    mesh: Mesh
+    microbatch_size: int
+    num_microbatches: int
+    zero: int
+    precision: str
+    optimizer: str
+    memory_budget: float
+    hw: object
+    gpus_per_node: int
+    sequence_parallel: bool | None = None
+    offload: bool = False
+    recompute_modes: tuple[str, ...] = ("none", "selective", "full")
+
+    @property
+    def overlap(self) -> float:
+        """The share of compute that gradient synchronization and ZeRO traffic may
+        hide behind: the hardware profile's ``comm_overlap``.
+
+        What overlaps in eager PyTorch, and how the pricing treats it:
+
+        * Tensor-parallel and sequence-parallel collectives (DTensor redistributions,
+          the partial-gradient all-reduces: ``comm_s``) sit on the critical path: the
+          next op consumes their result, and eager DTensor waits on each collective
+          before the op that reads it. Only async-TP (torch's micro-pipelined
+          all-gather-matmul, opt-in via ``torch._inductor`` under ``torch.compile``:
+          PyTorch "Introducing Async Tensor Parallelism", 2024) hides them, and the
+          runtime does not use it, so none of it is hidden.
+        * FSDP2's all-gathers and reduce-scatters (``micro_param_comm_s``) run on
+          their own CUDA streams: the all-gather of the next ``fully_shard`` unit is
+          issued when the host reaches its pre-forward hook (implicit prefetch, the
+          host running ahead) or explicitly one unit ahead in backward, and each
+          unit's reduce-scatter overlaps the backward of the units before it
+          (torch.distributed.fsdp.fully_shard documentation; Zhao et al., "PyTorch
+          FSDP", VLDB 2023, §3.3). DDP's bucketed all-reduce (``step_param_comm_s``)
+          likewise overlaps the backward (Li et al., "PyTorch Distributed", VLDB 2020,
+          §3.2.3). The solver hides them behind ``overlap`` x compute summed over
+          the step (:mod:`autopar.solvers.problem`), except the root unit's, whose
+          all-gather opens each forward and whose reduce-scatter closes each
+          backward with no compute beside them: they are priced on the critical path
+          (:meth:`autopar.cost_models.param_price.ParamPricer.param_comm`). Still
+          optimistic: a block unit whose traffic outlasts its neighbours' compute is
+          hidden by slack elsewhere in the sum, and the first block's all-gather
+          (behind only the embedding) and the last reduce-scatter are counted as
+          hidden.
+        * On a GPU profile ``comm_overlap`` is 1 (NCCL's kernels beside the compute
+          stream); the slowdown concurrent NCCL kernels cause to the GEMMs they
+          share SMs and HBM with is not priced.
+        """
+        return self.hw.comm_overlap  # type: ignore[attr-defined]

@@ -1,0 +1,290 @@
+"""Time and memory of an enumerated strategy on a hardware profile (seconds per
+micro-batch, bytes per device): the one pricer of a first build and of a repricing.
+
+* compute: the roofline time of the op's FLOPs and bytes divided by the number of
+  devices that split its work, forward plus backward (``backward_factors``), and
+  its host time (:mod:`autopar.cost_models.host`; on a CPU the host is the device);
+* conversions: each collective of :func:`autopar.strategies.edges.collectives` by
+  :func:`autopar.cost_models.comm.collective_time`, plus what DTensor adds on a CPU;
+* parameters: :mod:`autopar.cost_models.param_price`;
+* memory: the parameter terms and the activations autograd saves for backward;
+  recomputation is priced by :mod:`autopar.cost_models.recompute_price`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost_models.comm import INF, collective_time
+from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
+                                         local_shape, op_time)
+from autopar.cost_models.host import op_host_time
+from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
+from autopar.cost_models.param_price import ParamPricer, ParamTerms
+from autopar.graph import OpNode, TensorMeta
+from autopar.strategies.analysis import GraphAnalysis
+from autopar.strategies.edges import collectives
+from autopar.strategies.enumeration import GraphFacts, NodeStrategy, StrategySpace
+from autopar.strategies.grad_sum import summed_placement
+from autopar.strategies.settings import Settings
+
+Placements = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OpTerms:
+    """What an op itself costs under one strategy: its device and host seconds
+    (forward + backward, and the backward's part) and the bytes it saves for backward
+    and holds at the start of backward. The ZeRO stage, micro-batch count, offload and
+    optimizer change none of it: a repricing keeps them."""
+
+    compute_s: float
+    bwd_compute_s: float
+    host_s: float
+    host_bwd_s: float
+    activations: float
+    backward_start_bytes: float
+
+
+@dataclass
+class StrategyPrice:
+    """Time and memory of one strategy: the op's terms, its parameters' terms, the
+    collectives on the critical path (its output's conversion, its parameters'
+    partial-gradient reductions and a summed gradient's) and memory by category."""
+
+    op: OpTerms
+    params: ParamTerms
+    comm_s: float
+    memory: dict[str, float]
+
+
+class StrategyPricer(ParamPricer):
+    """Prices the strategies of analysis ``an`` under settings ``st`` (module
+    docstring). ``saved_owner`` and ``facts`` are the graph's, shared by a search."""
+
+    def __init__(self, an: GraphAnalysis, st: Settings,
+                 saved_owner: dict[tuple[str, int], str] | None = None,
+                 facts: GraphFacts | None = None) -> None:
+        super().__init__(StrategySpace(an, st, facts))
+        self.an, self.g = an, an.graph
+        self.meta = self.space.meta
+        self.saved_owner = saved_owner if saved_owner is not None else self._saved_owner()
+        self._converts: dict[tuple[Placements, Placements, float], float] = {}
+        self._ops: dict[tuple[str, tuple[str | None, ...]], tuple[float, ...]] = {}
+        self._out_bytes: dict[str, float] = {}
+        self._tensor_bytes: dict[str, float] = {}
+
+    def price(self, n: OpNode, ns: NodeStrategy, op: OpTerms) -> StrategyPrice:
+        """Strategy ``ns`` of op ``n`` priced, its own terms ``op`` given
+        (:meth:`op_terms`, or kept from a build under the same layout)."""
+        terms = self.param_terms(n, ns.ins, ns.grads)
+        mem = {"params": terms.params, "grads": terms.grads, "optimizer": terms.optimizer,
+               "activations": op.activations}
+        if terms.gathered is not None:
+            mem["gathered"] = terms.gathered
+        comm = self.output_comm(n, ns.raw_out, ns.out) + terms.tp + self._grad_sum(n, ns)
+        return StrategyPrice(op, terms, comm, mem)
+
+    def op_terms(self, n: OpNode, ns: NodeStrategy) -> OpTerms:
+        """The op's own terms under strategy ``ns`` (:class:`OpTerms`)."""
+        device, bwd, host, host_b = self._times(n, ns)
+        return OpTerms(device, bwd, host, host_b, self._activations(n, ns.ins, ns.out),
+                       self._loss_gradient(n, ns.ins))
+
+    # ---- bytes ------------------------------------------------------------------
+    def nbytes(self, m: TensorMeta | None) -> float:
+        """Bytes of an activation: float tensors in the compute dtype, others as they are."""
+        if m is None:
+            return 0.0
+        return m.numel * (self.act_elt if m.is_float else m.nbytes / max(m.numel, 1))
+
+    def out_bytes(self, name: str) -> float:
+        """:meth:`nbytes` of node ``name``'s output at the micro-batch size, memoized."""
+        found = self._out_bytes.get(name)
+        if found is None:
+            found = self._out_bytes[name] = self.nbytes(self.meta(name))
+        return found
+
+    def tensor_bytes(self, name: str) -> float:
+        """Bytes of node ``name``'s output at the micro-batch size; an explicit cast to
+        float32 (e.g. the logits before the loss) stays 4 bytes under mixed precision.
+        Memoized."""
+        found = self._tensor_bytes.get(name)
+        if found is None:
+            n, m = self.node(name), self.meta(name)
+            if m is not None and m.dtype == "float32" and n.target.startswith(
+                    ("aten.to.", "aten._to_copy.")):
+                found = m.numel * 4.0
+            else:
+                found = self.nbytes(m)
+            self._tensor_bytes[name] = found
+        return found
+
+    # ---- conversions ------------------------------------------------------------
+    def convert(self, src: Placements, dst: Placements, nbytes: float) -> float:
+        """Seconds to redistribute a tensor of ``nbytes`` (whole) from src to dst: each
+        collective's time, plus, where the host is the device (a CPU profile), what
+        DTensor's redistribution adds to a collective of its kind
+        (:meth:`redistribute_overhead`); INF where no collective can. Memoized."""
+        key = (src, dst, nbytes)
+        found = self._converts.get(key)
+        if found is None:
+            steps = collectives(src, dst, nbytes, self.mesh.sizes)
+            found = INF if steps is None else 0.0
+            for kind, a, size in steps or ():
+                found += collective_time(kind, size, self.mesh.sizes[a], self.links[a]) + \
+                    self.redistribute_overhead(kind)
+            self._converts[key] = found
+        return found
+
+    def convert_both(self, src: Placements, dst: Placements, grad_src: Placements,
+                     nbytes: float, needs_grad: bool) -> float:
+        """Forward conversion plus, when gradients flow, the gradient's way back."""
+        t = self.convert(src, dst, nbytes)
+        if needs_grad:
+            back = tuple("R" if p == "P" else p for p in src)
+            t += self.convert(grad_src, back, nbytes)
+        return t
+
+    def output_comm(self, n: OpNode, raw: Placements, out: Placements) -> float:
+        """Seconds per micro-batch to convert op ``n``'s output from the placement its
+        rule produces (``raw``) to the one it hands on (``out``), forward and, when
+        gradients flow, backward."""
+        if out == raw:
+            return 0.0
+        return self.convert_both(raw, out, out, self.out_bytes(n.name), n.requires_grad)
+
+    def _grad_sum(self, n: OpNode, ns: NodeStrategy) -> float:
+        """Seconds per micro-batch to reduce the gradient a summing twin takes partial
+        (:mod:`autopar.strategies.grad_sum`) to its output's placement, once."""
+        if not ns.grad_sum or not n.requires_grad:
+            return 0.0
+        return self.convert(summed_placement(ns.out, ns.grad_sum), ns.out,
+                            self.out_bytes(n.name))
+
+    # ---- the op's own terms -----------------------------------------------------
+    def _times(self, n: OpNode, ns: NodeStrategy) -> tuple[float, ...]:
+        """(forward + backward device, backward device, forward + backward host,
+        backward host) seconds of op ``n`` under its label assignment: the same for
+        every placement its output is handed on in, so memoized by the assignment."""
+        key = (n.name, ns.labels)
+        found = self._ops.get(key)
+        if found is None:
+            found = self._ops[key] = self._op_times(n, ns.labels, ns.raw_out, ns.ins)
+        return found
+
+    def _op_times(self, n: OpNode, combo, raw: Placements,
+                  ins: tuple[Placements, ...]) -> tuple[float, float, float, float]:
+        """:meth:`_times`, not memoized."""
+        shard = 1
+        for lab, size in zip(combo, self.mesh.sizes):
+            if lab is not None:
+                shard *= size
+        f = self.space.scaled(n)
+        elt_scale = self.act_elt / 4.0
+        flops = n.flops * f / shard
+        nbytes = n.bytes * f * elt_scale / shard
+        sizes = self.mesh.sizes
+        out_meta = self.meta(n.name)
+        shapes = OpShapes(n.target, tuple(
+            local_shape(m.shape if m is not None else None, p, sizes)
+            for m, p in zip((self.meta(i) for i in n.inputs), ins)),
+            local_shape(out_meta.shape if out_meta is not None else None, raw, sizes),
+            causal=len(n.args) > 5 and n.args[5] is True)
+        dtype, hw = self.st.precision, self.st.hw
+        fwd = op_time(shapes, flops, nbytes, backward=False, dtype=dtype, hw=hw)
+        bwd = 0.0
+        if n.requires_grad and (flops or nbytes):
+            ff, bf = backward_factors(n.target)
+            if ff or bf:
+                bwd = op_time(shapes, flops * ff, nbytes * bf, backward=True,
+                              dtype=dtype, hw=hw)
+        host_f, host_b = self._op_host(n, ins)
+        if not hw.host_runs_ahead:  # on a CPU the host is the device
+            fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0
+        return fwd + bwd, bwd, host_f + host_b, host_b
+
+    def _op_host(self, n: OpNode, ins) -> tuple[float, float]:
+        """(forward, backward) host seconds of op ``n`` under input placements ``ins``:
+        its dispatch (:func:`~autopar.cost_models.host.op_host_time`, GPU profiles) and
+        what DTensor adds (:meth:`_dtensor_host`)."""
+        dt_f, dt_b = self._dtensor_host(n, ins)
+        op_f, op_b = op_host_time(self.st.hw, n.target, n.flops, n.bytes, n.requires_grad)
+        return op_f + dt_f, op_b + dt_b
+
+    def _dtensor_host(self, n: OpNode, ins) -> tuple[float, float]:
+        """(forward, backward) host seconds DTensor adds to op ``n`` under input
+        placements ``ins``: a matrix product (or embedding) whose parameter is split over
+        a non-dp axis runs as a tensor-parallel Linear, a norm whose input is split so
+        runs as a sequence-parallel one, and with a model-parallel axis every other op
+        but those computed from shapes runs on DTensors too (figure ``dtensor_op``)
+        (:attr:`HardwareProfile.host_overhead_s`; 0 where the profile has no figure).
+        On a CPU it adds to the op's time (the host is the device); on a GPU it is host
+        time beside the device's (:meth:`_op_host`)."""
+        over = self.st.hw.host_overhead_s
+        free = self.free
+        if not over or not free:
+            return 0.0, 0.0
+        kinds = self.facts.input_kinds(n)
+
+        def split(pl: Placements) -> bool:
+            return any(pl[a].startswith("S(") for a in free)
+        kind = None
+        if (is_matmul(n.target) or n.target.endswith(("embedding", "embedding.default"))) and \
+                any(k == "param" and split(p) for k, p in zip(kinds, ins)):
+            kind = "linear"
+        elif is_norm(n.target) and ins and kinds[0] != "param" and split(ins[0]):
+            kind = "norm"
+        elif n.name not in self.an.constants:
+            kind = "dtensor_op"
+        if kind is None:
+            return 0.0, 0.0
+        return (over.get(f"{kind}_fwd", 0.0),
+                over.get(f"{kind}_bwd", 0.0) if n.requires_grad else 0.0)
+
+    def _activations(self, n: OpNode, ins, out) -> float:
+        """Bytes per device that autograd saves for op ``n``'s backward under
+        placements ``ins``/``out``, of the tensors charged to it (:meth:`_saved_owner`)."""
+        total = 0.0
+        if not n.requires_grad:
+            return total
+        kinds = self.facts.input_kinds(n)
+        for idx in saved_for_backward(n.target, len(n.inputs)):
+            if idx == -1:
+                key, name, pl = (n.name, -1), n.name, out
+            elif idx < len(n.inputs) and kinds[idx] != "param":
+                key, name, pl = (n.inputs[idx], 0), n.inputs[idx], ins[idx]
+            else:
+                continue
+            if self.saved_owner.get(key) != n.name or self.meta(name) is None:
+                continue
+            elt = saved_element_bytes(n.target) if idx == -1 else None
+            size = self.meta(name).numel * elt if elt else self.tensor_bytes(name)
+            total += size / self.degree(pl)
+        return total
+
+    def _loss_gradient(self, n: OpNode, ins) -> float:
+        """Bytes of the loss's input gradient at the start of backward (on the loss op),
+        plus the logits' gradient when the loss input is a cast of them
+        (:mod:`autopar.cost_models.memory`)."""
+        if n.name != self.g.loss or not n.inputs:
+            return 0.0
+        src = self.node(n.inputs[0])
+        d = self.degree(ins[0])
+        total = self.tensor_bytes(src.name) / d
+        if src.target.startswith(("aten.to.", "aten._to_copy.")) and src.inputs:
+            total += self.tensor_bytes(src.inputs[0]) / d
+        return total
+
+    def _saved_owner(self) -> dict[tuple[str, int], str]:
+        """Each saved tensor is charged to the first op (in graph order) that saves it."""
+        owner: dict[tuple[str, int], str] = {}
+        for n in self.g.nodes:
+            if n.kind != "op" or not n.requires_grad:
+                continue
+            for idx in saved_for_backward(n.target, len(n.inputs)):
+                key = (n.name, -1) if idx == -1 else (
+                    (n.inputs[idx], 0) if idx < len(n.inputs) else None)
+                if key is not None:
+                    owner.setdefault(key, n.name)
+        return owner
