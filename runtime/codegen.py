@@ -30,6 +30,7 @@ from autopar.loader import load, load_callable
 from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
 from autopar.runtime import codegen_templates as T
 from autopar.runtime.codegen_pipeline import pipeline_text
+from autopar.units_text import fmt_bytes
 from autopar.runtime.lower import check_plan
 from autopar.runtime.mesh import needs_fsdp
 from autopar.runtime.pipeline import ZERO_BUBBLE_SCHEDULES
@@ -91,7 +92,7 @@ def _seconds(s: float) -> str:
 def _bytes(b: float) -> str:
     if b <= 0:
         return "n/a"
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+    return fmt_bytes(b)
 
 
 def _layout(p: str) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh
+from autopar.units_text import fmt_bytes
 from autopar.solvers.bounds import combo_bounds, pipeline_stage_bound, step_bound
 from autopar.solvers.intra_op_ilp import Solution, solve_ilp
 from autopar.memory_choices import RECOMPUTE
@@ -452,15 +453,15 @@ def _no_fit_message(g: Graph, infeasible: list[tuple[Candidate, Built]], budget:
     c, best = min(infeasible, key=lambda cb: lower_bound_memory(g, cb[1], cb[0]))
     need = lower_bound_memory(g, best, c)
     if need <= budget:
-        return (f"no plan was found for {c.label()}, though its least memory ({need / 1e9:.2f} "
-                f"GB) is within {budget / 1e9:.2f} GB per device: either no choice of layouts "
+        return (f"no plan was found for {c.label()}, though its least memory ({fmt_bytes(need)}) "
+                f"is within {fmt_bytes(budget)} per device: either no choice of layouts "
                 f"lets every operator hand its output on as the next one reads it under the "
                 f"options forced on the search, or the layouts that join need more memory "
                 f"than that bound. Drop a forced option (e.g. sequence_parallel) or raise "
                 f"memory_budget.")
-    top = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in
+    top = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in
                     sorted(_consumers(best, c).items(), key=lambda kv: -kv[1]) if v > 0)
-    return (f"no plan fits in {budget / 1e9:.2f} GB per device: the smallest needs at least "
-            f"{need / 1e9:.2f} GB ({c.label()}, with the most saving recomputation; largest "
+    return (f"no plan fits in {fmt_bytes(budget)} per device: the smallest needs at least "
+            f"{fmt_bytes(need)} ({c.label()}, with the most saving recomputation; largest "
             f"consumers without recomputation: {top}). Raise memory_budget, use more "
             f"devices, or a smaller global batch.")

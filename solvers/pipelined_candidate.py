@@ -25,6 +25,7 @@ from autopar.cost_models.hardware import LinkSpec
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh, shard_count
+from autopar.units_text import fmt_bytes
 from autopar.solvers.cost_terms import PieceCost, StepTerms
 from autopar.solvers.intra_op_ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
@@ -186,8 +187,8 @@ def _solve(problem: Problem, bound: float) -> Solution | NoFeasiblePlanError | N
     can be below ``bound``."""
     least = least_memory(problem)
     if least > problem.memory_budget:
-        return NoFeasiblePlanError(f"one pipeline rank needs at least {least / 1e9:.2f} GB "
-                                   f"of the {problem.memory_budget / 1e9:.2f} GB budget")
+        return NoFeasiblePlanError(f"one pipeline rank needs at least {fmt_bytes(least)} "
+                                   f"of the {fmt_bytes(problem.memory_budget)} budget")
     try:
         return solve_ilp(problem, bound=bound)
     except NoFeasiblePlanError as e:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
+from autopar.units_text import fmt_bytes
 from autopar.solvers.cost_terms import PieceCost
 from autopar.solvers.schedule_sim import (ZERO_BUBBLE, Op, ScheduleEstimate, Timeline,
                                           rank_orders, stage_ranks, validate)
@@ -255,8 +256,8 @@ def _no_fit(prob: _Problem) -> NoFeasiblePlanError:
     note = " (search truncated: an upper estimate)" if prob.truncated else ""
     return NoFeasiblePlanError(
         f"no split of {prob.n} units into {prob.stages} pipeline stages ({prob.schedule}, pp="
-        f"{prob.pp}, {prob.m} micro-batches) fits {prob.budget / 2**30:.3f} GiB per device; the "
-        f"best split needs {need / 2**30:.3f} GiB on its fullest rank ({need:.0f} bytes){note}. Use more "
+        f"{prob.pp}, {prob.m} micro-batches) fits {fmt_bytes(prob.budget)} per device; the best split "
+        f"needs {fmt_bytes(need)} on its fullest rank ({need:.0f} bytes){note}. Use more "
         f"pipeline stages, fewer micro-batches in flight, recomputation or more devices")
 
 

@@ -254,7 +254,7 @@ def _add_edges(g: Graph, problem: Problem, names: list[str], choice: list[int],
 
     ``problem.edges`` lists one edge per distinct (producer, consumer, input position)
     of canonical nodes, in the order of first occurrence in the graph
-    (:func:`autopar.strategies.build.build_problem`); the same walk finds them here."""
+    (:func:`autopar.solvers.problem_build.build_problem`); the same walk finds them here."""
     index = {name: k for k, name in enumerate(names)}
     order: dict[tuple[int, int, int], int] = {}
     for n in g.nodes:

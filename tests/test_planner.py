@@ -151,7 +151,7 @@ def test_tp_must_divide_heads():
 
 def test_budget_no_plan_fits_names_minimum():
     x = torch.randint(0, 128, (8, 16))
-    with pytest.raises(NoFeasiblePlanError, match=r"no plan fits in 0.00 GB per device: the "
+    with pytest.raises(NoFeasiblePlanError, match=r"no plan fits in 1.00 kB per device: the "
                                                   r"smallest needs at least"):
         autopar.plan(tiny_gpt(), (x,), cluster=autopar.Cluster("cpu", 1, 4), memory_budget=1000)
 
