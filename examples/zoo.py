@@ -22,6 +22,7 @@ from autopar.errors import ConfigError
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
+from autopar.examples.moe import MoEConfig, MoETransformer
 
 MLP_INPUT = 784  # the MLP entry reads flattened 28x28 images (MNIST-sized)
 
@@ -31,7 +32,7 @@ class Entry:
     """A zoo model: its configuration, standard training sequence length (None for
     models that do not read token ids) and a one-line description."""
 
-    config: GPTConfig | LlamaConfig | None
+    config: GPTConfig | LlamaConfig | MoEConfig | None
     seq_len: int | None
     about: str
 
@@ -41,6 +42,8 @@ class Entry:
             return MLP(in_dim=MLP_INPUT)
         cfg = dataclasses.replace(self.config, max_seq_len=max(self.config.max_seq_len,
                                                                seq_len or 0))
+        if isinstance(cfg, MoEConfig):
+            return MoETransformer(cfg)
         return GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
 
     @property
@@ -62,6 +65,21 @@ def _llama(title: str, layers: int, dim: int, heads: int, kv: int, ffn: int, *,
                       n_heads=heads, n_kv_heads=kv, ffn_dim=ffn, rope_theta=500000.0)
     return Entry(cfg, seq, f"{title}: Llama, {layers} layers, hidden {dim}, {heads} heads "
                            f"({kv} KV), FFN {ffn}, vocab {vocab}, seq {seq}, rope theta 500000")
+
+
+def _moe(title: str, layers: int, dim: int, heads: int, kv: int, ffn: int, *, experts: int,
+         top_k: int, expert_ffn: int, shared: int = 0, dense: int = 0, score: str = "softmax",
+         vocab: int, seq: int, theta: float, note: str = "") -> Entry:
+    cfg = MoEConfig(vocab_size=vocab, max_seq_len=seq, dim=dim, n_layers=layers, n_heads=heads,
+                    n_kv_heads=kv, ffn_dim=ffn, rope_theta=theta, n_experts=experts,
+                    top_k=top_k, expert_ffn_dim=expert_ffn, n_shared_experts=shared,
+                    n_dense_layers=dense, score=score)
+    extra = (f", {shared} shared" if shared else "") + \
+        (f", first {dense} blocks dense (FFN {ffn})" if dense else "")
+    return Entry(cfg, seq, f"{title}: MoE, {layers} layers, hidden {dim}, {heads} heads "
+                           f"({kv} KV), top-{top_k} of {experts} experts of FFN {expert_ffn}"
+                           f"{extra}, {score} router, capacity factor 1.25, vocab {vocab}, "
+                           f"seq {seq}{note}")
 
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -100,6 +118,19 @@ def _entries() -> dict[str, Entry]:
     e["llama3-8b"] = _llama("Llama 3 8B", 32, 4096, 32, 8, 14336)
     e["llama3-70b"] = _llama("Llama 3 70B", 80, 8192, 64, 8, 28672)
     e["llama3-405b"] = _llama("Llama 3 405B", 126, 16384, 128, 8, 53248)
+    e["tiny-moe"] = _moe("tiny MoE for tests", 2, 32, 4, 2, 64, experts=4, top_k=2,
+                         expert_ffn=32, shared=1, dense=1, vocab=128, seq=16, theta=10000.0)
+    # Jiang et al., "Mixtral of Experts" (2024), Table 1.
+    e["mixtral-8x7b"] = _moe("Mixtral 8x7B", 32, 4096, 32, 8, 14336, experts=8, top_k=2,
+                             expert_ffn=14336, vocab=32000, seq=4096, theta=1e6)
+    # DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024), §4.2: 61 layers, hidden 7168,
+    # 128 heads, first 3 FFNs dense (18432), 1 shared + 256 routed experts of 2048, 8
+    # active, sigmoid router. Its multi-head latent attention is written here as
+    # grouped-query attention with 128 heads of 56, which has about as many weights.
+    e["deepseek-v3"] = _moe("DeepSeek-V3 671B", 61, 7168, 128, 128, 18432, experts=256,
+                            top_k=8, expert_ffn=2048, shared=1, dense=3, score="sigmoid",
+                            vocab=129280, seq=4096, theta=10000.0,
+                            note=" (attention as GQA, not MLA)")
     return e
 
 

@@ -1,0 +1,130 @@
+"""A mixture-of-experts decoder: the Llama of :mod:`autopar.examples.llama` with its
+feed-forward replaced, in some or all blocks, by routed experts — top-k of E, each
+expert a SwiGLU network, the experts' weights stacked (E, in, out) — and optionally
+shared experts every token goes through (DeepSeek-MoE, Dai et al. 2024).
+
+Tokens are routed as GShard and Switch Transformer write it (Lepikhin et al. 2020,
+Fedus et al. 2021): each sequence is a group with a capacity of
+``ceil(capacity_factor · k · seq_len / E)`` tokens per expert; a token past its
+expert's capacity is dropped (its output from that expert is zero). Dispatch and
+combine are einsums with one-hot tensors, so every shape is static. Written plainly;
+nothing in it knows about parallelism."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.examples.llama import Attention, FeedForward, LlamaConfig, rope_tables
+
+
+@dataclass
+class MoEConfig(LlamaConfig):
+    """Shape of a mixture-of-experts model: a Llama's, plus its experts.
+
+    ``expert_ffn_dim`` is each routed expert's hidden size; ``n_shared_experts``
+    shared experts of that size run on every token; the first ``n_dense_layers``
+    blocks keep the dense ``ffn_dim`` feed-forward. ``score`` is how router logits
+    become weights: "softmax" over all experts then top-k renormalized (Mixtral),
+    or "sigmoid" then top-k normalized (DeepSeek-V3)."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    expert_ffn_dim: int = 14336
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+    capacity_factor: float = 1.25
+    score: str = "softmax"
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts with their weights stacked: w1, w3 (E, dim, ffn), w2 (E, ffn, dim)."""
+
+    def __init__(self, n: int, dim: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, dim, ffn))
+        self.w3 = nn.Parameter(torch.empty(n, dim, ffn))
+        self.w2 = nn.Parameter(torch.empty(n, ffn, dim))
+        for w, fan_in in ((self.w1, dim), (self.w3, dim), (self.w2, ffn)):
+            nn.init.normal_(w, 0.0, fan_in ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, experts, capacity, dim) -> the same shape."""
+        h = F.silu(torch.einsum("becd,edf->becf", x, self.w1)) * \
+            torch.einsum("becd,edf->becf", x, self.w3)
+        return torch.einsum("becf,efd->becd", h, self.w2)
+
+
+class MoE(nn.Module):
+    """Top-k routing to capacity-limited experts, plus the shared experts."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)
+        self.shared = None
+        if cfg.n_shared_experts:
+            shared = LlamaConfig(dim=cfg.dim, ffn_dim=cfg.n_shared_experts * cfg.expert_ffn_dim)
+            self.shared = FeedForward(shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        e, k = cfg.n_experts, cfg.top_k
+        capacity = math.ceil(cfg.capacity_factor * k * t / e)
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if cfg.score == "softmax" else logits.sigmoid()
+        weights, chosen = scores.topk(k, dim=-1)                      # (b, t, k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        picks = F.one_hot(chosen, e).flatten(1, 2)                     # (b, t·k, e)
+        slot = (picks.cumsum(1) - 1) * picks                           # place in the expert's buffer
+        kept = picks * (slot < capacity)
+        route = F.one_hot(slot.clamp(max=capacity - 1), capacity) * kept.unsqueeze(-1)
+        route = route.view(b, t, k, e, capacity).to(x.dtype)          # (b, t, k, e, c)
+        dispatch = route.sum(2)                                        # (b, t, e, c)
+        combine = (route * weights.to(x.dtype)[..., None, None]).sum(2)
+        y = self.experts(torch.einsum("btec,btd->becd", dispatch, x))
+        out = torch.einsum("btec,becd->btd", combine, y)
+        return out if self.shared is None else out + self.shared(x)
+
+
+class Block(nn.Module):
+    """Pre-norm block: attention, then the MoE (or, in the first blocks, a dense FFN)."""
+
+    def __init__(self, cfg: MoEConfig, dense: bool) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn = FeedForward(cfg) if dense else MoE(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only mixture-of-experts language model returning logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, dense=i < cfg.n_dense_layers)
+                                    for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, t, self.cfg.rope_theta,
+                               idx.device)
+        x = self.tok_emb(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
