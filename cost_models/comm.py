@@ -1,38 +1,14 @@
 """Collective communication time: α-β models, or NCCL's algorithms, per link level.
 
-With n devices in the group, B bytes, link bandwidth β (bytes/s per device and
-direction) and per-step latency α (Thakur, Rabenseifner & Gropp, "Optimization of
-Collective Communication Operations in MPICH", 2005; ring algorithms as NCCL uses):
+:func:`collective_time` prices one collective of a kind in :data:`KINDS` on a
+:class:`~autopar.cost_models.hardware.LinkSpec`, :func:`bucketed_time` one parameter's
+part of a collective it shares with others; :func:`group_link` picks the link of a
+mesh axis' groups (intra- or inter-node) and :func:`ring_shape` gives a ring's steps
+and bytes on the wire.
 
-    all-reduce      2(n-1)/n · B/β + 2(n-1)·α      (B = the buffer)
-    all-gather      (n-1)/n · B/β + (n-1)·α        (B = the gathered, full tensor)
-    reduce-scatter  (n-1)/n · B/β + (n-1)·α        (B = the full input tensor)
-    all-to-all      (n-1)/n · B/β + (n-1)·α        (B = bytes each device holds)
-    send/recv       α + B/β                        (B = the message)
-
-A group whose devices all sit in one node uses the intra-node link, any other the
-inter-node link (each GPU has its own NIC on the machines profiled, so the per-device
-inter-node bandwidth is the bottleneck of a ring across nodes). A link may carry
-separate measured α-β fits per collective kind (:meth:`LinkSpec.for_kind`; the ``cpu``
-profile's gloo all-gather and reduce-scatter), used in place of its own figures.
-
-Where a link lists NCCL's algorithms (``LinkSpec.algorithms``: the GPU profiles), a
-collective costs what NCCL's own tuning model charges for its fastest algorithm
-(``NVIDIA/nccl`` ``src/graph/tuning.cc``, ``ncclTopoTuneModel``/``ncclTopoGetAlgoTime``):
-
-    t = min over algorithms a serving the kind of
-        base_a + steps · step_a + traffic / busbw_a     (ring LL, LL128, Simple)
-        base_a + B / algbw_a                            (NVLink SHARP all-reduce)
-
-with ``steps`` and ``traffic`` the ring's (2(n-1) steps and 2(n-1)/n · B for an
-all-reduce, n-1 and (n-1)/n · B for the others, 1 and B for send/recv). The low-latency
-protocols win small messages at a fraction of the bandwidth, Simple wins large ones at
-the achieved bus bandwidth, so the achieved bus bandwidth grows with the message size
-and saturates below the link's line rate, as nccl-tests shows. The latencies are
-NCCL's model constants, the bandwidths published nccl-tests figures (each cited in the
-profile); NCCL's channel count ramp at medium sizes is not modelled, so 4-256 MB
-collectives may run somewhat slower than priced. The sum stays closed-form: the planner
-prices collectives many thousands of times.
+The formulas, the α-β ring model (Thakur, Rabenseifner & Gropp 2005) and NCCL's own
+tuning model with their sources, and which link a group uses: docs/cost_models.md,
+section ``autopar.cost_models.comm``.
 """
 
 from __future__ import annotations
@@ -46,7 +22,8 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"
 
 def ring_shape(kind: str, nbytes: float, group_size: int) -> tuple[int, float]:
     """(steps, bytes each device moves on the wire) of a ring collective of ``kind`` on
-    a buffer of ``nbytes`` over ``group_size`` devices (module docstring)."""
+    a buffer of ``nbytes`` over ``group_size`` devices (docs/cost_models.md, section
+    ``autopar.cost_models.comm``)."""
     n = group_size
     if kind == "send_recv":
         return 1, nbytes
@@ -56,7 +33,8 @@ def ring_shape(kind: str, nbytes: float, group_size: int) -> tuple[int, float]:
 
 
 def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
-    """Seconds for one collective (see module docstring)."""
+    """Seconds for one collective (docs/cost_models.md, section
+    ``autopar.cost_models.comm``)."""
     if kind not in KINDS:
         raise ConfigError(f"unknown collective {kind!r}; expected one of {', '.join(KINDS)}")
     link = link.for_kind(kind)

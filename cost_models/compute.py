@@ -1,33 +1,15 @@
 """Compute time of one operator: measured tables where they reach, else a roofline.
 
-:func:`op_time` knows the op and its local shapes. It looks the op up in the profile's
-measured tables (:mod:`autopar.cost_models.tables`: GEMMs by (m, n, k, dtype),
-attention by (batch·heads, seq, head_dim, pass), memory-bound ops by kind and size) and
-falls back to :func:`compute_time`'s roofline only outside them (no tables, an op kind
-or dtype not measured, a shape beyond the measured range). Either way
+:func:`op_time` prices one op, forward or backward, on its local shapes
+(:class:`OpShapes`, :func:`local_shape`): the profile's measured tables
+(:mod:`autopar.cost_models.tables`) where they reach, else :func:`compute_time`'s
+roofline, and never less than the host's dispatch time of one op.
+:func:`backward_factors` gives an op's backward work from its forward work;
+:func:`is_matmul` and :func:`is_norm` sort ops by kind.
 
-    t = max(t_device, t_launch)
-
-where t_launch is the host's dispatch time of one op (``kernel_overhead_s``, measured
-as ``host_dispatch`` by ``autopar profile``). Eager PyTorch launches asynchronously, so
-the device runs behind the host and a stream of ops takes the larger of the two per op,
-not their sum. The H100 measurements support this (benchmarks/results/h100_ops.json,
-``seconds`` eager against ``graph_seconds``): a 2048³ bf16 GEMM takes 25.4 µs eager and
-24.1 µs as a graph (max: 24.1, sum: 30.2); a GPT-2 residual add 10.4 µs eager and 8.8 µs
-as a graph (max: 8.8, sum: 14.9); a 0.5 M-element copy 7.1 µs eager, 1.4 µs as a graph,
-6.1 µs host dispatch (max: 6.1, sum: 7.5).
-
-The roofline (:func:`compute_time`):
-
-    t_device = max(F / (P_dtype · e_dtype), B / (W · e_W))
-
-F = floating-point operations, B = bytes read and written, P = peak FLOP/s of the
-matrix units (``matmul_flops``) for matrix products and attention, or of the vector
-units (``vector_flops``) for everything else, e = achievable fraction of peak
-(``matmul_efficiency``, measured on large GEMMs), W = memory bandwidth with its
-achievable fraction ``memory_efficiency`` (measured with a large copy), and t_launch
-the per-kernel launch and dispatch overhead. Every constant comes from the hardware
-profile, which names its sources.
+The formulas, t = max(t_device, t_launch) and the roofline with the profile's
+constants: docs/cost_models.md, section ``autopar.cost_models.compute``; the H100
+measurements behind the max: benchmarks/results/README.md, "Cost models".
 """
 
 from __future__ import annotations
@@ -63,8 +45,9 @@ def is_norm(target: str) -> bool:
 
 def compute_time(flops: float, nbytes: float, *, matmul: bool, dtype: str,
                  hw: HardwareProfile) -> float:
-    """Roofline seconds of one op (see module docstring). fp32 matrix products use the
-    fp32 peak (PyTorch's default keeps TF32 off for matmuls)."""
+    """Roofline seconds of one op (docs/cost_models.md, section
+    ``autopar.cost_models.compute``). fp32 matrix products use the fp32 peak (PyTorch's
+    default keeps TF32 off for matmuls)."""
     key = _DTYPES.get(dtype, "fp32")
     if matmul:
         peak = hw.matmul_flops.get(key, hw.matmul_flops.get("fp32", 1.0))
@@ -177,8 +160,9 @@ def op_time(shapes: OpShapes, flops: float, nbytes: float, *, backward: bool, dt
             hw: HardwareProfile) -> float:
     """Seconds of one op, forward or (``backward``) its backward, on local shapes:
     the profile's measured tables where they reach, else the roofline of ``flops`` and
-    ``nbytes`` (which the caller has already scaled for the backward); see the module
-    docstring. Ops with no work cost 0."""
+    ``nbytes`` (which the caller has already scaled for the backward); see
+    docs/cost_models.md, section ``autopar.cost_models.compute``. Ops with no work
+    cost 0."""
     if not (flops or nbytes):
         return 0.0
     key = _DTYPES.get(dtype, "fp32")

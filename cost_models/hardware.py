@@ -2,17 +2,14 @@
 
 A profile is a JSON file in which every number is ``{"value": ..., "source": "..."}``
 so that a reviewer sees where it came from. Shipped profiles live in ``profiles/``;
-``Cluster(profile="path.json")`` loads a user's own.
+``Cluster(profile="path.json")`` loads a user's own. :func:`load_profile` reads one by
+name or path into a :class:`HardwareProfile` (:func:`parse_profile` from text;
+:func:`available_profiles` names the shipped ones); :func:`profile_from_measured`
+takes a file written by ``autopar profile`` over a base profile.
 
-A profile may carry measured compute tables (:mod:`autopar.cost_models.tables`):
-``"tables": {"file": "measured/x.profile.json", "source": "..."}`` names a file written
-by ``autopar profile`` (relative to the profile's folder). A file written by
-``autopar profile`` (format ``autopar-profile/1``) is itself accepted as a profile:
-:func:`profile_from_measured` takes what it measured (GEMM peak per dtype, copy
-bandwidth, launch overhead, collective α-β fits, the tables) over a base profile that
-supplies the rest (device memory where not measured, interconnect a single process
-cannot measure), each field's source saying which is which. A profile may name a
-shipped ``base`` profile and give only the fields it changes (``h100-sxm-500w``).
+What a profile may hold (measured tables, a ``base`` profile it changes, a measured
+file as a profile) and where each field's source comes from: docs/cost_models.md,
+section ``autopar.cost_models.hardware``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """Host time of a training step on a device that the host runs ahead of (a GPU).
 
-Eager PyTorch issues kernels asynchronously: the host runs Python, autograd, the
-parallel wrappers' hooks and the kernel launches while the device runs the kernels
-issued before. Each op thus costs two times, device seconds (the tables of
-:mod:`autopar.cost_models.compute`) and host seconds (here), and a step takes the
-longer path through both (:func:`autopar.solvers.problem.evaluate`). On the H100
-measured 2026-11-23 the host of a 1.3B GPT's forward+backward at micro-batch 1 took
-about 130 ms against 48 ms of kernels (benchmarks/results/h100_runtime_steps.json).
+Eager PyTorch issues kernels asynchronously, so each op costs device seconds
+(:mod:`autopar.cost_models.compute`) and host seconds (here), and a step takes the
+longer path through both (:func:`autopar.solvers.problem.evaluate`). Host seconds are
+the profile's ``host_overhead_s`` figures: :func:`op_host_time` per op by kind
+(:func:`op_kind`), :func:`fsdp_host_time` per parameter FSDP2 lays out,
+:func:`optimizer_host_time` per parameter stepped, :func:`checkpoint_host_time` per
+op under recomputation; :func:`charges_host` says whether a profile charges any.
 
-Host seconds come from the profile's ``host_overhead_s``
-(:mod:`autopar.cost_models.profiling.host_dispatch`,
-:mod:`autopar.cost_models.profiling.host_wrappers`),
-each measured on chains of tiny ops, where the wall time is the host's:
-
-* per op, forward and backward, by kind (:func:`op_kind`): ``op_<kind>_fwd`` /
-  ``op_<kind>_bwd``; an op whose forward moves no bytes (a view) is of kind ``view``;
-* per parameter FSDP2 lays out, per micro-batch: ``fsdp_param_fwd`` / ``fsdp_param_bwd``;
-* per parameter per step, the optimizer step and ``zero_grad``: ``optimizer_param`` on
-  plain tensors, ``optimizer_param_fsdp`` on DTensors (FSDP2's or tensor parallelism's);
-* per op under full recomputation: ``ckpt_op_fwd`` / ``ckpt_op_bwd`` (the checkpoint's
-  saved-tensor hooks and re-run bookkeeping), and under selective recomputation:
-  ``sac_op_fwd`` / ``sac_op_bwd`` (:mod:`autopar.strategies.recompute`).
-
-A profile without these figures (or a CPU profile, where the host is the device and the
-figures add to the op times instead) charges no host time.
+Which figure counts what: docs/cost_models.md, section ``autopar.cost_models.host``;
+the H100 measurement of host against device time: benchmarks/results/README.md,
+"Cost models".
 """
 
 from __future__ import annotations

@@ -2,60 +2,15 @@
 ZeRO stage, precision and offload, and which tensors each operator saves for its
 backward pass.
 
-Peak model (what the planner bounds; bytes per device, per pipeline rank):
+:func:`param_bytes` gives a device's bytes per parameter element by category
+(:class:`ParamBytes`, from :func:`state_bytes`); :func:`fsdp_lays_out` says when FSDP2
+lays the parameters out; :func:`saved_for_backward` and :func:`saved_element_bytes`
+say what an op saves; :func:`memory_budget` is the budget in bytes.
 
-    M = P_rest + acc·G + O + P_gathered + held · A_kept + max(T_loss, A_recompute)
-
-* ``P_rest``, ``G``, ``O``: parameters (fp32 masters), fp32 gradients and optimizer
-  state of the device's share, each divided by ``dp`` when the ZeRO stage shards it
-  (table below); zero on the device with CPU offload.
-* ``P_gathered``: low-precision (or, in fp32, separate all-gathered) parameter copies
-  live during forward and backward: every parameter for ZeRO-1/2 (FSDP2 keeps them
-  gathered from forward to backward) and for ZeRO-0 under bf16/fp16 (the cast copy);
-  the root's parameters plus two blocks for ZeRO-3 (the block computing and the one
-  prefetched: FSDP2 prefetches one ``fully_shard`` unit ahead).
-* ``A_kept``: the bytes autograd saves for backward for one micro-batch (per op:
-  :func:`saved_for_backward`), after recomputation (only the block inputs under full
-  recomputation, plus the outputs of ``SELECTIVE_SAVE_OPS`` under selective);
-  ``held`` micro-batches are in flight (1 without a pipeline; the schedule's count on a
-  pipeline rank).
-* ``T_loss``: at the start of backward the loss's gradient w.r.t. its input and, when
-  the loss casts the logits to fp32, w.r.t. the logits (both logits-sized); freed
-  once the head's backward ran;
-* ``A_recompute``: the one block being recomputed holds its whole activations again
-  during its backward (by then ``T_loss`` is freed, hence the max).
-
-Liveness: this is the peak at the start of backward (or while the first recomputed
-block runs its backward). Gradients count there only when they outlive the step's
-forward: ``acc`` = 1 with several micro-batches (gradient accumulation, pipelines),
-0 with one, where ``zero_grad()`` (``set_to_none``) freed them and they grow only as
-the activations are freed. Not modeled: a step whose gradients outweigh its
-activations peaks at the end of backward or in the optimizer step (P + O + G + the
-optimizer's temporaries) instead.
-
-Allocator allowance: the bytes above are what the caching allocator hands out. Its
-rounding (512 B blocks below 1 MiB, 2 MiB segments above: PyTorch's
-``CUDACachingAllocator``), fragmentation, the CUDA context and NCCL's own buffers are not
-in M; they are the profile's ``memory_reserve_bytes`` (6 GiB on the GPU profiles, stated
-there), which the default budget leaves free.
-
-Per parameter element (Rajbhandari et al., "ZeRO", SC'20, §3.1, counted as PyTorch's
-FSDP2 lowers each stage: ``fully_shard`` keeps fp32 sharded parameters and, with
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, all-gathers bf16
-copies that are freed after use; sharded gradients are fp32; AdamW's ``exp_avg`` and
-``exp_avg_sq`` follow the fp32 parameter):
-
-=====  =================  ==================  ===========  =======================
-zero   param (rest)       gathered copy       grad         Adam/AdamW (SGD)
-=====  =================  ==================  ===========  =======================
-0      4                  2 (bf16/fp16) / 0   4            8 (4)
-1, 2   4 / dp             2 or 4 (all)        4 / dp       8 / dp (4 / dp)
-3      4 / dp             2 or 4 (2 blocks)   4 / dp       8 / dp (4 / dp)
-=====  =================  ==================  ===========  =======================
-
-ZeRO-1 lowers as ZeRO-2 (FSDP2 ``reshard_after_forward=False`` shards gradients too),
-so the two cost the same. Offload (FSDP2 ``CPUOffloadPolicy``, ZeRO-3 only) keeps the
-param, grad and optimizer columns in host memory.
+The peak model M = P_rest + acc·G + O + P_gathered + held · A_kept + max(T_loss,
+A_recompute), its liveness, the allocator allowance and the bytes per parameter element
+by ZeRO stage with their sources: docs/cost_models.md, section
+``autopar.cost_models.memory``.
 """
 
 from __future__ import annotations
@@ -83,7 +38,8 @@ class StateBytes:
 
 
 def state_bytes(precision: str, optimizer: str) -> StateBytes:
-    """Bytes per parameter element for ``precision`` and ``optimizer`` (see table)."""
+    """Bytes per parameter element for ``precision`` and ``optimizer`` (the table in
+    docs/cost_models.md, section ``autopar.cost_models.memory``)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
@@ -96,7 +52,8 @@ def state_bytes(precision: str, optimizer: str) -> StateBytes:
 @dataclass(frozen=True)
 class ParamBytes:
     """Bytes per parameter element on one device, by category, for one ZeRO stage
-    (already divided by ``dp`` where the stage shards; see the module table).
+    (already divided by ``dp`` where the stage shards; the table in docs/cost_models.md,
+    section ``autopar.cost_models.memory``).
     ``gathered`` applies to every parameter for ZeRO-0/1/2 and to the gathered blocks
     only for ZeRO-3 (``gathered_all`` says which)."""
 
@@ -116,7 +73,8 @@ def fsdp_lays_out(precision: str, dp: int, offload: bool) -> bool:
 
 def param_bytes(precision: str, optimizer: str, zero: int, dp: int,
                 offload: bool = False) -> ParamBytes:
-    """Bytes per parameter element on a device (module table)."""
+    """Bytes per parameter element on a device (the table in docs/cost_models.md,
+    section ``autopar.cost_models.memory``)."""
     sb = state_bytes(precision, optimizer)
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero={zero!r} is not a ZeRO stage (0, 1, 2 or 3)")

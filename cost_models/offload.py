@@ -1,22 +1,12 @@
 """Time of CPU offload (FSDP2 ``CPUOffloadPolicy`` with ZeRO-3).
 
 With offload the sharded fp32 parameters, their gradients and the optimizer state
-live in host memory. Per micro-batch, each device copies its parameter shard to the
-GPU before the forward all-gather and again before the backward one, and copies its
-reduced gradient shard back (``CPUOffloadPolicy`` keeps nothing on the device between
-uses):
+live in host memory. :func:`offload_transfer_time` prices the host<->device copies
+per micro-batch, :func:`host_step_time` the optimizer step on the host's cores once
+per step, at :data:`HOST_MEMORY_BANDWIDTH_PER_GPU`.
 
-    t_transfer = 2 · 4·N_shard / B_host + 4·N_shard / B_host          (per micro-batch)
-
-with ``B_host`` the profile's ``host_link`` bandwidth (PCIe, per direction; the
-latency is paid per bucketed copy and left out). The optimizer step then runs on the
-host's cores once per step and is memory-bound there (AdamW reads parameter, gradient
-and both moments and writes parameter and moments: 7 fp32 streams = 28 bytes per
-element; SGD with momentum 5 streams = 20 bytes; :mod:`.param_work`):
-
-    t_step = bytes_per_element · N_shard / B_dram
-
-``B_dram`` = :data:`HOST_MEMORY_BANDWIDTH_PER_GPU`.
+The formulas t_transfer and t_step: docs/cost_models.md, section
+``autopar.cost_models.offload``.
 """
 
 from __future__ import annotations

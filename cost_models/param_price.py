@@ -2,15 +2,13 @@
 ZeRO/FSDP traffic, FSDP2's copies, CPU offload, the optimizer step and the host's
 part of each (seconds per micro-batch or per step, bytes per device).
 
-Weight gradients that come out partial over ``tp`` are all-reduced over ``tp`` each
-micro-batch; over ``dp``, ZeRO-0 all-reduces fp32 gradients once per step, ZeRO-1/2
-all-gather the parameters (compute dtype) once per micro-batch and reduce-scatter fp32
-gradients each micro-batch (FSDP2 with ``reshard_after_forward=False``), ZeRO-3
-all-gathers in forward and again in backward; with CPU offload the sharded fp32
-parameters cross the host link twice per micro-batch and the gradients once
-(:mod:`autopar.cost_models.offload`), and the optimizer steps on the host. Memory:
-:func:`autopar.cost_models.memory.param_bytes`; copies:
-:mod:`autopar.cost_models.param_work`; host: :mod:`autopar.cost_models.host`.
+:class:`ParamPricer` (:meth:`~ParamPricer.param_terms`) prices them into
+:class:`ParamTerms`, from :mod:`autopar.cost_models.memory`,
+:mod:`autopar.cost_models.comm`, :mod:`autopar.cost_models.param_work`,
+:mod:`autopar.cost_models.offload` and :mod:`autopar.cost_models.host`.
+
+Which collectives each ZeRO stage and offload run, and how often:
+docs/cost_models.md, section ``autopar.cost_models.param_price``.
 """
 
 from __future__ import annotations
@@ -52,8 +50,9 @@ class ParamTerms:
 
 
 class ParamPricer:
-    """Prices the parameters of the ops of ``space`` under its settings (module
-    docstring), and holds what every price on its mesh reads: each axis's link."""
+    """Prices the parameters of the ops of ``space`` under its settings
+    (docs/cost_models.md, section ``autopar.cost_models.param_price``), and holds what
+    every price on its mesh reads: each axis's link."""
 
     def __init__(self, space: StrategySpace) -> None:
         st = space.st

@@ -1,16 +1,13 @@
 """What each activation-recomputation mode keeps and runs again, for one strategy of one
 node of a repeated layer (per micro-batch and layer instance; bytes per device, s).
 
-Kept bytes K: none keeps what autograd saves; selective the block inputs and the
-outputs of :data:`autopar.memory_choices.SELECTIVE_SAVE_OPS` (the selective-checkpoint
-policy caches them); full the block inputs alone (``torch.utils.checkpoint``).
-``act_delta = K − K_none``; ``transient = K_none − K`` (the layer being recomputed
-holds its activations again during its own backward: one layer at a time). Re-run in
-backward: the forward of every op (full) or of those not saved (selective), and the
-forward half of the op's output conversion; resharding on edges inside the layer is
-not re-charged. Host (GPU profiles): the checkpoint's or dispatch mode's hooks per op
-in both passes (:func:`autopar.cost_models.host.checkpoint_host_time`) and the
-re-issued forward. :mod:`autopar.solvers.problem` adds them to the step.
+:func:`mode_costs` gives one strategy's row (:class:`ModeCosts`) of every mode of
+:data:`autopar.memory_choices.RECOMPUTE`: the seconds re-run in backward, the kept and
+transient bytes and the host seconds; :mod:`autopar.solvers.problem` adds them to the
+step.
+
+The kept bytes K per mode, ``act_delta`` and ``transient``, what is re-run and the
+host's part: docs/cost_models.md, section ``autopar.cost_models.recompute_price``.
 """
 
 from __future__ import annotations
@@ -56,8 +53,9 @@ def mode_costs(p: StrategyPricer, name: str, ns: NodeStrategy, op: OpTerms,
 
 def _kept(p: StrategyPricer, name: str, ns: NodeStrategy, mode: str,
           inputs: list[tuple[int, str]], saved: float) -> float:
-    """K_mode of node ``name`` under strategy ``ns`` (module docstring), bytes per
-    instance; ``saved`` is what autograd saves for it."""
+    """K_mode of node ``name`` under strategy ``ns`` (docs/cost_models.md, section
+    ``autopar.cost_models.recompute_price``), bytes per instance; ``saved`` is what
+    autograd saves for it."""
     if mode == "none":
         return saved
     n = p.node(name)
@@ -68,9 +66,9 @@ def _kept(p: StrategyPricer, name: str, ns: NodeStrategy, mode: str,
 
 
 def _extra(p: StrategyPricer, name: str, ns: NodeStrategy, op: OpTerms, mode: str) -> float:
-    """Forward seconds re-run in backward under ``mode`` (module docstring): the op's
-    forward and the forward half of its output's conversion (not the reduction of its
-    parameters' gradients)."""
+    """Forward seconds re-run in backward under ``mode`` (docs/cost_models.md,
+    section ``autopar.cost_models.recompute_price``): the op's forward and the forward
+    half of its output's conversion (not the reduction of its parameters' gradients)."""
     if mode == "none":
         return 0.0
     n = p.node(name)
@@ -82,7 +80,8 @@ def _extra(p: StrategyPricer, name: str, ns: NodeStrategy, op: OpTerms, mode: st
 
 def _host(p: StrategyPricer, name: str, op: OpTerms, mode: str) -> tuple[float, float]:
     """(forward, backward) host seconds ``mode`` adds to node ``name`` with its own terms
-    ``op`` on a GPU profile (module docstring)."""
+    ``op`` on a GPU profile (docs/cost_models.md, section
+    ``autopar.cost_models.recompute_price``)."""
     n = p.node(name)
     if mode == "none" or n.kind != "op":
         return 0.0, 0.0

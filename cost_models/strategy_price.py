@@ -1,14 +1,15 @@
 """Time and memory of an enumerated strategy on a hardware profile (seconds per
 micro-batch, bytes per device): the one pricer of a first build and of a repricing.
 
-* compute: the roofline time of the op's FLOPs and bytes divided by the number of
-  devices that split its work, forward plus backward (``backward_factors``), and
-  its host time (:mod:`autopar.cost_models.host`; on a CPU the host is the device);
-* conversions: each collective of :func:`autopar.strategies.edges.collectives` by
-  :func:`autopar.cost_models.comm.collective_time`, plus what DTensor adds on a CPU;
-* parameters: :mod:`autopar.cost_models.param_price`;
-* memory: the parameter terms and the activations autograd saves for backward;
-  recomputation is priced by :mod:`autopar.cost_models.recompute_price`.
+:class:`StrategyPricer` prices a strategy of an op: :meth:`~StrategyPricer.op_terms`
+its own compute, host time and saved activations (:class:`OpTerms`, which a repricing
+keeps), :meth:`~StrategyPricer.price` the rest into a :class:`StrategyPrice`:
+conversions (:mod:`autopar.cost_models.comm`), its parameters
+(:mod:`autopar.cost_models.param_price`) and memory by category. Recomputation is
+priced by :mod:`autopar.cost_models.recompute_price`.
+
+What each term counts: docs/cost_models.md, section
+``autopar.cost_models.strategy_price``.
 """
 
 from __future__ import annotations

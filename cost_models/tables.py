@@ -2,33 +2,14 @@
 
 A profile written by ``autopar profile`` (format ``autopar-profile/1``) holds tables of
 measured operator times. :func:`tables_from_profile` reads them into
-:class:`ComputeTables`; the lookups below interpolate them:
+:class:`ComputeTables`; :func:`gemm_time`, :func:`attention_time` and
+:func:`memory_bound_time` interpolate them, each returning None outside its table,
+where the caller (:func:`autopar.cost_models.compute.op_time`) uses the roofline.
+Times are device times: ``graph_seconds`` where the profile has it, else ``seconds``.
 
-* **GEMM** — time of an (m, n, k) product in one dtype. The achieved rate
-  ``2·m·n·k / t`` is interpolated by inverse-distance weighting (power 2, the 8
-  nearest points) in log-space over (log m, log n, log k), then the time is clipped
-  between the largest measured time of any GEMM no larger in every dimension and the
-  smallest measured time of any GEMM no smaller in every dimension. Before that the
-  measured times are made isotonic (a GEMM never takes less time than one it contains;
-  first principles — measured inversions are timing noise), so the lookup is exact at
-  every measured point and never predicts a bigger GEMM faster than a measured smaller
-  one. Between measured points it is monotone where the neighbours bracket the query;
-  for skinny (m < 64) shapes at an (n, k) not measured, the weighted neighbour rates can
-  dip by up to ~25% from one power of two to the next (tests/test_cost_tables.py).
-* **Attention** — scaled_dot_product_attention per (dtype, pass): the achieved rate
-  (FlashAttention-2 FLOP convention, causal counted as half; :mod:`autopar.flops`)
-  interpolated the same way over (log batch·heads, log seq, log head_dim); the time is
-  the op's FLOPs over that rate, so a non-causal call takes twice the causal time.
-* **Memory-bound ops** — per (op kind, pass, dtype): time against the bytes of the
-  op's main tensor (numel × element size), piecewise linear in log-log between the
-  isotonic measured points (exact there, monotone in size), the largest point's rate
-  beyond it and the smallest point's time below it (such kernels are latency-bound).
-
-Every lookup returns None outside its table (a dtype or op kind not measured, a GEMM
-or attention shape beyond the measured range in some dimension); the caller
-(:func:`autopar.cost_models.compute.op_time`) then uses the roofline. Times are device
-times: ``graph_seconds`` (CUDA-graph replay, no host overhead) where the profile has
-it, else ``seconds``; the host launch floor is applied by the caller.
+How each lookup interpolates (inverse-distance weighting in log-space over isotonic
+measured times, or piecewise linear in log-log) and what it guarantees:
+docs/cost_models.md, section ``autopar.cost_models.tables``.
 """
 
 from __future__ import annotations
@@ -53,7 +34,8 @@ _NEIGHBOURS = 8
 
 @dataclass(frozen=True)
 class ComputeTables:
-    """Measured times of one device (see module docstring), keyed for lookup.
+    """Measured times of one device (docs/cost_models.md, section
+    ``autopar.cost_models.tables``), keyed for lookup.
 
     ``gemm``: dtype -> rows (m, n, k, seconds); ``attention``: (dtype, pass) -> rows
     (batch·heads, seq, head_dim, FLOP/s); ``memory_bound``: (op, pass, dtype) -> rows

@@ -3,9 +3,7 @@ where its formulas are written out (docs/), in at most 15 lines.
 
 Every module of the package (the folders ``pyproject.toml`` maps into it) is parsed with
 :mod:`ast`, never imported. A docstring's length is the lines it spans in the file, the
-line of its closing quotes included. ``ALLOWED`` lists the modules not trimmed yet; an
-entry whose docstring is already within the limit fails, so the list only shrinks.
-CONTRIBUTING.md states the same rule.
+line of its closing quotes included. CONTRIBUTING.md states the same rule.
 """
 
 from __future__ import annotations
@@ -16,23 +14,6 @@ from pathlib import Path
 from tests.test_layering import ROOT, package_modules
 
 MAX_LINES = 15
-
-ALLOWED: frozenset[str] = frozenset({
-    # cost models, not trimmed yet:
-    "autopar.cost_models.comm",
-    "autopar.cost_models.compute",
-    "autopar.cost_models.hardware",
-    "autopar.cost_models.host",
-    "autopar.cost_models.memory",
-    "autopar.cost_models.offload",
-    "autopar.cost_models.param_work",
-    "autopar.cost_models.tables",
-    # strategies, not trimmed yet:
-    "autopar.strategies.batch_flow",
-    "autopar.strategies.fused",
-    "autopar.strategies.rules",
-    "autopar.strategies.rules_moe",
-})
 
 
 def docstring_lines(path: Path) -> int:
@@ -54,20 +35,13 @@ def long_docstrings(modules: dict[str, Path]) -> dict[str, int]:
 def test_module_docstrings_are_short() -> None:
     modules = package_modules()
     assert len(modules) > 50 and "autopar.solvers.problem" in modules, sorted(modules)
-    new = {m: n for m, n in long_docstrings(modules).items() if m not in ALLOWED}
-    assert not new, (
+    long = long_docstrings(modules)
+    assert not long, (
         f"module docstrings over {MAX_LINES} lines (CONTRIBUTING.md): say what the module is "
         "for and its entry points, and move formulas and specification to docs/ (or into "
         "the docstring of the function that implements them), rationale and measurements "
         "to the commit body or benchmarks/results/README.md:\n"
-        + "\n".join(f"{modules[m].relative_to(ROOT)}: {n} lines" for m, n in sorted(new.items())))
-
-
-def test_allowed_list_only_shrinks() -> None:
-    modules = package_modules()
-    gone = sorted(ALLOWED - set(long_docstrings(modules)))
-    assert not gone, ("these ALLOWED modules are gone or within the limit now; remove them "
-                      "from ALLOWED in tests/test_docstrings.py:\n" + "\n".join(gone))
+        + "\n".join(f"{modules[m].relative_to(ROOT)}: {n} lines" for m, n in sorted(long.items())))
 
 
 def test_counts_the_lines_a_docstring_spans(tmp_path: Path) -> None:

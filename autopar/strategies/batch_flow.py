@@ -3,27 +3,14 @@ by following the batch split from the model inputs through the ops.
 
 Data parallelism runs every op on each rank's own samples, so it needs no sharding rule
 for an op that does not mix samples: it needs to know which dim of each tensor carries
-the batch. This pass finds it op by op:
+the batch. :class:`BatchFlow` finds it op by op (:meth:`~BatchFlow.visit`, then
+:meth:`~BatchFlow.finish`) — by the op's rule, through reshapes
+(:func:`reshape_batch`), or by size, relabelling the rule so :data:`BATCH` marks the
+batch dims (:func:`relabel`) — and refuses only a true cross-sample op, with a message
+that says so.
 
-1. *By the rule*: a label of the op's rule sits at every input's batch dim; the output
-   carries the batch where that label is (``S(d)``), or holds a partial sum of it
-   (``P``: a sum over the batch, allowed only for the loss).
-2. *Through reshapes*: a reshape may bury the batch inside a merged dim — seq-first
-   attention reshapes (T, B, H, D) to (T·B, H·D) — where no rule label follows it. Each
-   tensor's batch is kept as (dim, inner): the batch dim and the number of elements it
-   strides over within that dim (1 for a leading batch); a reshape maps it exactly.
-3. *By size*: an op with no rule (or whose rule cannot say) whose output has a dim
-   sized like an input's batch dim, at the same position or the only one so sized,
-   carries the batch there; the op's rule is then relabelled so the label
-   :data:`BATCH` marks those dims, splittable by data parallelism only.
-
-Only a true cross-sample op refuses: one whose rule puts the batch on a dim it
-normalizes, selects, slices or reduces over (a batch statistic), with a message that
-says so. Parameters and constants (tensors made from shapes, see
-:func:`~autopar.strategies.analysis.constant_ops`) take whatever placement their
-consumer needs; so does an op that reads only those (a position-embedding lookup of
-position ids made from the input's shape): its placement is settled by its first
-consumer that carries the batch, or replicated when none does.
+The three ways, the refusal and how parameters and constants are placed:
+docs/strategies.md, section ``autopar.strategies.batch_flow``.
 """
 
 from __future__ import annotations
@@ -95,8 +82,9 @@ def _message(n: OpNode, why: str) -> str:
 
 @dataclass
 class BatchFlow:
-    """The batch split followed through a graph (see the module docstring); call
-    :meth:`visit` on each op in order, then :meth:`finish`.
+    """The batch split followed through a graph (docs/strategies.md, section
+    ``autopar.strategies.batch_flow``); call :meth:`visit` on each op in order, then
+    :meth:`finish`.
 
     ``place`` is each node's data-parallel placement, ``label`` the rule label of each
     op split over the data-parallel axis, ``inner`` the elements a batch dim strides
@@ -213,8 +201,9 @@ class BatchFlow:
 
     def _follow(self, n: OpNode, rule: OpRule, fixed: list[tuple[int, str]],
                 pending: list[int]) -> None:
-        """Follow the batch through ``n`` where its rule does not (module docstring, 2
-        and 3), or refuse a true cross-sample op."""
+        """Follow the batch through ``n`` where its rule does not (docs/strategies.md,
+        section ``autopar.strategies.batch_flow``, 2 and 3), or refuse a true
+        cross-sample op."""
         split = [(pos, p) for pos, p in fixed if p != "R"]
         if rule.kind != "fallback":
             self._refuse_mixing(n, rule, fixed, split)

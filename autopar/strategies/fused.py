@@ -2,29 +2,15 @@
 followed by ``.split(h, -1)`` (or ``.chunk(3, -1)``; a fused ``gate_up`` split in two
 alike) shard as Megatron-LM shards it.
 
-A plain split of the fused output dim over ``n`` ranks gives rank ``r`` a slice of
-the concatenation, which the split cannot cut into q, k and v without gathering
-it. A *piecewise* split (``S(d)/k``, :mod:`autopar.sharding`) gives rank ``r`` chunk
-``r`` of each of the ``k`` pieces instead; the split then hands every piece on as a
-plain split of its heads, and attention and the output projection run on the
-rank's heads with no collective — the layout a model written with separate q, k
-and v projections gets.
+:func:`piecewise_rules` finds every split of a dim into ``k`` equal pieces whose input
+comes from a parameter carrying the dim (the fused weight), and rewrites the rules of
+the split and of the ops back to the parameter so the dim may be split *piecewise*
+(``S(d)/k``, :mod:`autopar.sharding`): each rank gets its chunk of every piece, and
+attention runs on the rank's heads with no collective.
 
-:func:`piecewise_rules` finds every split of a dim into ``k`` equal pieces (not the
-batch dim) whose input is made, through ops that keep that dim (a view, a bias
-added, a cast), from a parameter carrying the dim — the fused weight. The split's
-rule then reads its input's dim as label ``x/k`` (split piecewise, each output
-piece split plainly on ``x``), and every op on the way back to the parameter may
-split its label piecewise in ``k`` pieces (:attr:`OpRule.pieces`). A split whose
-input comes from no parameter (``rotate_half`` on a rotary embedding) keeps its rule:
-its dim is never split.
-
-Not yet: a view of the fused dim to ``(3, heads, head_dim)`` taken apart with
-``unbind`` (as ViTs write it). DTensor runs it without a gather forward, but in torch
-2.13 the gradient that view hands back is a strided shard of another kind than the
-weight's (``DTensorSpec.use_strided_shard_as_shard_order``), and the weight's
-gradient then gathers it; such a projection stays column-split only where the
-split is whole heads (GPT-NeoX, Bloom, Megatron's own per-head interleaving).
+Why a plain split does not do, the labels ``x/k`` and :attr:`OpRule.pieces`, and what
+is not handled yet (a fused dim viewed as ``(3, heads, head_dim)`` and unbound):
+docs/strategies.md, section ``autopar.strategies.fused``.
 """
 
 from __future__ import annotations
@@ -39,7 +25,8 @@ _SPLITS = frozenset({"split", "split_with_sizes", "chunk"})
 
 def piecewise_rules(graph: Graph, rules: dict[str, OpRule],
                     batch_dim: dict[str, int | None]) -> dict[str, OpRule]:
-    """``rules`` with the piecewise splits of fused projections (module docstring):
+    """``rules`` with the piecewise splits of fused projections (docs/strategies.md,
+    section ``autopar.strategies.fused``):
     the rules of the splits and of the ops between each split and its parameter
     replaced, the others as they are."""
     out = dict(rules)

@@ -18,7 +18,7 @@ class OpRule:
     ``ins[i] is None`` means the input must stay replicated on every axis. Labels in
     ``forbid`` are never split on a model-parallel axis; those also in ``per_rank``
     may be split by data parallelism, each rank running the op on its own samples
-    (see :mod:`autopar.strategies.rules`).
+    (docs/strategies.md, section ``autopar.strategies.rules``).
 
     A label written ``"x/k"`` at a dim is label ``x`` split *piecewise* there: the dim
     is cut into k equal pieces and every piece split over the axis (placed

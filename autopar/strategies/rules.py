@@ -1,26 +1,16 @@
 """Sharding rules: each operator described as an einsum-like labelling of its dims.
 
-Every tensor dim of an op's inputs and output gets a label. Sharding a label over a
-mesh axis splits every dim that carries it; a tensor without the label is replicated
-over that axis. The output is then
+:func:`rule_for` gives an op's :class:`~autopar.strategies.rule_base.OpRule` from its
+node and input metas (a handler per op name; those of mixture-of-experts routing in
+:mod:`.rules_moe`): a label per dim of each input and of the output, with the labels
+that reduce, that are never split (``forbid``) and that only data parallelism may
+split (``per_rank``). :func:`has_rule` says whether an op has one; an op with none gets
+:func:`fallback_rule`. :func:`loss_reduction` reads how the loss reduces. The
+enumerator (:mod:`autopar.strategies.enumeration`) turns the rules into every legal
+strategy of every op.
 
-* ``Shard(d)`` when the label sits at output dim ``d``;
-* ``Partial`` when the label is in ``reduce`` (a contraction or a summing reduction:
-  each device holds a summand of the true result);
-* invalid otherwise (the label may not be split).
-
-Labels in ``forbid`` are never split (normalized dims of a norm, the softmax dim,
-attention's head dim, a sliced or concatenated dim, ...). This one description
-covers linear/matmul/bmm/einsum, embeddings, norms, softmax, pointwise ops with
-broadcasting, reductions, views, attention and the loss, and it lets a generic
-enumerator produce every legal strategy of every op (:mod:`autopar.strategies.enumeration`).
-
-Labels in ``per_rank`` are forbidden to the model-parallel axes but data parallelism
-may split them: each rank runs the op on its own samples, which is what a
-data-parallel model computes although the op's math does not split (MoE routing: a
-sort, a running count or a histogram over the rank's tokens, :mod:`.rules_moe`). An
-op with no rule gets :func:`fallback_rule`: nothing of it is split on the
-model-parallel axes; the graph analysis follows the batch through it.
+What a label's split gives the output, and which ops the one description covers:
+docs/strategies.md, section ``autopar.strategies.rules``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Sharding rules of the ops mixture-of-experts routing is written with: top-k, sort,
 running sums, one-hot, histograms and the gather / scatter / index family.
 
-Two kinds of dim appear here besides the ordinary ones:
+:data:`MOE_HANDLERS` maps each op name to its rule, as :mod:`.rules` maps the others.
+An *indexed* dim (read or written at computed positions) is never split; a *scanned*
+dim (a top-k, sort or running sum runs along it, a histogram counts it) is split only
+by data parallelism (``per_rank``); every other dim keeps its label.
 
-* an *indexed* dim (the dim a gather, scatter or index reads or writes at computed
-  positions) is never split: the positions are global;
-* a *scanned* dim (the dim a top-k, sort or running sum runs along, the elements a
-  histogram counts) is never split on a model-parallel axis either, but it is
-  ``per_rank``: when it carries the batch, data parallelism runs the op on each rank's
-  own tokens — what every data-parallel MoE does (each rank routes, sorts and counts
-  its tokens) — and a histogram's counts are then the rank's own.
-
-Every other dim keeps its label, so a split of it passes through (a split of the
-hidden dim through a token gather, of the tokens through a top-k over the experts).
+Both kinds of dim in full: docs/strategies.md, section
+``autopar.strategies.rules_moe``.
 """
 
 from __future__ import annotations
@@ -32,8 +27,9 @@ _SCANS: dict[str, tuple[int, int]] = {
 
 
 def _scan(node: OpNode, in_metas: list[TensorMeta | None], fresh: Fresh) -> OpRule:
-    """An op along one dim (top-k, sort, cumsum, ...): that dim is scanned (see the
-    module docstring); top-k and kthvalue change its size, the others keep it."""
+    """An op along one dim (top-k, sort, cumsum, ...): that dim is scanned
+    (docs/strategies.md, section ``autopar.strategies.rules_moe``); top-k and kthvalue
+    change its size, the others keep it."""
     nd = ndims(in_metas[0])
     base = base_labels(nd)
     pos, default = _SCANS[op_of(node.target)]
