@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.examples.llama import Attention, FeedForward, LlamaConfig, rope_tables
+from autopar.examples.llama import Block, FeedForward, Llama, LlamaConfig
 
 
 @dataclass
@@ -93,38 +93,13 @@ class MoE(nn.Module):
         return out if self.shared is None else out + self.shared(x)
 
 
-class Block(nn.Module):
-    """Pre-norm block: attention, then the MoE (or, in the first blocks, a dense FFN)."""
+class MoETransformer(Llama):
+    """Decoder-only mixture-of-experts language model returning logits (batch, seq, vocab):
+    the Llama with an MoE in every block past the first ``n_dense_layers``."""
 
-    def __init__(self, cfg: MoEConfig, dense: bool) -> None:
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.ffn = FeedForward(cfg) if dense else MoE(cfg)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.ffn(self.ffn_norm(x))
-
-
-class MoETransformer(nn.Module):
-    """Decoder-only mixture-of-experts language model returning logits (batch, seq, vocab)."""
-
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, dense=i < cfg.n_dense_layers)
-                                    for i in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, t, self.cfg.rope_theta,
-                               idx.device)
-        x = self.tok_emb(idx)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.head(self.norm(x))
+    def block(self, cfg: MoEConfig, index: int) -> nn.Module:
+        """Block ``index``: the Llama's, its feed-forward an MoE unless it is dense."""
+        block = Block(cfg)
+        if index >= cfg.n_dense_layers:
+            block.ffn = MoE(cfg)
+        return block
