@@ -6,12 +6,10 @@ import re
 
 from autopar.cost_models.hardware import accuracy_text
 from autopar.plans import Plan
+from autopar.solvers.cost_terms import STEP_TERMS
 from autopar.units_text import fmt_bytes
 
 
-STEP_TERMS = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "optimizer_s",
-              "exposed_host_s")
-"""The breakdown keys whose sum is a plan's step time (see :mod:`autopar.assemble`)."""
 
 TERM_LABELS = (("compute_s", "compute"), ("recompute_s", "recomputation"),
                ("exposed_comm_s", "exposed communication"), ("bubble_s", "bubble"),

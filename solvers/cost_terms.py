@@ -61,6 +61,11 @@ class PieceCost:
 _NUMBERS = tuple(f.name for f in fields(PieceCost) if f.name != "name")
 
 
+STEP_TERMS = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "optimizer_s",
+              "exposed_host_s")
+"""The names of the terms of :class:`StepTerms` that add up to the step time, in order."""
+
+
 @dataclass(frozen=True)
 class StepTerms:
     """A predicted step time by term (seconds); the first six add up to the step:
@@ -104,9 +109,8 @@ class StepTerms:
 
     @property
     def step_time_s(self) -> float:
-        """The sum of the six terms."""
-        return self.compute_s + self.recompute_s + self.exposed_comm_s + self.bubble_s + \
-            self.optimizer_s + self.exposed_host_s
+        """The sum of the six terms (:data:`STEP_TERMS`)."""
+        return sum(getattr(self, k) for k in STEP_TERMS)
 
     def as_dict(self) -> dict[str, float]:
         """The terms that apply, by name (a plan's ``breakdown``)."""
