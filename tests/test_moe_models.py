@@ -16,7 +16,7 @@ STEPS, LR = 3, 0.1
 CONFIG = MoEConfig(vocab_size=64, max_seq_len=16, dim=32, n_layers=3, n_heads=4,
                    n_kv_heads=2, ffn_dim=64, n_experts=4, top_k=2, expert_ffn_dim=32,
                    n_shared_experts=1, n_dense_layers=1, capacity_factor=1.0)
-CASES = [{}, {"dp": 4}, {"dp": 2, "tp": 2}, {"dp": 1, "tp": 4, "sequence_parallel": True},
+CASES = [{"dp": 2, "tp": 2}, {"dp": 1, "tp": 4, "sequence_parallel": True},
          {"dp": 4, "zero": 3, "recompute": "full"}, {"pp": 2, "dp": 2}]
 
 
