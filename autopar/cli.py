@@ -1,5 +1,6 @@
 """The ``autopar`` command line: ``plan`` a model for a cluster, ``compare`` a hand-written
-configuration with the plan, ``demo`` a local run."""
+configuration with the plan, ``codegen`` a plan into a torchrun program, ``profile`` this
+machine, ``demo`` a local run."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
+    ap = argparse.ArgumentParser(prog="autopar", description=__doc__.replace("``", ""))
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the best plan for a model on a cluster")
     p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory "
@@ -132,7 +133,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="the loss(output, targets) to train with (default: cross-entropy over "
                         "the output's last dim)")
     c.add_argument("-o", "--output", default="train.py", help="the program to write")
-    from autopar.cost_models.profiling.run import build_parser as profile_parser
+    from autopar.cost_models.profiling.options import build_parser as profile_parser
 
     profile_parser(sub.add_parser("profile", help="measure this machine's GPU (or CPU) "
                                   "and write a profile JSON"))

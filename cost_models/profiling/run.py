@@ -30,6 +30,7 @@ from autopar.cost_models.profiling.collectives import init_from_env, measure_col
 from autopar.cost_models.profiling.fit import FIT_FORMULA, fit_table
 from autopar.cost_models.profiling.grid import Grid, cpu_grid, gpu_grid
 from autopar.cost_models.profiling.host_wrappers import measure_host
+from autopar.cost_models.profiling.options import build_parser
 from autopar.cost_models.profiling.timing import Task, Timer, compact_json, provenance
 
 FORMAT = "autopar-profile/1"
@@ -244,26 +245,11 @@ def _collectives(grid: Grid, device: torch.device, rows: list[dict[str, Any]],
     return rows + [{"table": "collectives", **r} for r in new]
 
 
-def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The profile options, on ``ap`` (a CLI sub-parser) or a new parser."""
-    ap = ap or argparse.ArgumentParser(prog="autopar profile", description=__doc__,
-                                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a smaller grid (minutes)")
-    ap.add_argument("--out", default="profile.json", help="profile JSON to write")
-    ap.add_argument("--resume", action="store_true",
-                    help="skip the points already in OUT.partial.jsonl")
-    ap.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if present")
-    ap.add_argument("--time-limit-s", "--time-limit", type=float, metavar="S",
-                    dest="time_limit_s",
-                    help="stop starting new points after S seconds (then --resume)")
-    return ap
-
-
 def main(args: argparse.Namespace | None = None) -> int:
     """Run the profiler from parsed arguments (or sys.argv); 0 when finished, 3 when the
     time limit left points to measure."""
     if args is None:
-        args = build_parser().parse_args()
+        args = build_parser(description=__doc__).parse_args()
     device = torch.device(args.device) if args.device else None
     doc = run_profile(Path(args.out), quick=args.quick, resume=args.resume, device=device,
                       time_limit=args.time_limit_s)
