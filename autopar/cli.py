@@ -33,9 +33,11 @@ def parse_bytes(text: str) -> float:
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu", default="h100-sxm", help="hardware profile name or JSON path")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100-sxm",
+                   help="hardware profile name or JSON path (default: %(default)s)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default: 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="devices per node (default: 8)")
     p.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU inside a node")
     p.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU across nodes")
 
@@ -44,9 +46,14 @@ def _add_workload_args(p: argparse._ActionsContainer) -> None:
     """Batch, sequence length, precision, optimizer and memory budget options."""
     p.add_argument("--global-batch", type=int, help="samples per optimizer step")
     p.add_argument("--seq-len", type=int, help="sequence length (zoo models)")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw", "sgd"])
-    p.add_argument("--memory-budget", type=parse_bytes, help="per device, e.g. 40GB")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="training precision; bf16 and fp16 keep fp32 master weights "
+                        "(default: %(default)s)")
+    p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw", "sgd"],
+                   help="the optimizer whose state is kept and stepped (default: %(default)s)")
+    p.add_argument("--memory-budget", type=parse_bytes,
+                   help="per device, e.g. 40GB (default: the GPU's memory less the "
+                        "profile's reserve)")
 
 
 def _cluster_from_args(args: argparse.Namespace) -> Cluster:

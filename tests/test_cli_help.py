@@ -21,3 +21,13 @@ def test_help_lists_every_command_without_importing_torch():
     for command in ("plan", "compare", "models", "demo", "codegen", "profile"):
         assert command in text
     assert "``" not in text
+
+
+def test_every_plan_and_compare_option_says_what_it_is():
+    from autopar.cli import _build_parser
+
+    sub = next(a for a in _build_parser()._actions if a.dest == "command")
+    for name in ("plan", "compare"):
+        missing = [a.option_strings[0] for a in sub.choices[name]._actions
+                   if a.option_strings and not a.help]
+        assert missing == [], (name, missing)
