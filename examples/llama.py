@@ -81,14 +81,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm Llama block."""
+    """Pre-norm Llama block (``ffn``: its feed-forward, by default the SwiGLU one)."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, ffn: nn.Module | None = None) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.ffn = FeedForward(cfg)
+        self.ffn = ffn if ffn is not None else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)

@@ -99,7 +99,4 @@ class MoETransformer(Llama):
 
     def block(self, cfg: MoEConfig, index: int) -> nn.Module:
         """Block ``index``: the Llama's, its feed-forward an MoE unless it is dense."""
-        block = Block(cfg)
-        if index >= cfg.n_dense_layers:
-            block.ffn = MoE(cfg)
-        return block
+        return Block(cfg, None if index < cfg.n_dense_layers else MoE(cfg))

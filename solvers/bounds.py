@@ -299,16 +299,22 @@ def _chain_bound(lead: list[float], weights: list[float], pp: int) -> float:
             i, stages = j, stages + 1
         return True
 
-    lo, hi = max(upto[n] / pp, max(weights)), before[n] + upto[n]
+    return _largest_too_small(max(upto[n] / pp, max(weights)), before[n] + upto[n],
+                              lambda theta: not fits(theta))
+
+
+def _largest_too_small(lo: float, hi: float, too_small) -> float:
+    """Bisect [lo, hi] for the edge of ``too_small`` (true at lo, taken false at hi):
+    the largest value shown too small, to a relative width of :data:`_PRECISION`."""
     while hi - lo > _PRECISION * hi:
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        lo, hi = (mid, hi) if too_small(mid) else (lo, mid)
     return lo
 
 
 _PRECISION = 1e-7
-"""Relative width at which the bisections below stop (returning the low end, which
-they have shown infeasible): far below any cost's precision."""
+"""Relative width at which the bisections stop (returning the low end, which they have
+shown infeasible): far below any cost's precision."""
 
 
 def rank_load_bound(weights: list[float], bins: int) -> float:
@@ -350,10 +356,7 @@ def rank_load_bound(weights: list[float], bins: int) -> float:
     hi = lo + max(w for w, _ in items)  # list scheduling's makespan is below mean + max
     if not too_small(lo):
         return lo
-    while hi - lo > _PRECISION * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if too_small(mid) else (lo, mid)
-    return lo
+    return _largest_too_small(lo, hi, too_small)
 
 
 _MAX_K = 256

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from autopar.graph import Graph
 from autopar.sharding import shard_count
 from autopar.solvers.cost_terms import PieceCost
-from autopar.solvers.problem import Problem
+from autopar.solvers.problem import Problem, StrategyCost
 from autopar.solvers.problem_build import Built
 from autopar.strategies.analysis import param_users
 
@@ -107,8 +107,8 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
             continue
         s = problem.nodes[k].strategies[choice[k]]
         u = units[where[n.name]]
-        u.forward_s += s.device_s - s.device_bwd_s + s.comm_s / 2
-        u.backward_s += s.device_bwd_s + s.comm_s / 2 + s.micro_param_comm_s
+        u.forward_s += forward_share(s)
+        u.backward_s += backward_share(s)
         u.backward_weight_s += s.device_bwd_s / 2  # weight grad: one of backward's 2 GEMMs
         u.step_comm_s += s.step_param_comm_s
         u.optimizer_s += s.optimizer_s
@@ -129,6 +129,18 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
     if tied_sync is not None:
         add_tied_copies(g, built, choice, units, tied_sync)
     return units
+
+
+def forward_share(s: StrategyCost) -> float:
+    """The seconds one instance of strategy ``s`` adds to its unit's forward per
+    micro-batch: its compute less the backward's, and half its collectives."""
+    return s.device_s - s.device_bwd_s + s.comm_s / 2
+
+
+def backward_share(s: StrategyCost) -> float:
+    """The seconds one instance of strategy ``s`` adds to its unit's backward per
+    micro-batch: the backward's compute, half its collectives and its ZeRO-3 traffic."""
+    return s.device_bwd_s + s.comm_s / 2 + s.micro_param_comm_s
 
 
 def unit_members(g: Graph) -> list[dict[str, int]]:
@@ -153,8 +165,7 @@ def least_unit_costs(built: Built, members: list[dict[str, int]]) -> list[PieceC
     least = {}
     for name, node in zip(built.names, built.problem.nodes):
         ss = node.strategies
-        least[name] = (min(s.device_s - s.device_bwd_s + s.comm_s / 2 for s in ss),
-                       min(s.device_bwd_s + s.comm_s / 2 + s.micro_param_comm_s for s in ss),
+        least[name] = (min(map(forward_share, ss)), min(map(backward_share, ss)),
                        min(s.optimizer_s for s in ss))
     out = []
     for row in members:
