@@ -140,6 +140,22 @@ def _check_heads(graph, tp: int) -> None:
                     f"{[d for d in range(1, heads + 1) if heads % d == 0]}")
 
 
+def _experts(an, ep: int | None) -> int:
+    """How many experts every expert module of the analysed graph has in common (their
+    gcd; 0 without any), checked against an ``ep`` asked for."""
+    counts = [em.experts for em in an.experts.values()]
+    common = math.gcd(*counts) if counts else 0
+    if ep is not None and ep > 1:
+        if not counts:
+            raise ConfigError(f"ep={ep}: the model has no expert modules (a module whose "
+                              f"parameters stack one weight per expert, run per expert); "
+                              f"leave ep out for a dense model")
+        if common % ep:
+            raise ConfigError(f"ep={ep} does not divide the {common} experts of the model's "
+                              f"mixture-of-experts layers; choose an ep that divides {common}")
+    return common
+
+
 def _check_pipeline_depth(pp: int | None, num_blocks: int) -> None:
     """Pipelining needs a pipeline unit per stage: the repeated blocks and what comes
     before and after them."""
@@ -218,7 +234,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                        microbatch_size=spec.microbatch_size, zero=spec.zero,
                        schedule=spec.schedule, virtual_stages=spec.virtual_stages,
                        num_units=len(graph.layers) + 2 if graph.layers else 1,
-                       heads=_heads(graph))
+                       heads=_heads(graph), ep=spec.ep, experts=_experts(an, spec.ep))
     if not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k={top_k!r}: expected a positive integer (1 = the best plan "
                           f"only)")

@@ -7,8 +7,8 @@ MFU."""
 from __future__ import annotations
 
 from autopar.graph import Graph
-from autopar.plans import ModulePlan, PipelinePlan, Plan, StagePlan
-from autopar.sharding import shard_dim
+from autopar.plans import ExpertPlan, ModulePlan, PipelinePlan, Plan, StagePlan
+from autopar.sharding import DATA_AXES, shard_dim
 from autopar.solvers.intra_op_ilp import Solution
 from autopar.solvers.pipelined_candidate import PipelineOutcome, pipeline_terms
 from autopar.solvers.problem import evaluate
@@ -88,16 +88,19 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     st = built.settings
     mesh = st.mesh
     chosen = chosen_strategies(g, built, sol)
-    dp_axis = mesh.names.index("dp") if "dp" in mesh.names else None
     tp_axis = mesh.names.index("tp") if "tp" in mesh.names else None
+    experts = expert_plans(an, chosen, mesh)
+    split = {f"{path}.{local}" for path, ep in experts.items() for local in ep.params}
     params: dict[str, list[str]] = {}
     for pnode, (op, pos) in an.param_owner.items():
         fqn = g.node(pnode).target
         if fqn in g.params and g.params[fqn].buffer:
             continue  # buffers are not placed: each rank keeps its own copy
         pl = list(chosen[op].ins[pos])
-        if dp_axis is not None and st.zero == 3 and mesh.sizes[dp_axis] > 1:
-            pl[dp_axis] = "S(0)"
+        for a, name in enumerate(mesh.names):
+            if name in DATA_AXES and st.zero == 3 and mesh.sizes[a] > 1 and \
+                    not (name == "ep" and fqn in split):
+                pl[a] = "S(0)"
         params[fqn] = pl
         for alias in g.params[fqn].aliases if fqn in g.params else []:
             params[alias] = list(pl)
@@ -128,7 +131,26 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         modules=modules, blocks=blocks, step_time_s=ev.step_time_s, breakdown=breakdown,
         memory=memory, throughput=global_batch / ev.step_time_s if ev.step_time_s else 0.0,
         mfu=mfu, solver=dict(sol.stats), notes=[], recompute=recompute, offload=st.offload,
-        loss_reduction=loss_reduction(g))
+        loss_reduction=loss_reduction(g), experts=experts)
+
+
+def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
+                 mesh) -> dict[str, ExpertPlan]:
+    """The expert modules whose experts the chosen strategies split over ``ep``."""
+    if "ep" not in mesh.names or mesh.sizes[mesh.names.index("ep")] == 1:
+        return {}
+    a = mesh.names.index("ep")
+    out = {}
+    for path, em in an.experts.items():
+        if em.output not in chosen or not chosen[em.output].raw_out[a].startswith("S("):
+            continue
+        if shard_dim(chosen[em.output].raw_out[a]) != em.out_dim:
+            continue
+        entry = next(iter(em.entries))
+        out[path] = ExpertPlan(path, em.experts, em.entries[entry], em.out_dim,
+                               an.batch_dim.get(em.output) or 0,
+                               {fqn.rpartition(".")[2]: d for fqn, d in em.params.items()})
+    return out
 
 
 def memory_breakdown(built: Built, sol: Solution) -> dict[str, float]:

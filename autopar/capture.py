@@ -7,8 +7,9 @@ nodes). Capture works on ``meta`` tensors, so a 175B-parameter model captures wi
 allocating a weight; the model is put in training mode (and a Hugging Face model's
 ``config.use_cache`` off) for the capture and restored afterwards.
 
-Fast path: a long list of identical blocks is cut to its first two blocks for the
-export, and the captured second block is replicated to the full depth
+Fast path: a long list of blocks, identical from some block s on (the first few may
+differ), is cut after block s+1 for the export, and the captured block s+1 is
+replicated to the full depth
 (:func:`autopar.layers.replicate_layers`); anything that does not check out falls back
 to exporting the full model. ``Graph.fx`` then holds the program of the cut model.
 """
@@ -235,13 +236,13 @@ def _fast_capture(model: nn.Module, wrapper: LossWrapper, args: tuple,
                 raise _loss_failure(e, model, wrapper) from None
             return None
     if used_len or any(s.kind.name == "CONSTANT_TENSOR" for s in ep.graph_signature.input_specs
-                       for p, _, _ in lists
-                       if str(s.target).startswith(f"{WRAPPED}.{p}.")):
+                       for lst in lists
+                       if str(s.target).startswith(f"{WRAPPED}.{lst.path}.")):
         return None
     g: Graph | None = to_graph(ep, model, inputs, label)
     detect_layers(g)
-    for path, _, n in lists:
-        g = replicate_layers(g, path, n) if g is not None else None
+    for lst in lists:
+        g = replicate_layers(g, lst.path, lst.count, lst.start) if g is not None else None
     return g
 
 

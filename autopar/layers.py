@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -158,16 +158,16 @@ def _reindex(path: str, list_path: str, src: int, dst: int) -> str:
     return path
 
 
-def replicate_layers(g: Graph, list_path: str, count: int) -> Graph | None:
+def replicate_layers(g: Graph, list_path: str, count: int, start: int = 0) -> Graph | None:
     """The graph of the same model with ``count`` blocks in the list at ``list_path``,
-    built from ``g``, a capture holding only its first two blocks: block 1's nodes and
-    parameters are copied for blocks 2..count-1, each copy reading the previous block's
-    outputs where block 1 reads block 0's. Returns None (capture then exports the full
-    model) unless the two captured blocks have equal signatures, run back to back,
-    block 1 reads nothing of block 0 but the tensors block 0 carries forward, and nothing
-    after the list reads block 0."""
+    built from ``g``, a capture holding only its blocks up to ``start`` + 1 (the
+    identical run begins at ``start``): block s+1's nodes and parameters are copied for
+    blocks s+2..count-1, each copy reading the previous block's outputs where block s+1
+    reads block s's. Returns None (capture then exports the full model) unless blocks s
+    and s+1 have equal signatures, run back to back, block s+1 reads nothing of block s
+    but the tensors block s carries forward, and nothing after the list reads block s."""
     by_path = {lay.path: lay for lay in g.layers}
-    l0, l1 = by_path.get(f"{list_path}.0"), by_path.get(f"{list_path}.1")
+    l0, l1 = by_path.get(f"{list_path}.{start}"), by_path.get(f"{list_path}.{start + 1}")
     if l0 is None or l1 is None or l0.signature != l1.signature or len(l0.nodes) != len(l1.nodes):
         return None
     pos = {n.name: k for k, n in enumerate(g.nodes)}
@@ -177,7 +177,7 @@ def replicate_layers(g: Graph, list_path: str, count: int) -> Graph | None:
         return None
     at0 = {x: k for k, x in enumerate(l0.nodes)}
     at1 = {x: k for k, x in enumerate(l1.nodes)}
-    pfx0, pfx1 = f"{list_path}.0.", f"{list_path}.1."
+    pfx0, pfx1 = f"{list_path}.{start}.", f"{list_path}.{start + 1}."
     for a, b in zip(l0.nodes, l1.nodes):
         na, nb = g.node(a), g.node(b)
         if (na.target, na.out, na.outs, len(na.inputs)) != (nb.target, nb.out, nb.outs,
@@ -201,29 +201,31 @@ def replicate_layers(g: Graph, list_path: str, count: int) -> Graph | None:
     block_params = [n for n in g.nodes if n.kind == "param" and n.target.startswith(pfx1)]
     if any(g.params[p.target].aliases for p in block_params if p.target in g.params):
         return None
-    return _expand(g, list_path, count, l1.nodes, at0, block_params, end)
+    return _expand(g, list_path, count, l1.nodes, at0, block_params, end, start + 1)
 
 
 def _expand(g: Graph, list_path: str, count: int, block: list[str], at0: dict[str, int],
-            block_params: list[OpNode], end: int) -> Graph | None:
+            block_params: list[OpNode], end: int, one: int) -> Graph | None:
+    """``g`` with block ``one`` (the captured second block of the run) copied for
+    blocks one+1..count-1 (:func:`replicate_layers`)."""
     names = _Names({n.name for n in g.nodes})
     fx_tag = list_path.replace(".", "_")
-    # renamed[k][old name] = name of the copy in block k (k = 1 is the captured block)
-    renamed: list[dict[str, str]] = [{}, {x: x for x in block}]
+    # renamed[k][old name] = name of the copy in block k (k = one is the captured block)
+    renamed: dict[int, dict[str, str]] = {one: {x: x for x in block}}
     for p in block_params:
-        renamed[1][p.name] = p.name
-    for k in range(2, count):
+        renamed[one][p.name] = p.name
+    for k in range(one + 1, count):
         ren: dict[str, str] = {}
         for p in block_params:
-            ren[p.name] = names.take(p.name.replace(f"{fx_tag}_1_", f"{fx_tag}_{k}_", 1),
+            ren[p.name] = names.take(p.name.replace(f"{fx_tag}_{one}_", f"{fx_tag}_{k}_", 1),
                                      p.name)
         for x in block:
             ren[x] = names.fresh(x)
-        renamed.append(ren)
+        renamed[k] = ren
 
     def source(name: str, k: int) -> str:
-        """What block k reads where block 1 reads ``name``."""
-        if name in renamed[1]:
+        """What block k reads where block ``one`` reads ``name``."""
+        if name in renamed[one]:
             return renamed[k][name]
         if name in at0:
             return renamed[k - 1][block[at0[name]]]
@@ -243,32 +245,32 @@ def _expand(g: Graph, list_path: str, count: int, block: list[str], at0: dict[st
         nodes.append(n)
         if n.kind == "param":
             params[n.target] = g.params[n.target]
-        if n.name in renamed[1] and n.kind == "param":
+        if n.name in renamed[one] and n.kind == "param":
             run.append(n)
             if n.name in param_last:
-                for k in range(2, count):
+                for k in range(one + 1, count):
                     for p in run:
-                        fqn = _reindex(p.target, list_path, 1, k)
+                        fqn = _reindex(p.target, list_path, one, k)
                         info = g.params[p.target]
                         params[fqn] = replace(info, name=fqn, aliases=[],
                                               module_path=_reindex(info.module_path,
-                                                                   list_path, 1, k))
+                                                                   list_path, one, k))
                         nodes.append(replace(p, name=renamed[k][p.name], target=fqn))
                 run = []
         if idx == end:
-            for k in range(2, count):
+            for k in range(one + 1, count):
                 for x in block:
                     b = g.node(x)
                     nodes.append(replace(
                         b, name=renamed[k][x], inputs=[source(i, k) for i in b.inputs],
                         args=rename_refs(b.args, lambda s, k=k: "%" + source(s, k)),
-                        params=[_reindex(p, list_path, 1, k) for p in b.params],
-                        module_path=_reindex(b.module_path, list_path, 1, k), layer=None))
+                        params=[_reindex(p, list_path, one, k) for p in b.params],
+                        module_path=_reindex(b.module_path, list_path, one, k), layer=None))
     out = Graph(nodes, params, [], {}, list(g.inputs), g.loss, g.batch_size, g.seq_len,
                 g.model_name, g.fx)
     detect_layers(out)
-    sigs = {lay.signature for lay in out.layers if lay.path.startswith(list_path + ".")
-            and lay.index >= 1}
+    sigs = {lay.signature for lay in out.layers if _parent(lay.path) == list_path
+            and int(lay.path.rpartition(".")[2]) >= one}
     count_found = sum(1 for lay in out.layers if _parent(lay.path) == list_path)
     return out if len(sigs) == 1 and count_found == count else None
 
@@ -278,10 +280,34 @@ def _expand(g: Graph, list_path: str, count: int, block: list[str], at0: dict[st
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
-def repeated_lists(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
-    """(path, container, length) of every outermost ModuleList / Sequential (not the
-    root, not inside another list's block) holding more than two blocks, indexed 0..n-1,
-    that are distinct objects of one class with identical submodules, parameters,
+class RepeatedList(NamedTuple):
+    """A block list whose blocks from ``start`` on are identical
+    (:func:`repeated_lists`): the capture keeps blocks 0..start+1 and copies the rest."""
+
+    path: str
+    container: nn.Module
+    count: int
+    start: int = 0
+
+
+MAX_LEADING = 8
+"""How many leading blocks may differ from an identical run (a mixture of experts' dense
+first blocks: DeepSeek-V3 has 3)."""
+
+
+def _run_start(kids: list[nn.Module]) -> int | None:
+    """The first index from which every block is identical with more than two of them
+    left, trying the first :data:`MAX_LEADING` + 1 starts; None if none is."""
+    for s in range(min(MAX_LEADING, len(kids) - 3) + 1):
+        if _same_blocks(kids[s:]):
+            return s
+    return None
+
+
+def repeated_lists(model: nn.Module) -> list[RepeatedList]:
+    """Every outermost ModuleList / Sequential (not the root, not inside another list's
+    block) indexed 0..n-1 whose blocks are distinct objects, with a run of more than two
+    blocks from ``start`` on of one class with identical submodules, parameters,
     buffers, hooks and plain attributes (an index-like int such as ``layer_idx`` may
     differ), and whose tensors belong to their own block only."""
     owners: dict[int, list[str]] = {}
@@ -299,11 +325,14 @@ def repeated_lists(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
             continue
         kids = list(m)
         if list(m._modules) != [str(i) for i in range(len(kids))] or \
-                len({id(k) for k in kids}) != len(kids) or not _same_blocks(kids):
+                len({id(k) for k in kids}) != len(kids):
+            continue
+        start = _run_start(kids)
+        if start is None:
             continue
         if all(o.startswith(f"{path}.{k}.") for k, kid in enumerate(kids)
                for t in chain(kid.parameters(), kid.buffers()) for o in owners[id(t)]):
-            found.append((path, m, len(kids)))
+            found.append(RepeatedList(path, m, len(kids), start))
     return found
 
 
@@ -344,16 +373,17 @@ def _same_blocks(kids: list[nn.Module]) -> bool:
 
 
 @contextlib.contextmanager
-def cut_lists(lists: list[tuple[str, nn.Module, int]]) -> Iterator[list[int]]:
-    """Cut each container to its first two blocks for the duration of the block; yields
-    a list that becomes non-empty if anything calls ``len()`` on a cut container (the
-    forward's shapes may then depend on the depth). Everything is restored on exit."""
+def cut_lists(lists: list[RepeatedList]) -> Iterator[list[int]]:
+    """Cut each container after the second block of its identical run for the duration
+    of the block; yields a list that becomes non-empty if anything calls ``len()`` on a
+    cut container (the forward's shapes may then depend on the depth). Everything is
+    restored on exit."""
     used_len: list[int] = []
     saved = []
     try:
-        for _, m, _ in lists:
+        for _, m, _, start in lists:
             saved.append((m, m.__class__, list(m._modules.items())))
-            for key in list(m._modules)[2:]:
+            for key in list(m._modules)[start + 2:]:
                 del m._modules[key]
             m.__class__ = _len_spy(m.__class__, used_len, m)
         yield used_len

@@ -23,7 +23,7 @@ from autopar.errors import PlanFormatError
 from autopar.memory_choices import RECOMPUTE, SELECTIVE_SAVE_OPS, fsdp_unit
 
 __all__ = ["PLAN_FORMAT_VERSION", "READABLE_VERSIONS", "TP_STYLES", "SCHEDULES", "RECOMPUTE",
-           "SELECTIVE_SAVE_OPS", "fsdp_unit", "ModulePlan", "StagePlan", "PipelinePlan", "Plan"]
+           "SELECTIVE_SAVE_OPS", "fsdp_unit", "ModulePlan", "ExpertPlan", "StagePlan", "PipelinePlan", "Plan"]
 
 PLAN_FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 plans (no pipeline) read as version 2 with pipeline=None
@@ -62,6 +62,29 @@ class ModulePlan:
     output_layout: str = "R"
     params: dict[str, list[str]] = field(default_factory=dict)
     time_s: float = 0.0
+
+
+@dataclass
+class ExpertPlan:
+    """A mixture-of-experts module whose experts are split over the ``ep`` mesh axis
+    (:mod:`autopar.strategies.experts`): the lowering shards its parameters along
+    their expert dim over ``ep`` and moves the tokens by an all-to-all over ``ep`` on
+    the way in (from split by sample to split by expert) and on the way out.
+
+    Attributes:
+        path: module path, e.g. ``"layers.1.ffn.experts"``.
+        experts: how many experts the module holds whole.
+        input_dim / output_dim: the expert dim of its input and of its output.
+        batch_dim: the batch dim of both.
+        params: local parameter name -> its expert dim.
+    """
+
+    path: str
+    experts: int
+    input_dim: int
+    output_dim: int
+    batch_dim: int = 0
+    params: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -162,6 +185,8 @@ class Plan:
         inputs: the shape (one global batch, batch first) and dtype of each of the
             model's inputs the plan was made for, e.g. ``{"shape": [8, 1024], "dtype":
             "int64"}``: a pipeline's stages are exported for these shapes.
+        experts: module path -> :class:`ExpertPlan`, for the expert modules split over
+            the ``ep`` axis (empty without expert parallelism).
         loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``
             (:func:`autopar.strategies.rules.loss_reduction`); the runtime scales a
             summed loss so that averaging over ranks and micro-batches keeps the sum.
@@ -195,6 +220,7 @@ class Plan:
     runners_up: list[dict[str, Any]] = field(default_factory=list)
     inputs: list[dict[str, Any]] = field(default_factory=list)
     loss_reduction: str = "mean"
+    experts: dict[str, ExpertPlan] = field(default_factory=dict)
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -218,6 +244,12 @@ class Plan:
     def degree(self, axis: str) -> int:
         """Size of mesh axis ``axis`` (1 when the mesh has no such axis)."""
         return int(self.mesh.get(axis, 1))
+
+    @property
+    def data_parallel(self) -> int:
+        """How many ways the batch is split: ``dp`` × ``ep`` (ep is a part of the
+        data-parallel ranks that splits the experts instead)."""
+        return self.degree("dp") * self.degree("ep")
 
     def to_json(self, indent: int | None = 2) -> str:
         """Serialize to JSON text (round-trips through :meth:`from_json`)."""
@@ -253,6 +285,7 @@ class Plan:
             raise PlanFormatError(f"the plan has unknown field(s) {', '.join(unknown)}")
         try:
             data["modules"] = {k: ModulePlan(**v) for k, v in data.get("modules", {}).items()}
+            data["experts"] = {k: ExpertPlan(**v) for k, v in data.get("experts", {}).items()}
             pipe = data.get("pipeline")
             if pipe is not None:
                 pipe = dict(pipe)

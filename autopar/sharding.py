@@ -22,7 +22,7 @@ from functools import lru_cache
 
 from autopar.errors import ConfigError, PlanFormatError
 
-__all__ = ["Mesh", "layout_name", "check_placement", "shard_dim", "shard_pieces",
+__all__ = ["DATA_AXES", "data_parallel_degree", "Mesh", "layout_name", "check_placement", "shard_dim", "shard_pieces",
            "shard_placement"]
 
 
@@ -75,6 +75,19 @@ class Mesh:
         for s in self.sizes[axis + 1:]:
             st *= s
         return st
+
+
+DATA_AXES = ("dp", "ep")
+"""The mesh axes that split the batch: ``dp``, and ``ep``, which splits the experts of
+an expert module instead (:mod:`autopar.strategies.experts`)."""
+
+
+def data_parallel_degree(mesh: Mesh) -> int:
+    """How many ways the batch is split: the product of the sizes of the data axes."""
+    n = 1
+    for name, size in zip(mesh.names, mesh.sizes):
+        n *= size if name in DATA_AXES else 1
+    return n
 
 
 def shard_placement(dim: int, pieces: int = 1) -> str:

@@ -23,14 +23,12 @@ __all__ = ["Spec", "SEARCH_OPTIONS", "split_space", "check_choice", "default_mic
 SEARCH_OPTIONS = ("time_limit_s", "top_k", "progress")
 """Keywords of :func:`autopar.plan` that steer the search rather than name a choice."""
 
-COUNTS = ("dp", "tp", "pp", "microbatch_size", "virtual_stages")
+COUNTS = ("dp", "tp", "pp", "ep", "microbatch_size", "virtual_stages")
 """The fields that are positive integers."""
 
 NOT_IMPLEMENTED = {
     "cp": ("context parallelism",
            "to fit long sequences, use tp with sequence_parallel=True, and recompute"),
-    "ep": ("expert parallelism",
-           "a mixture of experts is planned like the other layers, with dp, tp, pp and zero"),
 }
 """Degrees that keep their names but are not planned yet: (what, what to use instead)."""
 
@@ -53,8 +51,11 @@ class Spec:
 
     Attributes:
         dp, tp, pp: data-, tensor- and pipeline-parallel degrees.
-        cp, ep: context- and expert-parallel degrees: not implemented yet, so only None
-            or 1 (any other value raises ConfigError saying what to use instead).
+        ep: expert-parallel degree: the experts of each mixture-of-experts layer split
+            over ``ep`` of the ``dp`` ranks (ep divides dp, as Megatron's expert
+            parallelism; the rest of the model stays data-parallel over all dp).
+        cp: context-parallel degree: not implemented yet, so only None or 1 (any other
+            value raises ConfigError saying what to use instead).
         microbatch_size: samples per forward/backward pass on one data-parallel rank.
         schedule: the pipeline schedule, one of :data:`autopar.plans.SCHEDULES`.
         virtual_stages: model chunks per pipeline rank (None: 1, or 2 for "zbv").
@@ -80,7 +81,7 @@ class Spec:
 
     def __post_init__(self) -> None:
         """Check every field given (the one place they are checked)."""
-        for name in COUNTS + ("zero", "cp", "ep"):
+        for name in COUNTS + ("zero", "cp"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _integer(name, value))
@@ -88,9 +89,9 @@ class Spec:
             value = getattr(self, name)
             if value not in (None, 1):
                 raise ConfigError(f"{name}={value}: {what} is not implemented yet; autopar "
-                                  f"plans data (dp, zero), tensor (tp, sequence_parallel) and "
-                                  f"pipeline (pp) parallelism. Leave {name} out (or 1): "
-                                  f"{instead}")
+                                  f"plans data (dp, zero), tensor (tp, sequence_parallel), "
+                                  f"expert (ep) and pipeline (pp) parallelism. Leave {name} "
+                                  f"out (or 1): {instead}")
         for name in COUNTS:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -118,15 +119,15 @@ class Spec:
                 if getattr(self, f.name) is not None}
 
     def for_estimate(self, world: int, global_batch: int) -> Spec:
-        """The configuration :func:`autopar.estimate` scores on ``world`` devices: ``tp``
-        and ``pp`` left out are 1, ``dp`` fills the world, ``microbatch_size`` is
+        """The configuration :func:`autopar.estimate` scores on ``world`` devices: ``tp``,
+        ``pp`` and ``ep`` left out are 1, ``dp`` fills the world, ``microbatch_size`` is
         :func:`default_microbatch`, ``schedule`` (with ``pp`` > 1) is "1f1b", ``zero``
         0, ``sequence_parallel`` (with ``tp`` > 1) and ``offload`` False; ``recompute``
         and ``virtual_stages`` left out stay the solver's.
 
         Raises:
-            ConfigError: the degrees do not multiply to ``world``, or ``dp`` does not
-                divide ``global_batch``.
+            ConfigError: the degrees do not multiply to ``world``, ``dp`` does not
+                divide ``global_batch``, or ``ep`` does not divide ``dp``.
         """
         tp, pp = self.tp or 1, self.pp or 1
         if world % (tp * pp):
@@ -138,8 +139,12 @@ class Spec:
                               f"the cluster has {world}")
         if global_batch % dp:
             raise ConfigError(f"the global batch {global_batch} is not divisible by dp={dp}")
+        ep = self.ep or 1
+        if dp % ep:
+            raise ConfigError(f"ep={ep} does not divide dp={dp}: the experts are split over "
+                              f"ep of the data-parallel ranks; choose an ep that divides dp")
         mb = self.microbatch_size or default_microbatch(global_batch // dp, pp)
-        return replace(self, dp=dp, tp=tp, pp=pp, microbatch_size=mb,
+        return replace(self, dp=dp, tp=tp, pp=pp, ep=ep, microbatch_size=mb,
                        schedule=(self.schedule or "1f1b") if pp > 1 else self.schedule,
                        zero=self.zero or 0, offload=bool(self.offload),
                        sequence_parallel=bool(self.sequence_parallel) if tp > 1 else None)

@@ -18,6 +18,7 @@ TERM_LABELS = (("compute_s", "compute"), ("recompute_s", "recomputation"),
 """Readable names of :data:`STEP_TERMS`, in order."""
 
 DETAIL_LABELS = (("comm_s", "collectives + resharding"), ("reshard_s", "resharding"),
+                 ("all_to_all_s", "expert all-to-all"),
                  ("param_comm_s", "param comm"), ("exposed_param_comm_s", "exposed param comm"),
                  ("exposed_p2p_s", "exposed p2p"), ("p2p_s", "p2p per transfer"),
                  ("host_s", "host time"))
@@ -150,12 +151,15 @@ def plan_summary(plan: Plan) -> str:
     """The multi-line summary printed by ``autopar plan`` and ``Plan.summary()``."""
     c = plan.cluster
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
+    if plan.degree("ep") > 1:
+        mesh += (f"  (data parallel over dp x ep = {plan.data_parallel}; "
+                 f"experts split over ep in {len(plan.experts)} module(s))")
     lines = [
         f"autopar plan for {plan.model}  (graph {plan.graph_hash})",
         f"cluster   {c.get('nodes')} node(s) x {c.get('gpus_per_node')} {c.get('gpu')}"
         f"  = {plan.world_size} devices",
         f"mesh      {mesh}",
-        f"batch     global {plan.global_batch} = dp {plan.degree('dp')} x micro-batch "
+        f"batch     global {plan.global_batch} = dp {plan.data_parallel} x micro-batch "
         f"{plan.microbatch_size} x {plan.num_microbatches} "
         f"{'pipeline micro-batches' if plan.pipeline else 'accumulation step(s)'}",
         f"data par. ZeRO-{plan.zero} ({ZERO_TEXT.get(plan.zero, '')})"

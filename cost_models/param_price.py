@@ -14,16 +14,29 @@ docs/cost_models.md, section ``autopar.cost_models.param_price``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autopar.cost_models.comm import bucketed_time, collective_time, group_link
+from autopar.cost_models.hardware import LinkSpec
 from autopar.cost_models.host import fsdp_host_time, optimizer_host_time
-from autopar.cost_models.memory import activation_bytes_per_element, fsdp_lays_out, param_bytes
+from autopar.cost_models.memory import (ParamBytes, activation_bytes_per_element, fsdp_lays_out,
+                                        param_bytes)
 from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.graph import OpNode
 from autopar.strategies.enumeration import StrategySpace
 
 Placements = tuple[str, ...]
+
+
+class DataGroup(NamedTuple):
+    """A parameter's data-parallel group: its ranks, their link, the ZeRO shard
+    group's size (1 for ZeRO-0) and the bytes per element it keeps."""
+
+    size: int
+    link: LinkSpec
+    shard: int
+    pbytes: ParamBytes
 
 
 @dataclass(frozen=True)
@@ -63,10 +76,36 @@ class ParamPricer:
         self.links = [group_link(self.mesh.sizes, a, st.gpus_per_node, st.hw)
                       for a in range(self.mesh.ndim)]
         self.act_elt = activation_bytes_per_element(st.precision)
-        self.shard = self.dp if st.zero >= 1 else 1  # the ZeRO shard group (1 for ZeRO-0)
-        self.pbytes = param_bytes(st.precision, st.optimizer, st.zero if self.dp > 1 else 0,
-                                  self.dp, st.offload)
+        self.ep_axis = space.ep_axis
+        self._groups = {False: self._group(self.dp), True: self._group(self.dp // self._ep())}
         self._terms: dict[tuple, ParamTerms] = {}
+
+    def _ep(self) -> int:
+        return self.mesh.sizes[self.ep_axis] if self.ep_axis is not None else 1
+
+    def _group(self, n: int) -> DataGroup:
+        """The data-parallel group of ``n`` ranks a parameter's gradients are reduced
+        over: the ranks of the data axes (dp and ep together: ep is inside dp, so
+        they are one block of neighbours), or, for experts split over ep, dp's."""
+        st, mesh = self.st, self.mesh
+        dpa = self.dp_axis if self.dp_axis is not None else self.ep_axis
+        if dpa is None or n == 1:
+            link = self.links[0]
+        else:
+            sizes = list(mesh.sizes)
+            if n == self.dp and self.ep_axis is not None:
+                sizes[dpa] = n
+                sizes[self.ep_axis] = 1
+            link = group_link(tuple(sizes), dpa, st.gpus_per_node, st.hw)
+        return DataGroup(n, link, n if st.zero >= 1 else 1,
+                         param_bytes(st.precision, st.optimizer,
+                                     st.zero if n > 1 or st.offload else 0, n, st.offload))
+
+    def data_group(self, placements: Placements) -> DataGroup:
+        """The data-parallel group of a parameter placed ``placements``
+        (:meth:`_group`)."""
+        a = self.ep_axis
+        return self._groups[a is not None and placements[a].startswith("S(")]
 
     def param_terms(self, n: OpNode, ins: tuple[Placements, ...],
                     grads: tuple[Placements, ...]) -> ParamTerms:
@@ -121,8 +160,8 @@ class ParamPricer:
         parameters op ``n`` owns under input placements ``ins``."""
         params = grads = optimizer = 0.0
         gathered: float | None = None
-        pb = self.pbytes
         for p in self.facts.owned(n):
+            pb = self.data_group(ins[p.pos]).pbytes
             numel = p.numel / self.degree(ins[p.pos])
             if not p.trainable:
                 params += numel * p.nbytes / max(p.numel, 1)
@@ -135,9 +174,11 @@ class ParamPricer:
                 gathered = (gathered or 0.0) + numel * pb.gathered
         return params, grads, optimizer, gathered
 
-    def _own_params(self, n: OpNode, ins) -> list[float]:
-        """Local element counts of the trainable parameters op ``n`` owns."""
-        return [p.numel / self.degree(ins[p.pos]) for p in self.facts.owned(n) if p.trainable]
+    def _own_params(self, n: OpNode, ins) -> list[tuple[float, int]]:
+        """Local element counts of the trainable parameters op ``n`` owns, each with
+        its ZeRO shard group's size."""
+        return [(p.numel / self.degree(ins[p.pos]), self.data_group(ins[p.pos]).shard)
+                for p in self.facts.owned(n) if p.trainable]
 
     def _optimizer_step(self, n: OpNode, ins) -> float:
         """Seconds per step of the optimizer step on the parameters op ``n`` owns: on
@@ -145,8 +186,8 @@ class ParamPricer:
         (:mod:`autopar.cost_models.param_work`)."""
         st = self.st
         step = host_step_time if st.offload else device_step_time
-        return sum(step(local / self.shard, st.optimizer, st.hw)
-                   for local in self._own_params(n, ins))
+        return sum(step(local / shard, st.optimizer, st.hw)
+                   for local, shard in self._own_params(n, ins))
 
     def _param_copies(self, n: OpNode, ins) -> tuple[float, float]:
         """(forward, backward) seconds per micro-batch of FSDP2's copies of the
@@ -156,8 +197,8 @@ class ParamPricer:
         if not fsdp_lays_out(st.precision, self.dp, st.offload):
             return 0.0, 0.0
         fwd = bwd = 0.0
-        for local in self._own_params(n, ins):
-            f, b = fsdp_copy_time(local, self.act_elt, self.shard, st.zero,
+        for local, shard in self._own_params(n, ins):
+            f, b = fsdp_copy_time(local, self.act_elt, shard, st.zero,
                                   st.num_microbatches, st.hw)
             fwd, bwd = fwd + f, bwd + b
         return fwd, bwd
@@ -192,7 +233,6 @@ class ParamPricer:
         gathered once per micro-batch, where a block is gathered twice."""
         micro = step = tp = gather = 0.0
         n_micro = max(1, self.st.num_microbatches)
-        dpa = self.dp_axis
         for p in self.facts.owned(n):
             if not p.trainable:
                 continue
@@ -201,11 +241,12 @@ class ParamPricer:
             for a in self.free:
                 if grads[p.pos][a] == "P":
                     tp += self._partial_grad_time(local * 4.0, a, share)
-            if dpa is None or self.mesh.sizes[dpa] == 1:
+            group = self.data_group(ins[p.pos])
+            if group.size == 1:
                 continue
-            dpn, link = self.mesh.sizes[dpa], self.links[dpa]
+            dpn, link, pb = group.size, group.link, group.pbytes
             grad_bytes = local * 4.0  # gradients are reduced in fp32 (MixedPrecisionPolicy)
-            w = local * self.pbytes.gathered if self.pbytes.gathered else local * 4.0
+            w = local * pb.gathered if pb.gathered else local * 4.0
             root = p.root
             if self.st.zero == 0:
                 t = bucketed_time("all_reduce", grad_bytes, dpn, link, share)

@@ -32,6 +32,11 @@ from autopar.strategies.settings import Settings
 Placements = tuple[str, ...]
 
 
+def _except(pl: Placements, other: Placements, axis: int) -> Placements:
+    """``pl`` with ``other``'s placement on mesh axis ``axis``."""
+    return tuple(other[a] if a == axis else p for a, p in enumerate(pl))
+
+
 @dataclass(frozen=True)
 class OpTerms:
     """What an op itself costs under one strategy: its device and host seconds
@@ -57,6 +62,7 @@ class StrategyPrice:
     params: ParamTerms
     comm_s: float
     memory: dict[str, float]
+    all_to_all_s: float = 0.0  # the part of comm_s that moves tokens to their experts
 
 
 class StrategyPricer(ParamPricer):
@@ -84,7 +90,11 @@ class StrategyPricer(ParamPricer):
         if terms.gathered is not None:
             mem["gathered"] = terms.gathered
         comm = self.output_comm(n, ns.raw_out, ns.out) + terms.tp + self._grad_sum(n, ns)
-        return StrategyPrice(op, terms, comm, mem)
+        a2a = 0.0
+        if self.ep_axis is not None:  # an expert module's tokens sent back over ep
+            a2a = self.output_comm(n, ns.raw_out, ns.out) - \
+                self.output_comm(n, ns.raw_out, _except(ns.out, ns.raw_out, self.ep_axis))
+        return StrategyPrice(op, terms, comm, mem, a2a)
 
     def op_terms(self, n: OpNode, ns: NodeStrategy) -> OpTerms:
         """The op's own terms under strategy ``ns`` (:class:`OpTerms`)."""

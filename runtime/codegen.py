@@ -32,7 +32,7 @@ from autopar.runtime import codegen_templates as T
 from autopar.runtime.codegen_pipeline import pipeline_text
 from autopar.units_text import fmt_bytes
 from autopar.runtime.lower import check_plan
-from autopar.runtime.mesh import needs_fsdp
+from autopar.runtime.mesh import expert_fsdp_axes, expert_mesh_shape, needs_fsdp
 from autopar.runtime.pipeline import ZERO_BUBBLE_SCHEDULES
 from autopar.runtime.dtensor_layout import any_index
 from autopar.runtime.tensor_parallel import piecewise, tied_parameter_groups, tp_layout
@@ -239,7 +239,7 @@ def _ac_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str:
 
 def _zero_doc(plan: Plan) -> tuple[str, str]:
     """A title and a sentence for the plan's data parallelism."""
-    dp, z = plan.degree("dp"), plan.zero
+    dp, z = plan.data_parallel, plan.zero
     if dp == 1:
         return (f"{plan.precision} mixed precision",
                 "FSDP2 on a dp mesh of size 1 shards nothing and only casts\n   ")
@@ -270,16 +270,34 @@ def _fsdp_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str
                                       plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES)
     loop = T.FSDP_BLOCKS.substitute(blocks=_blocks_expr(facts.model, plan.blocks, pipelined),
                                     reshard=reshard, kwargs=kwargs) if plan.blocks else ""
+    experts = T.FSDP_EXPERTS.substitute(paths=_paths_tuple(sorted(plan.experts)),
+                                        reshard=reshard, kwargs=kwargs) if plan.experts else ""
     mem = plan.memory
     cost = ", ".join(f"{k} {_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
     title, doc = _zero_doc(plan)
-    return T.APPLY_FSDP.substitute(zero_title=title, zero_doc=doc, fsdp_cost=cost, policies=policies,
-                                   block_loop=loop, kwargs=kwargs)
+    return T.APPLY_FSDP.substitute(
+        zero_title=title, zero_doc=doc, fsdp_cost=cost, policies=policies, block_loop=loop,
+        kwargs=kwargs, expert_loop=experts,
+        expert_arg=", expert_mesh: DeviceMesh" if plan.experts else "",
+        units="expert module and block" if plan.experts else "block")
+
+
+def _ep_sections(plan: Plan) -> list[str]:
+    """``build_expert_mesh`` and ``apply_ep`` of a plan with expert parallelism."""
+    names, shape = expert_mesh_shape(plan)
+    quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
+    comment = " x ".join(f"{a}={n}" for a, n in zip(names, shape))
+    table = "{\n" + "".join(
+        f'        "{path}": ({xp.batch_dim}, {xp.input_dim}, {xp.output_dim}, {dict(xp.params)}),\n'
+        for path, xp in sorted(plan.experts.items())) + "    }"
+    a2a = _seconds(plan.breakdown.get("all_to_all_s", 0.0))
+    return [T.EXPERT_MESH.substitute(comment=comment, shape=shape, names=quoted),
+            T.EXPERT_PARALLEL.substitute(ep=plan.degree("ep"), table=table, a2a=a2a)]
 
 
 def _mesh_section(plan: Plan) -> tuple[str, str]:
     """``build_mesh`` and the expression of the mesh FSDP runs on ('' without FSDP)."""
-    pp, dp, tp = plan.degree("pp"), plan.degree("dp"), plan.degree("tp")
+    pp, dp, tp = plan.degree("pp"), plan.data_parallel, plan.degree("tp")
     outer: tuple[int, ...] = (pp,) if pp > 1 else ()
     b = plan.breakdown
     comment = (f"{f'pp={pp} x ' if pp > 1 else ''}dp={dp} x tp={tp}; predicted communication {_seconds(b.get('comm_s', 0.0))} "
@@ -448,6 +466,9 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     layout: list[str] = []
     extra = ""
     target = "stage" if pipelined else "model"
+    if plan.experts:
+        sections += _ep_sections(plan)
+        layout.append(f'apply_ep({target}, build_expert_mesh(device_type)["ep"])')
     if plan.degree("tp") > 1:
         sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts)]
         if piecewise(tp_layout(plan, facts.model)):
@@ -461,15 +482,17 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         layout.append(f"apply_ac({target})")
     if fsdp_mesh:
         sections.append(_fsdp_section(plan, facts, pipelined))
-        layout.append(f"apply_fsdp({target}, {fsdp_mesh})")
+        axes = ", ".join(f'"{a}"' for a in expert_fsdp_axes(plan))
+        experts = f', build_expert_mesh(device_type)[{axes}]' if plan.experts else ""
+        layout.append(f"apply_fsdp({target}, {fsdp_mesh}{experts})")
     sections.append(T.MATERIALIZE.template)
     partial = not fsdp_mesh and plan.degree("tp") > 1
     if partial:
         sections.append(T.PARTIAL_GRADS.template)
     dp_mean = ""
-    if plan.degree("dp") > 1:
+    if plan.data_parallel > 1:
         dp_mean = (f'    dist.all_reduce(total, group=mesh.get_group("dp"))\n'
-                   f"    total /= {plan.degree('dp')}  # the mean over dp\n")
+                   f"    total /= {plan.data_parallel}  # the mean over dp\n")
     what = "token ids" if facts.input_is_tokens else "features"
     optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
     loss_text, loss_constants = _loss_section(plan, loss_spec, loss_file)

@@ -15,12 +15,14 @@ import inspect
 from string import Template
 
 from autopar.runtime import dtensor_layout as _layout
+from autopar.runtime import experts as _experts
 from autopar.runtime import materialize as _materialize
 from autopar.runtime import piecewise as _piecewise
 from autopar.runtime import tensor_parallel as _tp
 
 __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "PIECEWISE",
-           "APPLY_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "CONSTANTS",
+           "APPLY_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "FSDP_EXPERTS",
+           "EXPERT_MESH", "EXPERT_PARALLEL", "CONSTANTS",
            "MATERIALIZE", "PARTIAL_GRADS", "DATA", "LOSS", "USER_LOSS", "TRAIN_STEP",
            "FORWARD_BACKWARD", "FORWARD_BACKWARD_TP", "CHECKPOINT", "BUILD", "MAIN"]
 
@@ -145,12 +147,44 @@ $body''')
 """Checkpoint each recomputed block's forward in place (its parameter names stay)."""
 
 APPLY_FSDP = Template('''\
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
-    """$zero_title: fully_shard per block, then on the root.
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh$expert_arg) -> None:
+    """$zero_title: fully_shard per $units, then on the root.
     $zero_doc (predicted per device: $fsdp_cost)."""
-$policies$block_loop    # the root's parameters (embeddings, head) are needed again first in backward
+$policies$expert_loop$block_loop    # the root's parameters (embeddings, head) are needed again first in backward
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False$kwargs)''')
 """FSDP2 per block and on the root with the plan's ZeRO, precision and offload."""
+
+FSDP_EXPERTS = Template('''\
+    # the experts: over the dp ranks that hold the same ones (their ep rank's share)
+    for path in $paths:
+        if path in dict(model.named_modules()):
+            fully_shard(model.get_submodule(path), mesh=expert_mesh,
+                        reshard_after_forward=$reshard$kwargs)
+''')
+"""The per-expert-module ``fully_shard`` loop, before the blocks that hold them."""
+
+EXPERT_MESH = Template('''\
+@functools.cache
+def build_expert_mesh(device_type: str) -> DeviceMesh:
+    """The mesh of expert parallelism: the same ranks with the data-parallel axis cut in
+    dp (ranks holding the same experts) x ep (ranks splitting them), ep inner."""
+    # $comment
+    return init_device_mesh(device_type, $shape, mesh_dim_names=$names)''')
+"""The expert mesh, built once (every stage of a pipeline rank asks for it)."""
+
+EXPERT_PARALLEL = Template("\n\n".join(inspect.getsource(f) for f in (
+    _experts.ScaleGrad, _experts.exchange, _experts.keep_own_experts,
+    _experts.split_experts)) + '''
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Expert parallelism over ep=$ep: each listed module keeps 1/$ep of its experts
+    and its tokens cross ep by all-to-all on the way in and out (path: (batch dim,
+    expert dim of its input, of its output, {parameter: expert dim})); predicted
+    all-to-all $a2a per step."""
+    split_experts(model, $table, ep_mesh)''')
+"""Expert parallelism: the runtime's own functions (:mod:`autopar.runtime.experts`),
+copied into the program, with the plan's table."""
 
 FSDP_BLOCKS = Template('''\
     for block in $blocks:

@@ -62,11 +62,20 @@ def offload_policy(plan: Plan, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
-def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
-    """Wrap each of ``plan.blocks`` and then the root with ``fully_shard`` on ``mesh``,
-    with the plan's precision and offload policies (torchtitan's ``apply_fsdp``)."""
+def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
+                        expert_mesh: DeviceMesh | None = None) -> None:
+    """Wrap each of ``plan.experts`` with ``fully_shard`` on ``expert_mesh`` (the ranks
+    holding the same experts: :mod:`autopar.runtime.experts`),
+    then each of ``plan.blocks`` and the root on ``mesh``, with the plan's precision
+    and offload policies (torchtitan's ``apply_fsdp``)."""
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(plan.precision),
                   offload_policy=offload_policy(plan, mesh.device_type))
+    modules = dict(model.named_modules())
+    for path in plan.experts:
+        if expert_mesh is None or path not in modules:
+            continue
+        fully_shard(modules[path], reshard_after_forward=plan.zero == 3,
+                    **(kwargs | {"mesh": expert_mesh}))
     for path in plan.blocks:
         fully_shard(model.get_submodule(path), reshard_after_forward=plan.zero == 3, **kwargs)
     # the root's parameters (embeddings, head) are needed again first in backward

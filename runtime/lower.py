@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import PRECISION_DTYPES, apply_data_parallel, check_tied_units
+from autopar.runtime.experts import apply_expert_parallel, check_experts
 from autopar.runtime.materialize import (check_materializable, is_meta_model, materialize,
                                          materialize_stage)
 from autopar.runtime.mesh import MESH_AXES, PlanMeshes, build_meshes
@@ -75,7 +76,7 @@ def _check_shape(plan: Plan) -> None:
         raise LoweringError(f"the plan's mesh axes {axes} are not supported; this runtime lowers "
                             f"meshes with the axes 'pp' (outermost), 'dp' and 'tp' (innermost), "
                             f"in that order")
-    dp = plan.degree("dp")
+    dp = plan.data_parallel
     if plan.global_batch != plan.microbatch_size * plan.num_microbatches * dp:
         raise LoweringError(f"the plan's global_batch {plan.global_batch} is not microbatch_size "
                             f"{plan.microbatch_size} x num_microbatches {plan.num_microbatches} x "
@@ -86,7 +87,7 @@ def _check_shape(plan: Plan) -> None:
 
 
 def _allowed_dp(plan: Plan) -> set[str]:
-    if plan.degree("dp") == 1 or plan.zero in (1, 2):
+    if plan.data_parallel == 1 or plan.zero in (1, 2):
         return {"R", "S(0)"}
     return {"S(0)"} if plan.zero == 3 else {"R"}
 
@@ -115,12 +116,18 @@ def _check_params(model: nn.Module, plan: Plan, groups: list[list[str]]) -> None
                                 f"make the two agree (re-plan)")
         check_param_placement(fqn, param, tp_placement(plan, planned))
         got = dict(zip(axes, planned))
-        if got.get("dp", "R") not in allowed_dp:
-            raise LoweringError(
-                f"parameter '{fqn}' is planned as {planned} on {tuple(axes)}, but zero="
-                f"{plan.zero} over dp={plan.degree('dp')} places it as "
-                f"{' or '.join(repr(p) for p in sorted(allowed_dp))} on dp; make plan.params "
-                f"agree with plan.zero")
+        xp = plan.experts.get(path)
+        for axis in ("dp", "ep"):
+            if axis == "ep" and xp is not None and local in xp.params:
+                want = {f"S({xp.params[local]})"}
+            else:
+                want = allowed_dp
+            if got.get(axis, "R") not in want and plan.degree(axis) > 1:
+                raise LoweringError(
+                    f"parameter '{fqn}' is planned as {planned} on {tuple(axes)}, but zero="
+                    f"{plan.zero} over dp={plan.data_parallel} places it as "
+                    f"{' or '.join(repr(p) for p in sorted(want))} on {axis}; make "
+                    f"plan.params agree with plan.zero and plan.experts")
     for group in groups:
         tps = {tp_placement(plan, plan.params[n]) for n in group}
         if len(tps) > 1:
@@ -139,9 +146,10 @@ def check_plan(model: nn.Module, plan: Plan) -> list[list[str]]:
     for path, mp in plan.modules.items():
         check_module_plan(path, _module(model, path, plan, "plan.modules"), mp)
     check_recompute(plan)
+    check_experts(model, plan)
     groups = tied_parameter_groups(model)
     _check_params(model, plan, groups)
-    if plan.degree("dp") > 1:
+    if plan.data_parallel > 1:
         check_tied_units(plan, groups)
     return groups
 
@@ -157,11 +165,13 @@ def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
     else:
         model.to(device)
     meshes = build_meshes(plan, device.type)
+    if meshes.ep is not None:
+        apply_expert_parallel(model, plan, meshes.ep)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(model, plan, meshes.tp)
     apply_ac(model, plan)
     if meshes.fsdp is not None:
-        apply_data_parallel(model, plan, meshes.fsdp)
+        apply_data_parallel(model, plan, meshes.fsdp, meshes.expert_fsdp)
     if meta:
         materialize(model, device)
     return meshes

@@ -19,9 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.cost_models.memory import fsdp_lays_out
 from autopar.plans import Plan
 
-__all__ = ["PlanMeshes", "build_meshes", "needs_fsdp", "MESH_AXES"]
+__all__ = ["PlanMeshes", "build_meshes", "needs_fsdp", "MESH_AXES", "expert_meshes",
+           "expert_mesh_shape", "expert_fsdp_axes"]
 
-MESH_AXES = ("pp", "dp", "tp")
+MESH_AXES = ("pp", "dp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -35,27 +36,34 @@ class PlanMeshes:
         fsdp: the mesh FSDP2 runs on (see docs/runtime.md); None without
             data parallelism (``dp == 1``), low precision or offload.
         pp: the ``pp`` sub-mesh (pipeline stages), or None without a pipeline.
+        ep: the ``ep`` sub-mesh the experts are split over, or None without expert
+            parallelism.
+        expert_fsdp: the mesh FSDP2 runs the expert modules on: the data-parallel
+            ranks holding the same experts (the plan's ``dp`` axis), or None.
     """
 
     mesh: DeviceMesh
     tp: DeviceMesh
     fsdp: DeviceMesh | None
     pp: DeviceMesh | None = None
+    ep: DeviceMesh | None = None
+    expert_fsdp: DeviceMesh | None = None
 
 
 def needs_fsdp(plan: Plan) -> bool:
     """Whether the plan runs FSDP2: for data parallelism, low precision (FSDP2's
     ``MixedPrecisionPolicy`` on a ``dp`` mesh of size 1, so every path casts alike) or
     offload (the cost models' rule, :func:`autopar.cost_models.memory.fsdp_lays_out`)."""
-    return fsdp_lays_out(plan.precision, plan.degree("dp"), plan.offload)
+    return fsdp_lays_out(plan.precision, plan.data_parallel, plan.offload)
 
 
 def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
     """Create the plan's meshes with ``init_device_mesh`` (a collective: every rank
     must call it). The caller has checked that the world size matches the plan."""
-    pp, dp, tp = plan.degree("pp"), plan.degree("dp"), plan.degree("tp")
+    pp, dp, tp = plan.degree("pp"), plan.data_parallel, plan.degree("tp")
     outer: tuple[str, ...] = ("pp", "dp") if pp > 1 else ("dp",)
-    shape = tuple(plan.degree(a) for a in outer)
+    shape = (pp, dp) if pp > 1 else (dp,)
+    ep = expert_meshes(plan, device_type)
     if dp > 1 and plan.zero == 0:
         root = init_device_mesh(device_type, shape + (1, tp),
                                 mesh_dim_names=outer + ("dp_shard", "tp"))
@@ -64,4 +72,34 @@ def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
         root = init_device_mesh(device_type, shape + (tp,), mesh_dim_names=outer + ("tp",))
         fsdp = root["dp"] if needs_fsdp(plan) else None
     return PlanMeshes(mesh=root[outer + ("tp",)], tp=root["tp"], fsdp=fsdp,
-                      pp=root["pp"] if pp > 1 else None)
+                      pp=root["pp"] if pp > 1 else None, ep=ep[0], expert_fsdp=ep[1])
+
+
+def expert_meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The ``ep`` mesh and the experts' FSDP2 mesh (the ``dp`` ranks holding the same
+    experts), or (None, None) without expert parallelism. The data-parallel ranks of
+    the main mesh are these two axes flattened, ``ep`` inner, so both meshes number
+    the ranks alike."""
+    if plan.degree("ep") == 1:
+        return None, None
+    names, shape = expert_mesh_shape(plan)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return root["ep"], root[expert_fsdp_axes(plan)]
+
+
+def expert_mesh_shape(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The axis names and sizes of the expert mesh: the plan's, with ``dp_shard`` = 1
+    after ``dp`` under ZeRO-0 (FSDP2's hybrid mode: full replicas, as for the rest)."""
+    names: tuple[str, ...] = ()
+    shape: tuple[int, ...] = ()
+    for a in MESH_AXES:
+        if a in plan.mesh:
+            names, shape = names + (a,), shape + (plan.degree(a),)
+        if a == "dp" and plan.zero == 0:
+            names, shape = names + ("dp_shard",), shape + (1,)
+    return names, shape
+
+
+def expert_fsdp_axes(plan: Plan) -> tuple[str, ...]:
+    """The expert mesh's axes FSDP2 runs the experts on."""
+    return ("dp", "dp_shard") if plan.zero == 0 else ("dp",)

@@ -112,7 +112,8 @@ class ParallelModel(nn.Module):
         self._check_batch(xs, targets)
         if self.pipeline is not None:
             return self.pipeline.step(xs, targets)
-        n, mb, dp = self.plan.num_microbatches, self.plan.microbatch_size, self.plan.degree("dp")
+        plan = self.plan
+        n, mb, dp = plan.num_microbatches, plan.microbatch_size, plan.data_parallel
         tp = self.plan.degree("tp")
         rank = self.mesh.get_local_rank("dp")
         mine = slice(rank * n * mb, (rank + 1) * n * mb)
@@ -207,7 +208,7 @@ def loss_scale(plan: Plan) -> float:
     ranks' and micro-batches' losses, so each is scaled by their count."""
     if plan.loss_reduction != "sum":
         return 1.0
-    return float(plan.num_microbatches * plan.degree("dp"))
+    return float(plan.num_microbatches * plan.data_parallel)
 
 
 def _loss(loss_fn: LossFn | None, output: Any, targets: torch.Tensor,

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import apply_data_parallel
+from autopar.runtime.experts import apply_expert_parallel
 from autopar.runtime.dtensor_layout import tp_context
 from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
@@ -167,7 +168,8 @@ def stage_plan(plan: Plan, module: nn.Module) -> Plan:
         return True
     return dataclasses.replace(
         plan, modules={p: mp for p, mp in plan.modules.items() if has(p)},
-        blocks=[b for b in plan.blocks if has(b)])
+        blocks=[b for b in plan.blocks if has(b)],
+        experts={p: xp for p, xp in plan.experts.items() if has(p)})
 
 
 def build_pipeline_schedule(plan: Plan, stages: list[PipelineStage],
@@ -265,7 +267,7 @@ class PipelineRuntime:
         """Run the schedule on this rank's data-parallel slice of the global batch;
         return the global mean loss (on every rank)."""
         plan = self.plan
-        n, mb, dp = plan.num_microbatches, plan.microbatch_size, plan.degree("dp")
+        n, mb, dp = plan.num_microbatches, plan.microbatch_size, plan.data_parallel
         start = self.meshes.mesh.get_local_rank("dp") * n * mb
         part = slice(start, start + n * mb)
         self._check_shapes(xs)
@@ -331,13 +333,15 @@ def parallelize_stage(module: nn.Module, plan: Plan, meshes: PlanMeshes) -> None
     assert plan.pipeline is not None
     if plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
         sub = dataclasses.replace(sub, zero=min(sub.zero, 2))
+    if meshes.ep is not None:
+        apply_expert_parallel(module, sub, meshes.ep)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(module, sub, meshes.tp)
         if plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
             module.register_forward_hook(_own_outputs)
     apply_ac(module, sub)
     if meshes.fsdp is not None:
-        apply_data_parallel(module, sub, meshes.fsdp)
+        apply_data_parallel(module, sub, meshes.fsdp, meshes.expert_fsdp)
 
 
 def stage_blocks(plan: Plan) -> list[list[str]]:

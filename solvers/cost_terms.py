@@ -91,7 +91,9 @@ class StepTerms:
 
     The other fields detail these (None where they do not apply: ``reshard_s``,
     ``param_comm_s`` and ``host_s`` on a pipeline; ``exposed_p2p_s`` and ``p2p_s``, the
-    seconds of one stage-to-stage transfer, without one); they are not added again."""
+    seconds of one stage-to-stage transfer, without one; ``all_to_all_s``, the part of
+    ``comm_s`` that moves tokens to their experts and back, without expert
+    parallelism); they are not added again."""
 
     compute_s: float
     recompute_s: float
@@ -106,6 +108,7 @@ class StepTerms:
     host_s: float | None = None
     exposed_p2p_s: float | None = None
     p2p_s: float | None = None
+    all_to_all_s: float | None = None
 
     @property
     def step_time_s(self) -> float:

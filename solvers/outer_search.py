@@ -48,13 +48,16 @@ class Candidate:
     schedule: str = ""
     virtual_stages: int = 1
     offload: bool = False
+    ep: int = 1  # experts split over ep of the dp ranks (ep divides dp)
+    split_experts: bool = False  # every expert module split over ep (ep asked for)
 
     def label(self) -> str:
         """Short readable description."""
         pipe = f"pp={self.pp} {self.schedule}" + (
             f" v={self.virtual_stages}" if self.virtual_stages > 1 else "") + " " \
             if self.pp > 1 else ""
-        return (f"{pipe}dp={self.dp} tp={self.tp} mb={self.microbatch_size}x"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"{pipe}dp={self.dp}{ep} tp={self.tp} mb={self.microbatch_size}x"
                 f"{self.num_microbatches} zero={self.zero}" + (" offload" if self.offload else ""))
 
 
@@ -98,12 +101,15 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                pp: int | None = None, microbatch_size: int | None = None,
                zero: int | None = None, schedule: str | None = None,
                virtual_stages: int | None = None, num_units: int = 0,
-               heads: int | None = None) -> list[Candidate]:
+               heads: int | None = None, ep: int | None = None,
+               experts: int = 0) -> list[Candidate]:
     """Every candidate allowed by the fixed degrees (None = free). ``num_units`` (the
     model's pipeline units) bounds the pipeline: each stage needs one unit. A free
     ``tp`` must divide ``heads`` (the attention heads; None = any), since attention
     cannot split otherwise; a free micro-batch size must leave a pipeline at least
-    ``pp`` micro-batches (fewer leave ranks idle for most of the step)."""
+    ``pp`` micro-batches (fewer leave ranks idle for most of the step). A free ``ep``
+    is each divisor of both ``dp`` and ``experts`` (the experts of every expert module;
+    0 = the model has none, so ep is 1)."""
     out = []
     for p in divisors(world):
         if (pp is not None and p != pp) or (pp is None and p > 1 and p * 2 > num_units):
@@ -126,7 +132,9 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                                                       [0, 2] if d > 1 else [0])
                 for z in zs:
                     for sched, v in _schedules(p, m, schedule, virtual_stages, num_units):
-                        out.append(Candidate(d, t, mb, m, z, p, sched, v))
+                        for e in _expert_degrees(d, ep, experts):
+                            out.append(Candidate(d, t, mb, m, z, p, sched, v, ep=e,
+                                                 split_experts=ep is not None and e > 1))
     if not out:
         raise ConfigError(
             f"no pipeline x data x tensor parallel layout of {world} devices divides the "
@@ -134,6 +142,15 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
             f"tp={tp}, microbatch={microbatch_size}); choose a global batch divisible by "
             f"the data-parallel degree, or fewer pipeline stages than the model has blocks")
     return out
+
+
+def _expert_degrees(dp: int, ep: int | None, experts: int) -> list[int]:
+    """The expert-parallel degrees to try with ``dp`` data-parallel ranks: the one
+    asked for if it divides ``dp``, else every common divisor of ``dp`` and
+    ``experts``."""
+    if ep is not None:
+        return [ep] if dp % ep == 0 else []
+    return [e for e in divisors(dp) if experts and experts % e == 0] or [1]
 
 
 def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None,
@@ -304,10 +321,14 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                        optimizer: str, memory_budget: float,
                        sequence_parallel: bool | None = None,
                        recompute: tuple[str, ...] | None = None) -> Settings:
-    """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh)."""
-    return Settings(Mesh(("dp", "tp"), (c.dp, c.tp)), c.microbatch_size, c.num_microbatches,
+    """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh, or
+    dp/ep × ep × tp with expert parallelism)."""
+    mesh = Mesh(("dp", "ep", "tp"), (c.dp // c.ep, c.ep, c.tp)) if c.ep > 1 else \
+        Mesh(("dp", "tp"), (c.dp, c.tp))
+    return Settings(mesh, c.microbatch_size, c.num_microbatches,
                     c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
                     sequence_parallel=sequence_parallel, offload=c.offload,
+                    split_experts=c.split_experts,
                     recompute_modes=recompute or RECOMPUTE)
 
 
@@ -378,7 +399,8 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
 
 def _mesh_key(c: Candidate) -> tuple:
     """What a candidate's intra-op problem depends on (pipelined or not)."""
-    return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload)
+    return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload, c.ep,
+            c.split_experts)
 
 
 def _bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: float) -> list[float]:

@@ -34,6 +34,7 @@ class StrategyCost:
     compute_s: float = 0.0
     bwd_compute_s: float = 0.0
     comm_s: float = 0.0
+    all_to_all_s: float = 0.0  # the part of comm_s that moves tokens from their experts
     micro_param_comm_s: float = 0.0
     step_param_comm_s: float = 0.0
     memory_bytes: float = 0.0
@@ -91,6 +92,9 @@ class EdgeChoice:
     v: int
     cost: dict[tuple[int, int], float]
     multiplicity: int = 1
+    all_to_all: dict[tuple[int, int], float] = field(default_factory=dict)
+    """The part of ``cost`` that moves tokens to their experts (pairs without one
+    left out)."""
 
 
 @dataclass
@@ -179,6 +183,7 @@ class Evaluation:
     optimizer_s: float = 0.0
     exposed_host_s: float = 0.0
     host_s: float = 0.0
+    all_to_all_s: float = 0.0
 
     @property
     def terms(self) -> StepTerms:
@@ -190,7 +195,7 @@ class Evaluation:
                          optimizer_s=self.optimizer_s, exposed_host_s=self.exposed_host_s,
                          comm_s=self.comm_s, exposed_param_comm_s=self.exposed_param_comm_s,
                          reshard_s=self.reshard_s, param_comm_s=self.param_comm_s,
-                         host_s=self.host_s)
+                         host_s=self.host_s, all_to_all_s=self.all_to_all_s or None)
 
 
 def host_exposure(n: int, d_fwd: float, d_bwd: float, h_fwd: float, h_bwd: float,
@@ -211,7 +216,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
     """Score an assignment of one strategy index per node (and one recomputation mode
     index per group of ``p.recompute``; default: mode 0, "none"), exactly as the ILP does."""
     n = p.num_microbatches
-    comp = bwd = comm = micro_pc = step_pc = mem = host = start = redo = extra = 0.0
+    comp = bwd = comm = micro_pc = step_pc = mem = host = start = redo = extra = a2a = 0.0
     h_fwd = h_bwd = h_step = 0.0
     modes = list(modes) if modes is not None else [0] * len(p.recompute)
     feasible = True
@@ -239,6 +244,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
         h_bwd += m * s.all_host_bwd_s
         h_step += m * s.host_step_s
         start += m * s.backward_start_bytes
+        a2a += m * s.all_to_all_s
         redo += s.recompute_bytes
         mem += m * s.memory_bytes + node.gather_multiplicity * s.gather_bytes
     reshard = 0.0
@@ -248,6 +254,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
             feasible = False
             continue
         reshard += e.multiplicity * c
+        a2a += e.multiplicity * e.all_to_all.get((choice[e.u], choice[e.v]), 0.0)
     for t in p.ties:
         ga = next(k for k, g in enumerate(t.groups_a) if choice[t.a] in g)
         gb = next(k for k, g in enumerate(t.groups_b) if choice[t.b] in g)
@@ -265,7 +272,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
                                p.host_phases)
     return Evaluation(total + hidden, n * comp, n * (comm + reshard), n * reshard, exposed,
                       step_pc + n * micro_pc, mem, feasible, n * extra, host, hidden,
-                      n * (h_fwd + h_bwd) + h_step)
+                      n * (h_fwd + h_bwd) + h_step, n * a2a)
 
 
 def least_memory(p: Problem) -> float:

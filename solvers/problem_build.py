@@ -23,7 +23,7 @@ from autopar.memory_choices import RECOMPUTE
 from autopar.solvers.problem import (EdgeChoice, NodeChoice, Problem, RecomputeGroup,
                                      StrategyCost, Tie)
 from autopar.strategies.analysis import GraphAnalysis
-from autopar.strategies.edges import edge_counts, edge_options, tied_groups
+from autopar.strategies.edges import edge_counts, edge_options, shared_conversion, tied_groups
 from autopar.strategies.enumeration import NodeStrategy
 from autopar.strategies.grad_sum import add_gradient_sums
 from autopar.strategies.recompute import recompute_layers
@@ -86,7 +86,8 @@ def layout_key(st: Settings) -> tuple:
     sizes = tuple(min(n, 2) if name == "dp" else n
                   for name, n in zip(st.mesh.names, st.mesh.sizes))
     return (st.mesh.names, sizes, st.microbatch_size, st.precision, id(st.hw),
-            st.gpus_per_node, st.overlap, st.sequence_parallel, st.recompute_modes)
+            st.gpus_per_node, st.overlap, st.sequence_parallel, st.recompute_modes,
+            st.split_experts)
 
 
 def strategy_cost(name: str, price: StrategyPrice) -> StrategyCost:
@@ -94,7 +95,8 @@ def strategy_cost(name: str, price: StrategyPrice) -> StrategyCost:
     op, par = price.op, price.params
     return StrategyCost(
         name=name, compute_s=op.compute_s, bwd_compute_s=op.bwd_compute_s,
-        comm_s=price.comm_s, micro_param_comm_s=par.micro, step_param_comm_s=par.step,
+        comm_s=price.comm_s, all_to_all_s=price.all_to_all_s,
+        micro_param_comm_s=par.micro, step_param_comm_s=par.step,
         memory_bytes=sum(price.memory.values()), gather_bytes=par.gather,
         optimizer_s=par.optimizer_s, backward_start_bytes=op.backward_start_bytes,
         param_copy_s=par.copy_f + par.copy_b, param_copy_bwd_s=par.copy_b,
@@ -189,11 +191,18 @@ def _edges(p: StrategyPricer, counts: dict[tuple[int, int, int], int],
     edges = []
     for e in edge_options(p.space, counts, details, names):
         nbytes = p.out_bytes(e.tensor)
-        cost = {}
+        cost, a2a = {}, {}
         for ii, jj, c in e.pairs:
+            if e.shared_axis is not None:
+                c = shared_conversion(c, e.shared_axis)
             t = p.convert_both(c.src, c.dst, c.grad, nbytes, e.needs_grad)
             cost.update({(i, j): t for i in ii for j in jj})
-        edges.append(EdgeChoice(e.producer, e.consumer, dict(sorted(cost.items())), e.count))
+            if e.entry and c.src[p.ep_axis] != c.dst[p.ep_axis]:  # tokens to their experts
+                plain = shared_conversion(c, p.ep_axis)
+                t -= p.convert_both(plain.src, plain.dst, plain.grad, nbytes, e.needs_grad)
+                a2a.update({(i, j): t for i in ii for j in jj})
+        edges.append(EdgeChoice(e.producer, e.consumer, dict(sorted(cost.items())), e.count,
+                                dict(sorted(a2a.items()))))
     return edges
 
 

@@ -10,14 +10,15 @@ import torch
 
 from autopar.demo import sgd_losses
 from autopar.examples.moe import MoEConfig, MoETransformer
+from tests.codegen_models import MOE_CONFIG
 from tests.dist_utils import RankPool
 
 STEPS, LR = 3, 0.1
-CONFIG = MoEConfig(vocab_size=64, max_seq_len=16, dim=32, n_layers=3, n_heads=4,
-                   n_kv_heads=2, ffn_dim=64, n_experts=4, top_k=2, expert_ffn_dim=32,
-                   n_shared_experts=1, n_dense_layers=1, capacity_factor=1.0)
-CASES = [{"dp": 2, "tp": 2}, {"dp": 1, "tp": 4, "sequence_parallel": True},
-         {"dp": 4, "zero": 3, "recompute": "full"}, {"pp": 2, "dp": 2}]
+EXPERT_MODULES = ["layers.1.ffn.experts", "layers.2.ffn.experts"]
+CONFIG = MOE_CONFIG
+CASES = [{"dp": 4, "ep": 2, "zero": 3, "recompute": "full"}, {"dp": 4, "ep": 4},
+         {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, {"pp": 2, "dp": 2, "ep": 2},
+         {"dp": 1, "tp": 4, "sequence_parallel": True}]
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +76,9 @@ def parallel(cases: list[dict]) -> list[tuple[list[float], dict]]:
         pm = autopar.parallelize(model, (x,), example_targets=y, loss_fn=lm_loss,
                                  precision="fp32", **space)
         losses = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
-        out.append((losses, dict(pm.plan.mesh)))
+        held = [p.shape[0] for n, p in pm.named_parameters() if n.endswith("experts.w1")]
+        out.append((losses, dict(pm.plan.mesh) | {"experts": sorted(pm.plan.experts),
+                                                  "held": sorted(set(held))}))
     return out
 
 
@@ -85,9 +88,14 @@ def test_moe_trains_as_in_one_process(rank_pool: RankPool) -> None:
     results = rank_pool.run(4, parallel, CASES, timeout_s=900)[0]
     for space, (losses, mesh) in zip(CASES, results):
         assert losses == pytest.approx(ref, abs=1e-5), (space, mesh)
-        for axis in ("dp", "tp", "pp"):
+        ep = space.get("ep", 1)
+        for axis in ("tp", "pp", "ep"):
             if axis in space:
                 assert mesh.get(axis, 1) == space[axis], (space, mesh)
+        assert mesh.get("dp", 1) * ep == space["dp"], (space, mesh)
+        # the experts are split over ep: each rank holds its share of every expert module
+        assert mesh["experts"] == (EXPERT_MODULES if ep > 1 else []), (space, mesh)
+        assert mesh["held"] == [CONFIG.n_experts // ep], (space, mesh)
 
 
 def test_full_size_mixtral_plans():
@@ -100,3 +108,52 @@ def test_full_size_mixtral_plans():
     plan = autopar.plan(model, x, cluster=autopar.Cluster("h100-sxm", 8, 8), global_batch=64)
     assert 0 < plan.step_time_s < float("inf")
     assert plan.memory_per_device_bytes <= plan.solver["memory_budget_bytes"] * (1 + 1e-9)
+
+
+def _structure(g) -> list[tuple]:
+    """A graph's nodes without their names: kind, op, module, shapes and parameters."""
+    return [(n.kind, n.target if n.kind != "input" else "", n.module_path, n.out, n.params,
+             n.flops) for n in g.nodes]
+
+
+def test_dense_first_blocks_keep_the_fast_capture():
+    """A list whose first block is dense and the other four MoE: the capture exports
+    blocks 0-2 and copies block 2 to the rest, and gets the graph a full export gets."""
+    from dataclasses import replace
+
+    from autopar.capture import capture
+
+    with torch.device("meta"):
+        model = MoETransformer(replace(CONFIG, n_layers=5))
+    x = torch.randint(0, CONFIG.vocab_size, (2, 16), device="meta")
+    fast, full = capture(model, (x,)), capture(model, (x,), fast=False)
+    exported = {str(s.target).split(".layers.")[1].split(".")[0]
+                for s in fast.fx.graph_signature.input_specs
+                if s.kind.name == "PARAMETER" and ".layers." in str(s.target)}
+    assert exported == {"0", "1", "2"}
+    assert _structure(fast) == _structure(full)
+    assert [lay.signature for lay in fast.layers] == [lay.signature for lay in full.layers]
+    assert fast.params.keys() == full.params.keys()
+
+
+@pytest.mark.multirank
+def test_emitted_expert_parallel_program_trains_as_in_one_process(tmp_path):
+    """The program `autopar codegen` writes for a pipelined expert-parallel plan (pp2 x
+    ep2), under torchrun on 4 gloo processes, prints the single-process losses."""
+    space = {"pp": 2, "dp": 2, "ep": 2}
+    import autopar
+    from autopar.runtime.codegen import emit_program
+    from tests.test_codegen import MODELS, torchrun
+
+    x, y = batch()
+    data = tmp_path / "batch.pt"
+    torch.save({"inputs": x, "targets": y}, data)
+    plan = autopar.plan(MoETransformer(CONFIG), (x,), example_targets=y,
+                        cluster=autopar.Cluster("cpu", 1, 4), precision="fp32",
+                        optimizer="sgd", **space)
+    assert sorted(plan.experts) == EXPERT_MODULES
+    program = tmp_path / "train.py"
+    program.write_text(emit_program(plan, f"{MODELS}:tiny_moe"))
+    losses = torchrun(program, "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR),
+                      "--data", str(data))
+    assert losses == pytest.approx(single_process(), abs=1e-5)

@@ -18,15 +18,12 @@ from autopar.units_text import fmt_bytes
 CLUSTER = autopar.Cluster("a100-80g", 1, 4)
 CLI = ["--gpu", "a100-80g", "--gpus-per-node", "4", "--global-batch", "8"]
 
-NOT_PLANNED = "autopar plans data (dp, zero), tensor (tp, sequence_parallel) and pipeline " \
-              "(pp) parallelism"
+NOT_PLANNED = "autopar plans data (dp, zero), tensor (tp, sequence_parallel), expert (ep) " \
+              "and pipeline (pp) parallelism"
 BAD = [  # (Spec fields, CLI options, the one message)
     ({"cp": 2}, ["--cp", "2"],
      f"cp=2: context parallelism is not implemented yet; {NOT_PLANNED}. Leave cp out (or "
      f"1): to fit long sequences, use tp with sequence_parallel=True, and recompute"),
-    ({"ep": 4}, ["--ep", "4"],
-     f"ep=4: expert parallelism is not implemented yet; {NOT_PLANNED}. Leave ep out (or 1): "
-     f"a mixture of experts is planned like the other layers, with dp, tp, pp and zero"),
     ({"tp": 0}, ["--tp", "0"], "tp=0: expected a positive integer"),
     ({"zero": 5}, ["--zero", "5"], "zero=5: expected a ZeRO stage, 0, 1, 2 or 3"),
     ({"schedule": "1f2b"}, ["--schedule", "1f2b"],
@@ -65,6 +62,22 @@ def test_a_bad_field_gives_one_message_from_every_entry_point(gpt, capsys, given
         assert capsys.readouterr().err == f"autopar: error: {message}\n"
 
 
+def test_expert_parallelism_of_a_dense_model_is_refused(gpt, capsys):
+    """ep > 1 on a model without expert modules: one message from plan, estimate and
+    the command line; an ep that does not divide dp is refused by the Spec's filling."""
+    model, x = gpt
+    message = ("ep=4: the model has no expert modules (a module whose parameters stack one "
+               "weight per expert, run per expert); leave ep out for a dense model")
+    assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, ep=4)) == message
+    assert _message(lambda: autopar.estimate(model, x, Spec(ep=4), cluster=CLUSTER)) == message
+    for command in ("plan", "compare"):
+        assert main([command, "tiny-gpt", *CLI, "--ep", "4"]) == 2
+        assert capsys.readouterr().err == f"autopar: error: {message}\n"
+    assert _message(lambda: Spec(dp=4, ep=3).for_estimate(4, 8)) == (
+        "ep=3 does not divide dp=4: the experts are split over ep of the data-parallel "
+        "ranks; choose an ep that divides dp")
+
+
 def test_an_unknown_planning_keyword_names_the_valid_ones(gpt):
     model, x = gpt
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, tensor_parallel=2)) == (
@@ -94,9 +107,9 @@ def test_estimate_fills_what_the_spec_leaves_out():
     micro-batch that still gives pp micro-batches; 1F1B with a pipeline; recomputation
     and virtual stages stay the solver's."""
     assert Spec(pp=2).for_estimate(8, 32) == Spec(
-        dp=4, tp=1, pp=2, microbatch_size=4, schedule="1f1b", zero=0, offload=False)
+        dp=4, tp=1, pp=2, ep=1, microbatch_size=4, schedule="1f1b", zero=0, offload=False)
     assert Spec(tp=2, recompute="full").for_estimate(8, 32) == Spec(
-        dp=4, tp=2, pp=1, microbatch_size=8, recompute="full", zero=0,
+        dp=4, tp=2, pp=1, ep=1, microbatch_size=8, recompute="full", zero=0,
         sequence_parallel=False, offload=False)
     assert repr(Spec(tp=2, recompute="full")) == "Spec(tp=2, recompute='full')"
     with pytest.raises(ConfigError) as err:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from autopar.graph import Graph, OpNode, TensorMeta
 from autopar.memory_choices import fsdp_unit
 from autopar.strategies.batch_flow import FREE, BatchFlow
+from autopar.strategies.experts import ExpertModule, expert_modules
 from autopar.strategies.fused import piecewise_rules
 from autopar.strategies.rules import OpRule, constant_rule, rule_for
 
@@ -39,6 +40,16 @@ class GraphAnalysis:
     output_ops: set[str] = field(default_factory=set)
     root_params: frozenset[str] = frozenset()
     """Parameters of the root ``fully_shard`` unit: outside every block."""
+    experts: dict[str, ExpertModule] = field(default_factory=dict)
+    """The expert modules by path (:mod:`autopar.strategies.experts`)."""
+    expert_label: dict[str, str] = field(default_factory=dict)
+    """Each op of an expert module -> its expert label."""
+
+    def expert_of(self, op: str) -> ExpertModule | None:
+        """The expert module op ``op`` belongs to, or None."""
+        if op not in self.expert_label:
+            return None
+        return self.experts[self.graph.node(op).module_path]
 
 
 def analyze(graph: Graph) -> GraphAnalysis:
@@ -74,9 +85,12 @@ def analyze(graph: Graph) -> GraphAnalysis:
     for n in graph.nodes:
         c = graph.canonical.get(n.name, n.name)
         mult[c] = mult.get(c, 0) + 1
+    outputs = module_outputs(graph, rules)
+    experts = expert_modules(graph, rules, batch_label, outputs)
+    labels = {op: lab for em in experts.values() for op, lab in em.labels.items()}
     return GraphAnalysis(graph, rules, in_metas, batch_label, batch_dim, module_ops, owner,
-                         consumers, saved, mult, constants, unit_shares(graph),
-                         module_outputs(graph, rules), root_params(graph))
+                         consumers, saved, mult, constants, unit_shares(graph), outputs,
+                         root_params(graph), experts, labels)
 
 
 def root_params(g: Graph) -> frozenset[str]:

@@ -51,6 +51,14 @@ def collectives(src: Placements, dst: Placements, nbytes: float,
     return tuple(steps)
 
 
+def shared_conversion(c: "Conversion", axis: int) -> "Conversion":
+    """Conversion ``c`` without its collectives over ``axis``, which an earlier edge
+    runs (its destination and gradient placed there as its source)."""
+    def keep(p: Placements) -> Placements:
+        return tuple(c.src[a] if a == axis else x for a, x in enumerate(p))
+    return Conversion(c.src, keep(c.dst), keep(c.grad))
+
+
 def reachable(src: Placements, dst: Placements) -> bool:
     """Whether some collectives turn ``src`` into ``dst`` (:func:`collectives`)."""
     return not any(s != d and s.startswith("S(") and d == "P" for s, d in zip(src, dst))
@@ -77,6 +85,20 @@ class EdgeOptions:
     tensor: str     # the producer's node name
     needs_grad: bool
     pairs: list[tuple[list[int], list[int], Conversion]]
+    shared_axis: int | None = None  # an axis whose conversion an earlier edge runs
+    entry: bool = False  # into an expert module: over ep, an all-to-all to the experts
+
+
+def _repeat_entry(space: StrategySpace, producer: str, consumer: str) -> bool:
+    """Whether ``consumer`` is an expert module's entry and an earlier entry of that
+    module reads ``producer`` too: the tokens cross ``ep`` once, on the first."""
+    em = space.an.expert_of(consumer)
+    if em is None:
+        return False
+    for op in em.entries:
+        if producer in space.node(op).inputs:
+            return op != consumer
+    return False
 
 
 def edge_counts(g, index: dict[str, int]) -> dict[tuple[int, int, int], int]:
@@ -107,6 +129,10 @@ def edge_options(space: StrategySpace, counts: dict[tuple[int, int, int], int],
     for (u, v, pos), mult in counts.items():
         un, vn = space.node(names[u]), space.node(names[v])
         module_consumer = vn.name in an.module_ops
+        em = an.expert_of(vn.name)
+        # an expert module's entry takes the tokens over ep by an all-to-all
+        entry = em is not None and space.ep_axis is not None and vn.name in em.entries \
+            and un.name not in em.labels
         sums = any(su.grad_sum for su in details[u])
         outs: dict[tuple[Placements, tuple[int, ...]], list[int]] = {}
         for i, su in enumerate(details[u]):
@@ -118,11 +144,14 @@ def edge_options(space: StrategySpace, counts: dict[tuple[int, int, int], int],
         # a constant is computed on each rank from its local shapes: it is whatever the
         # consumer needs on the data-parallel axis
         fixed = [a for a in range(space.mesh.ndim) if a not in free
-                 and not (un.name in an.constants and a == space.dp_axis)]
+                 and not (un.name in an.constants and a in space.data_axes)]
         axes = free + fixed
+        strict = [a for a in fixed if not (entry and a == space.ep_axis)]
         for (out, summed), ii in outs.items():
             for (need, grad), jj in needs.items():
-                if any(out[a] != need[a] for a in fixed):
+                if any(out[a] != need[a] for a in strict):
+                    continue
+                if entry and not module_consumer and any(out[a] != need[a] for a in free):
                     continue
                 if all(out[a] == need[a] for a in axes):
                     # no forward collective, but a gradient that comes back partial over
@@ -134,9 +163,10 @@ def edge_options(space: StrategySpace, counts: dict[tuple[int, int, int], int],
                                          summed if sums else None, free)
                     if back is not None:
                         pairs.append((ii, jj, Conversion(out, need, back)))
-                elif module_consumer and reachable(out, need):
+                elif (module_consumer or entry) and reachable(out, need):
                     pairs.append((ii, jj, Conversion(out, need, grad)))
-        edges.append(EdgeOptions(u, v, mult, un.name, un.requires_grad, pairs))
+        shared = space.ep_axis if entry and _repeat_entry(space, un.name, vn.name) else None
+        edges.append(EdgeOptions(u, v, mult, un.name, un.requires_grad, pairs, shared, entry))
     return edges
 
 

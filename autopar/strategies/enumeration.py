@@ -18,7 +18,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from autopar.graph import OpNode, TensorMeta
-from autopar.sharding import layout_name, shard_count, shard_dim, shard_pieces
+from autopar.sharding import (data_parallel_degree, layout_name, shard_count, shard_dim,
+                               shard_pieces)
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.rule_base import carries, placement_of, split_label
 from autopar.strategies.rules import OpRule
@@ -123,12 +124,16 @@ class StrategySpace:
         self.node = self.facts.nodes.__getitem__
         self.mesh = st.mesh
         self.dp_axis = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
-        self.dp = self.mesh.sizes[self.dp_axis] if self.dp_axis is not None else 1
-        # tensors are sized for one micro-batch on every dp rank together; the dp split
-        # then leaves microbatch_size samples per device
+        self.ep_axis = self.mesh.names.index("ep") if "ep" in self.mesh.names else None
+        # the data-parallel axes: dp, and ep, which splits the batch outside the experts
+        self.data_axes = tuple(a for a in (self.dp_axis, self.ep_axis) if a is not None)
+        self.dp = data_parallel_degree(self.mesh)
+        # tensors are sized for one micro-batch on every data-parallel rank together;
+        # the split then leaves microbatch_size samples per device
         self.factor = st.microbatch_size * self.dp / self.g.batch_size
-        # the model-parallel axes: those of size > 1 other than dp
-        self.free = [a for a, s in enumerate(self.mesh.sizes) if s > 1 and a != self.dp_axis]
+        # the model-parallel axes: those of size > 1 other than dp and ep
+        self.free = [a for a, s in enumerate(self.mesh.sizes)
+                     if s > 1 and a not in self.data_axes]
         self._metas: dict[str, TensorMeta | None] = {}
         self._degrees: dict[Placements, int] = {}
         self._names: dict[tuple[Placements, int], str] = {}
@@ -173,7 +178,7 @@ class StrategySpace:
     # ---- enumeration ------------------------------------------------------------
     def input_strategies(self, n: OpNode) -> list[NodeStrategy]:
         """The one strategy of graph input ``n``: split along its batch over ``dp``."""
-        pl = tuple("S(0)" if a == self.dp_axis and self.an.batch_dim.get(n.name) == 0
+        pl = tuple("S(0)" if a in self.data_axes and self.an.batch_dim.get(n.name) == 0
                    and size > 1 else "R" for a, size in enumerate(self.mesh.sizes))
         return [NodeStrategy(self.layout(pl, len(n.out.shape) if n.out else 0), pl, pl, (), ())]
 
@@ -222,6 +227,8 @@ class StrategySpace:
                 per_axis.append([None])
             elif a == self.dp_axis:
                 per_axis.append([self.an.batch_label.get(n.name)])
+            elif a == self.ep_axis:  # experts split over ep, the rest of the model dp
+                per_axis.append(self._ep_choices(n))
             elif rule.kind in ("creation", "constant") or n.name == self.g.loss:
                 per_axis.append([None])  # the loss is computed whole on every tp rank
             else:
@@ -300,6 +307,10 @@ class StrategySpace:
         m = self.meta(n.name)
         per_axis = []
         for a in range(self.mesh.ndim):
+            em = self.an.expert_of(n.name)
+            if a == self.ep_axis and em is not None and em.output == n.name:
+                per_axis.append(self._ep_deliveries(n, raw[a]))
+                continue
             if a not in self.free:
                 per_axis.append([raw[a]])
                 continue
@@ -310,6 +321,23 @@ class StrategySpace:
             if self._shard_counts_ok(combo, m):
                 opts.append(tuple(combo))
         return opts
+
+    def _ep_choices(self, n: OpNode) -> list[str | None]:
+        """The labels op ``n`` may split over ``ep``: its batch, or, in an expert module,
+        its experts (only its experts when the settings split every expert module)."""
+        batch = self.an.batch_label.get(n.name)
+        expert = self.an.expert_label.get(n.name)
+        if expert is None:
+            return [batch]
+        return [expert] if self.st.split_experts else [batch, expert]
+
+    def _ep_deliveries(self, n: OpNode, raw: str) -> list[str]:
+        """What an expert module's output op may hand on over ``ep``: its raw output,
+        or, split by expert, the tokens sent back to their ranks by an all-to-all (split
+        along the batch again)."""
+        bd = self.an.batch_dim.get(n.name)
+        back = f"S({bd})" if bd is not None else raw
+        return [raw] if back == raw else [raw, back]
 
     def _shard_counts_ok(self, pl: Placements, m: TensorMeta | None) -> bool:
         deg: dict[int, int] = {}

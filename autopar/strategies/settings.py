@@ -29,6 +29,7 @@ class Settings:
     sequence_parallel: bool | None = None
     offload: bool = False
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
+    split_experts: bool = False  # every expert module split over ep (else the solver's)
 
     @property
     def overlap(self) -> float:

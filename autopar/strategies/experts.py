@@ -1,0 +1,121 @@
+"""Find the experts of a mixture-of-experts layer in a captured graph: the modules whose
+parameters stack one weight per expert and whose every op runs per expert.
+
+An *expert label* is a dim label an op shares between a parameter, an activation it
+reads and its output without contracting it — the ``e`` of ``einsum("becd,edf->becf",
+x, w)`` or of ``bmm`` over stacked weights — and that is not the batch label. A
+module is an *expert module* (:class:`ExpertModule`) when every op in it carries one
+such label from its inputs to its output, so that splitting it over the ``ep`` mesh
+axis runs each expert on the ranks holding it: the tokens come in by an all-to-all at
+the module's entry ops and go back by one after its output op
+(:mod:`autopar.strategies.enumeration`, :mod:`autopar.strategies.edges`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.graph import Graph, OpNode
+from autopar.strategies.rules import OpRule
+
+
+@dataclass(frozen=True)
+class ExpertModule:
+    """One module that runs per expert.
+
+    Attributes:
+        path: the module's path, e.g. ``"layers.1.ffn.experts"``.
+        labels: op name -> the op's expert label.
+        entries: the ops that read an activation from outside the module; each reads
+            it with its expert dim at ``entries[op]``.
+        output: the op making the module's output.
+        out_dim: the expert dim of that output.
+        params: parameter fqn -> its expert dim.
+        experts: how many experts (the size of the expert dim).
+    """
+
+    path: str
+    labels: dict[str, str]
+    entries: dict[str, int]
+    output: str
+    out_dim: int
+    params: dict[str, int]
+    experts: int
+
+
+def _param_expert_label(n: OpNode, rule: OpRule, kinds: dict[str, str],
+                        batch: str | None) -> str | None:
+    """The label op ``n`` shares between a parameter, an activation and its output
+    (an expert label), or None."""
+    outs = set(rule.out)
+    acts: set[str] = set()
+    params: set[str] = set()
+    for i, labs in zip(n.inputs, rule.ins):
+        if labs is None:
+            continue
+        (params if kinds[i] == "param" else acts).update(labs)
+    common = sorted((outs & acts & params) - rule.reduce - rule.forbid - {batch})
+    return common[0] if len(common) == 1 else None
+
+
+def _module(g: Graph, path: str, ops: list[OpNode], rules: dict[str, OpRule],
+            batch_label: dict[str, str | None], outputs: set[str],
+            kinds: dict[str, str]) -> ExpertModule | None:
+    """The :class:`ExpertModule` of module ``path`` (its ops ``ops`` in graph order;
+    ``kinds``: every node's kind), or None where some op does not run per expert."""
+    dim: dict[str, int] = {}     # tensor -> its expert dim, inside the module
+    labels: dict[str, str] = {}
+    entries: dict[str, int] = {}
+    params: dict[str, int] = {}
+    inside = {o.name for o in ops}
+    for n in ops:
+        rule = rules[n.name]
+        lab = _param_expert_label(n, rule, kinds, batch_label.get(n.name))
+        if lab is None:
+            known = [rule.ins[p][dim[i]] for p, i in enumerate(n.inputs)
+                     if i in dim and rule.ins[p] is not None]
+            lab = known[0] if known and all(k == known[0] for k in known) else None
+        if lab is None or lab not in rule.out or lab == batch_label.get(n.name):
+            return None
+        for p, i in enumerate(n.inputs):
+            labs = rule.ins[p]
+            if kinds[i] == "param":
+                if labs is None or lab not in labs:
+                    return None
+                params[g.node(i).target] = labs.index(lab)
+            elif i in inside:
+                if labs is None or lab not in labs or dim.get(i) != labs.index(lab):
+                    return None
+            elif kinds[i] in ("op", "input"):
+                if labs is None or lab not in labs:
+                    return None
+                entries[n.name] = labs.index(lab)
+        labels[n.name] = lab
+        dim[n.name] = rule.out.index(lab)
+    out = [o for o in ops if o.name in outputs]
+    if not out or not entries or not params:
+        return None
+    sizes = {g.params[f].meta.shape[d] for f, d in params.items() if f in g.params}
+    if len(sizes) != 1:
+        return None
+    return ExpertModule(path, labels, entries, out[0].name, dim[out[0].name], params,
+                        sizes.pop())
+
+
+def expert_modules(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, str | None],
+                   outputs: set[str]) -> dict[str, ExpertModule]:
+    """Every expert module of ``g`` by path (module docstring); ``outputs`` are the
+    ops making each module's output (:func:`~autopar.strategies.analysis.module_outputs`)."""
+    by_module: dict[str, list[OpNode]] = {}
+    for n in g.nodes:
+        if n.kind == "op" and n.target != "getitem" and n.module_path:
+            by_module.setdefault(n.module_path, []).append(n)
+    found = {}
+    kinds = {n.name: n.kind for n in g.nodes}
+    for path, ops in by_module.items():
+        if not any(n.params for n in ops):
+            continue
+        em = _module(g, path, ops, rules, batch_label, outputs, kinds)
+        if em is not None:
+            found[path] = em
+    return found

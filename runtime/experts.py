@@ -1,0 +1,122 @@
+"""Expert parallelism of a Plan: each expert module of ``plan.experts`` keeps only its
+``ep`` rank's experts, and its tokens cross the ``ep`` axis by an all-to-all on the
+way in and on the way out (:func:`apply_expert_parallel`, :func:`split_experts`).
+
+The module's own code runs unchanged, on local tensors: its input arrives split by
+sample, holding every expert's slots; the all-to-all (:func:`exchange`, a DTensor
+redistribution ``Shard(batch)`` -> ``Shard(expert)`` on the ``ep`` mesh) gives it every
+sample's slots of this rank's experts, and the reverse one hands each rank its samples
+back; autograd runs both backward. :class:`ScaleGrad` makes the experts' gradients
+the data-parallel mean. Why and how, in full: docs/runtime.md, section
+``autopar.runtime.experts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from autopar.errors import LoweringError
+from autopar.plans import Plan
+
+__all__ = ["check_experts", "apply_expert_parallel", "expert_table", "split_experts",
+           "keep_own_experts", "exchange", "ScaleGrad"]
+
+
+def check_experts(model: nn.Module, plan: Plan) -> None:
+    """Every expert module of the plan exists, owns the parameters it names, and holds
+    a number of experts the ``ep`` degree divides."""
+    ep = plan.degree("ep")
+    for path, xp in plan.experts.items():
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise LoweringError(f"plan.experts names module '{path}', which the model does "
+                                f"not have; re-plan for this model") from None
+        own = dict(module.named_parameters(recurse=False))
+        for local, dim in xp.params.items():
+            p = own.get(local)
+            if p is None or dim >= p.dim() or p.shape[dim] != xp.experts:
+                raise LoweringError(f"plan.experts['{path}'] splits parameter '{local}' along "
+                                    f"dim {dim} into {xp.experts} experts, which "
+                                    f"'{path}' ({type(module).__name__}) does not hold; "
+                                    f"re-plan for this model")
+        if xp.experts % ep:
+            raise LoweringError(f"module '{path}' has {xp.experts} experts, which ep={ep} "
+                                f"does not divide; re-plan with an ep that divides them")
+
+
+def exchange(x: torch.Tensor, mesh: DeviceMesh, src: int, dst: int) -> torch.Tensor:
+    """All-to-all ``x`` over ``mesh``: from split along dim ``src`` to split along dim
+    ``dst`` (local tensors in and out; differentiable)."""
+    if isinstance(x, DTensor):  # a tensor-parallel activation: exchange its local piece
+        spec, local = x, x.to_local()
+        moved = exchange(local, mesh, src, dst)
+        return DTensor.from_local(moved, spec.device_mesh, spec.placements, run_check=False)
+    d = DTensor.from_local(x, mesh, [Shard(src)], run_check=False)
+    return d.redistribute(mesh, [Shard(dst)]).to_local()
+
+
+class ScaleGrad(torch.autograd.Function):
+    """The identity forward; backward, the gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:  # noqa: D102
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return grad * ctx.factor, None
+
+
+def keep_own_experts(module: nn.Module, params: Mapping[str, int], mesh: DeviceMesh) -> None:
+    """Keep this ep rank's experts of each of the module's expert parameters (name ->
+    its expert dim)."""
+    rank, ep = mesh.get_local_rank(), mesh.size()
+    for local, dim in params.items():
+        p = getattr(module, local)
+        piece = p.detach().chunk(ep, dim)[rank].clone()
+        setattr(module, local, nn.Parameter(piece, requires_grad=p.requires_grad))
+
+
+def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Mapping[str, int]]],
+                  mesh: DeviceMesh) -> None:
+    """For each module path of ``table`` -> (batch dim, expert dim of its input, of its
+    output, {parameter: expert dim}): keep this rank's experts and move the module's
+    tokens by all-to-all over ``mesh`` (the ``ep`` axis) at its boundary. Modules the
+    model (or this pipeline stage) does not hold are skipped."""
+    paths = dict(model.named_modules())
+    ep = float(mesh.size())
+    for path, (batch, into, out_dim, params) in table.items():
+        module = paths.get(path)
+        if module is None:
+            continue
+        keep_own_experts(module, params, mesh)
+
+        def dispatch(_: nn.Module, args: tuple, batch: int = batch, into: int = into) -> tuple:
+            x = exchange(args[0], mesh, batch, into)
+            return (ScaleGrad.apply(x, ep),) + tuple(args[1:])
+
+        def combine(_: nn.Module, args: tuple, out: torch.Tensor, batch: int = batch,
+                    dim: int = out_dim) -> torch.Tensor:
+            return exchange(ScaleGrad.apply(out, 1.0 / ep), mesh, dim, batch)
+
+        module.register_forward_pre_hook(dispatch)
+        module.register_forward_hook(combine)
+
+
+def expert_table(plan: Plan) -> dict[str, tuple[int, int, int, dict[str, int]]]:
+    """``plan.experts`` as the plain table :func:`split_experts` reads."""
+    return {path: (xp.batch_dim, xp.input_dim, xp.output_dim, dict(xp.params))
+            for path, xp in plan.experts.items()}
+
+
+def apply_expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+    """Split the experts of ``plan.experts`` over ``mesh`` (the ``ep`` axis) and move
+    their tokens by all-to-all (module docstring; :func:`split_experts`)."""
+    split_experts(model, expert_table(plan), mesh)
