@@ -148,6 +148,9 @@ class Graph:
     seq_len: int | None = None
     model_name: str = ""
     fx: Any = field(default=None, repr=False, compare=False)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    """Facts passes derive from the graph alone, kept by the pass that derives them
+    (under its own key) so that a search works them out once."""
 
     def node(self, name: str) -> OpNode:
         """The node called ``name``."""

@@ -88,7 +88,9 @@ def rename_refs(args: Any, fn) -> Any:
 
 
 def detect_layers(g: Graph) -> None:
-    """Fill ``g.layers``, ``g.canonical`` and each op node's ``layer`` in place."""
+    """Fill ``g.layers``, ``g.canonical`` and each op node's ``layer`` in place (and
+    forget what passes derived from the graph before: ``g.memo``)."""
+    g.memo.clear()
     children: dict[str, set[str]] = {}
     for n in g.nodes:
         if n.kind == "op":

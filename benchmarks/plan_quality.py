@@ -4,8 +4,10 @@ Each row is a configuration that experts chose by hand for a large training run,
 as data in ``reference_configs.json`` beside this file (the published fields, with each
 group's source): Megatron-LM's GPT runs (Narayanan et al., SC'21, Table 1),
 Megatron-LM with sequence parallelism and selective recomputation (Korthikanti et al.
-2022, each model with full recomputation and with SP + selective recomputation) and
-torchtitan's Llama 3.1 runs (H100, December 2024). For each row, in a fresh process:
+2022, each model with full recomputation and with SP + selective recomputation),
+torchtitan's Llama 3.1 runs (H100, December 2024) and Megatron-Core's mixture-of-experts
+benchmarking configurations (H100: Mixtral 8x7B and 8x22B, DeepSeek-V3). For each row,
+in a fresh process:
 
 * the reference: ``autopar.estimate`` with the row's ``Spec`` (its degrees, micro-batch,
   schedule, recomputation, ZeRO stage and sequence parallelism; the intra-op layout
@@ -38,6 +40,15 @@ How the published configurations map onto a ``Spec`` (one function per source:
   defaulted to it until torchtitan PR #781, 2025-01-07), so 405B runs 8 micro-batches
   of 4 under both schedules; its interleaved 1F1B put 2 stages on each rank. The
   ``h100-sxm`` profile is the 80 GB SXM part; torchtitan's runs had 96 GB H100s.
+* Megatron-Core MoE (H100, bf16, AdamW): dp = GPUs / (TP x PP) with the experts split
+  over EP of those ranks (``Spec(ep=)``); the distributed optimizer is ZeRO-1; VPP > 1
+  is ``interleaved_1f1b`` with VPP chunks. The runs configure no recomputation, which
+  autopar's pipeline planner does not fit in 80 GB for Mixtral 8x7B (74 GB predicted
+  at the stage split, and no split found under the budget), so the recomputation is
+  the solver's choice within each configuration (``rc solver``).
+  The zoo's DeepSeek-V3 writes its latent attention as grouped-query attention, and
+  both routers drop tokens past a capacity factor of 1.25, where Megatron-Core's run
+  dropless: the rows compare layouts, not those models' exact costs.
 
 The planning time reported is the wall time of ``autopar.plan`` (capture included).
 """
@@ -69,13 +80,14 @@ class Row:
     tp: int
     pp: int
     microbatch_size: int
-    recompute: str
+    recompute: str | None  # None: the solver's choice within the row's configuration
     zero: int = 0
     sequence_parallel: bool = False
     virtual_stages: int = 1
     precision: str = "fp16"
     optimizer: str = "adam"
     gpus_per_node: int = 8
+    ep: int = 1
     model_args: tuple[int, int, int] | None = None  # (layers, dim, heads) of a model
     # built here from GPTConfig; None: a zoo model
 
@@ -106,7 +118,7 @@ class Row:
         """The reference configuration in one short line."""
         return _describe(self.dp, self.tp, self.pp, self.microbatch_size,
                          self.num_microbatches, self.zero, self.schedule,
-                         self.virtual_stages, self.sequence_parallel, self.recompute)
+                         self.virtual_stages, self.sequence_parallel, self.recompute, self.ep)
 
 
 def _megatron(c: dict, source: str) -> tuple[Row, ...]:
@@ -141,7 +153,18 @@ def _titan(c: dict, source: str) -> tuple[Row, ...]:
                 precision="bf16", optimizer="adamw"),)
 
 
-_MAPPINGS = {"megatron": _megatron, "korthikanti": _korthikanti, "torchtitan": _titan}
+def _mcore_moe(c: dict, source: str) -> tuple[Row, ...]:
+    """One Megatron-Core MoE benchmarking configuration: its row (EP inside DP, as
+    Megatron-Core places it; the distributed optimizer is ZeRO-1)."""
+    return (Row(c["name"], source, c["model"], "h100-sxm", c["gpus"], c["global_batch"],
+                c["tensor_parallel"], c["pipeline_parallel"], c["micro_batch"], None,
+                zero=1, sequence_parallel=c["tensor_parallel"] > 1,
+                virtual_stages=c["virtual_pipeline"], precision="bf16", optimizer="adamw",
+                ep=c["expert_parallel"]),)
+
+
+_MAPPINGS = {"megatron": _megatron, "korthikanti": _korthikanti, "torchtitan": _titan,
+             "megatron_moe": _mcore_moe}
 
 
 def rows(path: Path = REFERENCE_CONFIGS) -> tuple[Row, ...]:
@@ -153,10 +176,10 @@ def rows(path: Path = REFERENCE_CONFIGS) -> tuple[Row, ...]:
 
 
 def _describe(dp: int, tp: int, pp: int, mb: int, m: int, zero: int, schedule: str | None,
-              v: int, sp: bool, recompute: str) -> str:
+              v: int, sp: bool, recompute: str | None, ep: int = 1) -> str:
     pipe = f"pp{pp} {schedule}" + (f" v{v}" if v > 1 else "") + " " if pp > 1 else ""
-    return (f"{pipe}dp{dp} tp{tp}{' sp' if sp else ''} mb{mb}x{m} zero{zero} "
-            f"rc {recompute}")
+    return (f"{pipe}dp{dp}{f' ep{ep}' if ep > 1 else ''} tp{tp}{' sp' if sp else ''} "
+            f"mb{mb}x{m} zero{zero} rc {recompute or 'solver'}")
 
 
 def describe_plan(plan) -> str:
@@ -166,10 +189,10 @@ def describe_plan(plan) -> str:
     kinds = sorted(set(modes))
     rc = kinds[0] if len(kinds) == 1 else "/".join(f"{k}:{modes.count(k)}" for k in kinds)
     pipe = plan.pipeline
-    return _describe(plan.degree("dp"), plan.degree("tp"), plan.degree("pp"),
+    return _describe(plan.data_parallel, plan.degree("tp"), plan.degree("pp"),
                      plan.microbatch_size, plan.num_microbatches, plan.zero,
                      pipe.schedule if pipe else None, pipe.virtual_stages if pipe else 1,
-                     plan.sequence_parallel, rc or "none")
+                     plan.sequence_parallel, rc or "none", plan.degree("ep"))
 
 
 def build_model(row: Row):
@@ -192,7 +215,7 @@ def spec_of(row: Row):
     """The row's hand-written configuration as an ``autopar.Spec``."""
     import autopar
 
-    return autopar.Spec(dp=row.dp, tp=row.tp, pp=row.pp,
+    return autopar.Spec(dp=row.dp, tp=row.tp, pp=row.pp, ep=row.ep,
                         microbatch_size=row.microbatch_size, schedule=row.schedule,
                         virtual_stages=row.virtual_stages, recompute=row.recompute,
                         zero=row.zero, sequence_parallel=row.sequence_parallel)

@@ -11,7 +11,9 @@ case's runs differ by up to 50%.
 
 Global batches: Llama 3 as torchtitan's Llama 3.1 runs (local batch 2 on 8B, FSDP 32
 x local batch 16 on 70B); the GPT models as Megatron-LM's (Narayanan et al., SC'21,
-Table 1; 1536 for the 175B-class row on 1,024 GPUs, 3072 for 1T).
+Table 1; 1536 for the 175B-class row on 1,024 GPUs, 3072 for 1T); the mixtures of
+experts as Megatron-Core's MoE benchmarking runs (benchmarks/reference_configs.json:
+256 for Mixtral 8x7B on 64 GPUs, 8192 for DeepSeek-V3 on 1,024).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ CASES = (
     Case("llama3-70b", "h100-sxm", 32, 512),
     Case("gpt3-175b", "a100-80g", 128, 1536),
     Case("gpt-1t", "a100-80g", 384, 3072),
+    Case("mixtral-8x7b", "h100-sxm", 8, 256),
+    Case("deepseek-v3", "h100-sxm", 128, 8192),
 )
 
 

@@ -3,12 +3,14 @@ feed-forward replaced, in some or all blocks, by routed experts — top-k of E, 
 expert a SwiGLU network, the experts' weights stacked (E, in, out) — and optionally
 shared experts every token goes through (DeepSeek-MoE, Dai et al. 2024).
 
-Tokens are routed as GShard and Switch Transformer write it (Lepikhin et al. 2020,
+Tokens are routed as GShard and Switch Transformer define it (Lepikhin et al. 2020,
 Fedus et al. 2021): each sequence is a group with a capacity of
-``ceil(capacity_factor · k · seq_len / E)`` tokens per expert; a token past its
-expert's capacity is dropped (its output from that expert is zero). Dispatch and
-combine are einsums with one-hot tensors, so every shape is static. Written plainly;
-nothing in it knows about parallelism."""
+``ceil(capacity_factor · k · seq_len / E)`` tokens per expert, filled in token order;
+a token past its expert's capacity is dropped (its output from that expert is zero).
+Dispatch scatters each (token, choice) into its expert's slot of a (experts, capacity)
+buffer and combine gathers it back, so every shape is static and nothing of size
+tokens x experts x capacity is kept for backward. Written plainly; nothing in it knows
+about parallelism."""
 
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        b, t, _ = x.shape
+        b, t, d = x.shape
         e, k = cfg.n_experts, cfg.top_k
         capacity = math.ceil(cfg.capacity_factor * k * t / e)
         logits = self.router(x).float()
@@ -82,14 +84,16 @@ class MoE(nn.Module):
         weights, chosen = scores.topk(k, dim=-1)                      # (b, t, k)
         weights = weights / weights.sum(-1, keepdim=True)
         picks = F.one_hot(chosen, e).flatten(1, 2)                     # (b, t·k, e)
-        slot = (picks.cumsum(1) - 1) * picks                           # place in the expert's buffer
-        kept = picks * (slot < capacity)
-        route = F.one_hot(slot.clamp(max=capacity - 1), capacity) * kept.unsqueeze(-1)
-        route = route.view(b, t, k, e, capacity).to(x.dtype)          # (b, t, k, e, c)
-        dispatch = route.sum(2)                                        # (b, t, e, c)
-        combine = (route * weights.to(x.dtype)[..., None, None]).sum(2)
-        y = self.experts(torch.einsum("btec,btd->becd", dispatch, x))
-        out = torch.einsum("btec,becd->btd", combine, y)
+        slot = ((picks.cumsum(1) - 1) * picks).sum(-1)                 # place in its buffer
+        spare = e * capacity                                           # where dropped go
+        where = torch.where(slot < capacity, chosen.flatten(1) * capacity + slot, spare)
+        where = where.unsqueeze(-1).expand(b, t * k, d)                # (b, t·k, d)
+        rows = x.unsqueeze(2).expand(b, t, k, d).flatten(1, 2)         # each token k times
+        slots = x.new_zeros(b, spare + 1, d).scatter(1, where, rows)
+        y = self.experts(slots[:, :spare].view(b, e, capacity, d))    # (b, e, c, d)
+        y = torch.cat([y.flatten(1, 2), y.new_zeros(b, 1, d)], 1)      # the spare reads 0
+        out = y.gather(1, where).view(b, t, k, d)
+        out = (out * weights.to(x.dtype).unsqueeze(-1)).sum(2)
         return out if self.shared is None else out + self.shared(x)
 
 

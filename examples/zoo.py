@@ -123,6 +123,11 @@ def _entries() -> dict[str, Entry]:
     # Jiang et al., "Mixtral of Experts" (2024), Table 1.
     e["mixtral-8x7b"] = _moe("Mixtral 8x7B", 32, 4096, 32, 8, 14336, experts=8, top_k=2,
                              expert_ffn=14336, vocab=32000, seq=4096, theta=1e6)
+    # Mistral AI's Mixtral 8x22B (2024), as Megatron-Core's MoE model zoo configures it
+    # (NVIDIA Megatron-MoE-ModelZoo, model_configs/benchmarking/Mixtral-8x22B.yaml): 56
+    # layers, hidden 6144, 48 heads (8 KV), 8 experts of FFN 16384, top-2, vocab 32768.
+    e["mixtral-8x22b"] = _moe("Mixtral 8x22B", 56, 6144, 48, 8, 16384, experts=8, top_k=2,
+                              expert_ffn=16384, vocab=32768, seq=4096, theta=1e6)
     # DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024), §4.2: 61 layers, hidden 7168,
     # 128 heads, first 3 FFNs dense (18432), 1 shared + 256 routed experts of 2048, 8
     # active, sigmoid router. Its multi-head latent attention is written here as

@@ -18,7 +18,8 @@ class PieceCost:
     forwards and ZeRO-3 traffic included) of which ``backward_weight_s`` is the
     weight-grad part that zero-bubble schedules run apart; ``comm_s`` (activation
     collectives and resharding), ``param_comm_s`` (ZeRO-3 traffic) and ``recompute_s``
-    (recomputed forwards) are parts of ``forward_s + backward_s``; ``host_s`` is the
+    (recomputed forwards) are parts of ``forward_s + backward_s``, and ``all_to_all_s``
+(tokens to their experts and back) part of ``comm_s``; ``host_s`` is the
     host's seconds issuing that work. ``activation_bytes`` are kept for backward per
     micro-batch in flight; ``static_bytes`` are parameters, gradients and optimizer
     state. Per step: ``step_comm_s`` (data-parallel gradient synchronization),
@@ -36,6 +37,7 @@ class PieceCost:
     comm_s: float = 0.0
     param_comm_s: float = 0.0
     recompute_s: float = 0.0
+    all_to_all_s: float = 0.0
     name: str = ""
 
     @property

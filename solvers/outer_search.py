@@ -183,12 +183,12 @@ def offload_candidates(cands: list[Candidate]) -> list[Candidate]:
 def tiers(cands: list[Candidate], gpus_per_node: int,
           offload: bool | None) -> list[list[Candidate]]:
     """``cands`` in the order the search tries them, each list only when none of the
-    earlier ones has a plan that fits: tensor parallelism within a node first (all of
-    ``cands`` when none is), then the rest; ``offload=True``: only the offload variants
-    (:func:`offload_candidates`), in the same order; None: the offload variants join the
-    second list."""
-    local = [c for c in cands if c.tp <= gpus_per_node]
-    wide = [c for c in cands if c.tp > gpus_per_node]
+    earlier ones has a plan that fits: tensor and expert parallelism within a node first
+    (all of ``cands`` when none is), then the rest; ``offload=True``: only the offload
+    variants (:func:`offload_candidates`), in the same order; None: the offload variants
+    join the second list."""
+    local = [c for c in cands if c.tp * c.ep <= gpus_per_node]
+    wide = [c for c in cands if c.tp * c.ep > gpus_per_node]
     if not local:  # every candidate is wider than a node: the caller asked for that tp
         local, wide = wide, []
     if offload:
@@ -270,7 +270,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             break
         c = cands[k]
         try:
-            scored = _score(an, c, built_by[_mesh_key(c)], bound[k], _limit(kept, top_k),
+            scored = _score(an, c, built_by[mesh_key(c)], bound[k], _limit(kept, top_k),
                             solved, outcomes, infeasible, refine=False)
         except RefineLater:
             later.append(k)
@@ -280,7 +280,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             progress(done + 1, len(order), kept[0].step_time_s if kept else None)
     else:  # every candidate visited: the deferred searches, in their bounds' order
         for j in later:
-            kept = _keep(kept, _score(an, cands[j], built_by[_mesh_key(cands[j])], bound[j],
+            kept = _keep(kept, _score(an, cands[j], built_by[mesh_key(cands[j])], bound[j],
                                       _limit(kept, top_k), solved, outcomes, infeasible), top_k)
     if not kept:
         err = NoFeasiblePlanError(_no_fit_message(an.graph, infeasible, memory_budget, outcomes))
@@ -336,22 +336,51 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
                precision: str, optimizer: str, memory_budget: float,
                sequence_parallel: bool | None,
                recompute: tuple[str, ...] | None) -> dict[tuple, Built | NoFeasiblePlanError]:
-    """One intra-op problem per distinct :func:`_mesh_key` (or the error saying an op has
-    no strategy on that mesh)."""
+    """One intra-op problem per distinct :func:`mesh_key` (or the error saying an op has
+    no strategy on that mesh, or that a smaller micro-batch already needs more memory
+    than the budget).
+
+    Keys are built by increasing micro-batch size within each group of
+    :func:`_batch_group`: a group's candidates differ only in how the rank's samples are
+    cut into several micro-batches, so static memory is the same and the activations in
+    flight (micro-batch size x micro-batches held) do not shrink with a larger one. Once every candidate
+    of a micro-batch size has a memory lower bound over the budget, the larger ones are
+    not built."""
     built_by: dict[tuple, Built | NoFeasiblePlanError] = {}
     layouts: dict = {}  # build_problem's cache: layouts shared across ZeRO stages
+    users: dict[tuple, list[Candidate]] = {}
     for c in cands:
-        key = _mesh_key(c)
-        if key in built_by:
+        users.setdefault(mesh_key(c), []).append(c)
+    hopeless: dict[tuple, int] = {}  # batch group -> the micro-batch size that did not fit
+    for key in sorted(users, key=lambda k: (_batch_group(users[k][0]),
+                                            users[k][0].microbatch_size)):
+        c = users[key][0]
+        group = _batch_group(c)
+        if group in hopeless:
+            built_by[key] = NoFeasiblePlanError(
+                f"does not fit in memory: micro-batches of {hopeless[group]} already need "
+                f"more than the budget")
             continue
         st = candidate_settings(c, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                                 optimizer=optimizer, memory_budget=memory_budget,
                                 sequence_parallel=sequence_parallel, recompute=recompute)
         try:
-            built_by[key] = build_problem(an, st, layouts)
+            built = built_by[key] = build_problem(an, st, layouts)
         except NoFeasiblePlanError as e:
             built_by[key] = e
-    return built_by
+            continue
+        by_schedule = {u.schedule: u for u in users[key]}  # one pp per key: dp and tp fix it
+        if all(lower_bound_memory(an.graph, built, u) > memory_budget * (1 + 1e-9)
+               for u in by_schedule.values()):
+            hopeless[group] = c.microbatch_size
+    return {k: built_by[k] for k in users}
+
+
+def _batch_group(c: Candidate) -> tuple:
+    """What candidates share but for the cut of each rank's samples into micro-batches
+    (one micro-batch apart: it keeps no gradients between micro-batches)."""
+    return (c.dp, c.tp, c.pp, c.zero, c.offload, c.ep, c.split_experts,
+            c.num_microbatches == 1)
 
 
 def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, bound: float,
@@ -397,7 +426,7 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
     return Scored(ev.step_time_s, built, sol, c)
 
 
-def _mesh_key(c: Candidate) -> tuple:
+def mesh_key(c: Candidate) -> tuple:
     """What a candidate's intra-op problem depends on (pipelined or not)."""
     return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload, c.ep,
             c.split_experts)
@@ -417,23 +446,23 @@ def _bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: float) -> 
     members = unit_members(g) if any(c.pp > 1 for c in cands) else []
     out = []
     for c in cands:
-        built = built_by[_mesh_key(c)]
+        built = built_by[mesh_key(c)]
         if not isinstance(built, Built):
             out.append(float("inf"))
             continue
         held = in_flight(c.schedule, c.pp, c.num_microbatches) if c.pp > 1 else 1
-        key = (_mesh_key(c), c.pp, held)
+        key = (mesh_key(c), c.pp, held)
         if key not in per:
             acts = [[ns.memory.get("activations", 0.0) for ns in ds] for ds in built.strategies]
             per[key] = step_bound(combo_bounds(built.problem, acts, c.pp, held), budget,
                                   c.num_microbatches, c.pp)
         bound = per[key]
         if c.pp > 1 and bound < float("inf"):
-            skey = (_mesh_key(c), c.pp, c.virtual_stages, c.schedule in ZERO_BUBBLE)
+            skey = (mesh_key(c), c.pp, c.virtual_stages, c.schedule in ZERO_BUBBLE)
             if skey not in staged:
-                if _mesh_key(c) not in least:
-                    least[_mesh_key(c)] = least_unit_costs(built, members)
-                units = least[_mesh_key(c)]
+                if mesh_key(c) not in least:
+                    least[mesh_key(c)] = least_unit_costs(built, members)
+                units = least[mesh_key(c)]
                 staged[skey] = pipeline_stage_bound(
                     [u.forward_s for u in units], [u.backward_s for u in units],
                     [u.optimizer_s for u in units], pp=c.pp, m=c.num_microbatches,

@@ -425,6 +425,7 @@ def pipeline_terms(po: PipelineOutcome, *, pp: int, schedule: str, virtual_stage
     compute = m * sum(u.compute_s for u in mine)
     recompute = m * sum(u.recompute_s for u in mine)
     comm = m * sum(u.comm_s for u in mine)
+    a2a = m * sum(u.all_to_all_s for u in mine)
     param = m * sum(u.param_comm_s for u in mine)
     chunks = [PieceCost.total(po.units[a:b]) for a, b in po.split.bounds]
     free_p2p = simulate(schedule, chunks, pp, m, virtual_stages=virtual_stages,
@@ -445,4 +446,5 @@ def pipeline_terms(po: PipelineOutcome, *, pp: int, schedule: str, virtual_stage
                      bubble_s=(free_p2p - (compute + recompute + comm + param)) * scale,
                      optimizer_s=optimizer * scale, exposed_host_s=po.exposed_host_s,
                      comm_s=comm * scale, exposed_param_comm_s=exposed_param * scale,
-                     exposed_p2p_s=p2p * scale, p2p_s=po.p2p_s)
+                     exposed_p2p_s=p2p * scale, p2p_s=po.p2p_s,
+                     all_to_all_s=a2a * scale or None)

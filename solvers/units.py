@@ -36,7 +36,20 @@ class Unit(PieceCost):
 
 
 def unit_of_nodes(g: Graph) -> tuple[list[Unit], dict[str, int]]:
-    """The units of ``g`` (without costs) and the unit index of every node."""
+    """The units of ``g`` (without costs: fresh ones each call) and the unit index of
+    every node (worked out once per graph)."""
+    found = g.memo.get("unit_of_nodes")
+    if found is None:
+        units, where = _unit_of_nodes(g)
+        found = g.memo["unit_of_nodes"] = (
+            tuple((u.name, tuple(u.modules), tuple(u.nodes)) for u in units), where)
+    shapes, where = found
+    return [Unit(name=name, modules=list(mods), nodes=list(nodes))
+            for name, mods, nodes in shapes], where
+
+
+def _unit_of_nodes(g: Graph) -> tuple[list[Unit], dict[str, int]]:
+    """:func:`unit_of_nodes`, worked out."""
     if not g.layers:
         return [Unit(name="model", modules=[""], nodes=[n.name for n in g.nodes])], \
             {n.name: 0 for n in g.nodes}
@@ -113,6 +126,7 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
         u.step_comm_s += s.step_param_comm_s
         u.optimizer_s += s.optimizer_s
         u.comm_s += s.comm_s
+        u.all_to_all_s += s.all_to_all_s
         u.param_comm_s += s.micro_param_comm_s
         u.host_s += s.all_host_s
         u.host_step_s += s.host_step_s
@@ -192,7 +206,17 @@ class TiedCopy:
 
 
 def tied_copies(g: Graph, built: Built) -> list[TiedCopy]:
-    """Every tied parameter of ``g`` read outside its own unit."""
+    """Every tied parameter of ``g`` read outside its own unit (worked out once per
+    graph and problem node order)."""
+    key = ("tied_copies", tuple(built.names))
+    found = g.memo.get(key)
+    if found is None:
+        found = g.memo[key] = _tied_copies(g, built)
+    return list(found)
+
+
+def _tied_copies(g: Graph, built: Built) -> list[TiedCopy]:
+    """:func:`tied_copies`, worked out."""
     index = {name: k for k, name in enumerate(built.names)}
     _, where = unit_of_nodes(g)
     owner, consumers = param_users(g)
@@ -277,7 +301,9 @@ def _add_edges(g: Graph, problem: Problem, names: list[str], choice: list[int],
                 continue
             u = index[g.canonical.get(i, i)]
             k = order.setdefault((u, v, pos), len(order))
-            c = problem.edges[k].cost.get((choice[u], choice[v]), 0.0)
+            e = problem.edges[k]
+            c = e.cost.get((choice[u], choice[v]), 0.0)
             units[where[n.name]].forward_s += c / 2
             units[where[n.name]].backward_s += c / 2
             units[where[n.name]].comm_s += c
+            units[where[n.name]].all_to_all_s += e.all_to_all.get((choice[u], choice[v]), 0.0)

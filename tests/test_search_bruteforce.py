@@ -22,11 +22,12 @@ import pytest
 import torch
 
 import autopar
-from autopar.api import _heads
+from autopar.api import _experts, _heads
 from autopar.capture import capture
 from autopar.errors import NoFeasiblePlanError
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
+from autopar.examples.moe import MoEConfig, MoETransformer
 from autopar.solvers.exhaustive import BruteForceResult, brute_force_search, score_pipeline
 from autopar.solvers.outer_search import Candidate, SearchResult, candidates, search
 from autopar.solvers.problem import evaluate
@@ -61,6 +62,11 @@ def _model(kind: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
             width = 16384 if kind == "mlp-wide" else 4096
             return MLP(in_dim=width, hidden=width, depth=depth, n_classes=16), \
                 (torch.randn(8, width),)
+        if kind == "moe":  # 4 blocks, the first dense; 8 experts of FFN 4096, top-2
+            cfg = MoEConfig(vocab_size=1024, max_seq_len=512, dim=1024, n_layers=4,
+                            n_heads=8, n_kv_heads=8, ffn_dim=4096, n_experts=8, top_k=2,
+                            expert_ffn_dim=4096, n_dense_layers=1)
+            return MoETransformer(cfg), (torch.randint(0, 1024, (8, 512)),)
         dim, layers, seq = (256, 8, 128) if kind == "gpt" else (512, 4, 64)
         model = GPT(GPTConfig(vocab_size=1024, max_seq_len=seq, dim=dim, n_layers=layers,
                               n_heads=8))
@@ -78,6 +84,7 @@ INSTANCES = {i.name: i for i in [
     Instance("mlp-2x4", "mlp", 2, 4, inter_node_gbps=5.0),
     # device-bound (the others are host-bound on the H100 profile): tensor parallel wins
     Instance("mlp-wide-1x4", "mlp-wide", 1, 4, global_batch=16),
+    Instance("moe-1x4-tight", "moe", 1, 4, budget_frac=0.5, space={"tp": 1}),
     Instance("gpt-1x2-offload", "gpt", 1, 2, budget_frac=0.2, space={"tp": 1}),
     Instance("gpt-1x2-0.4", "gpt", 1, 2, budget_frac=0.4, space={"tp": 1}),
     Instance("gpt-1x4-half", "gpt", 1, 4, budget_frac=0.5, space={"tp": 1, "zero": 0}),
@@ -130,7 +137,8 @@ def _setup(inst: Instance) -> Setup:
 
     def cands(**fixed) -> list[Candidate]:
         return candidates(cluster.world_size, inst.global_batch, num_units=len(g.layers) + 2,
-                          heads=_heads(g), **{**inst.space, **fixed})
+                          heads=_heads(g), experts=_experts(an, None),
+                          **{**inst.space, **fixed})
 
     if inst.budget_frac is not None:
         free = search(an, cands(pp=1), **kw)
