@@ -91,6 +91,8 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     tp_axis = mesh.names.index("tp") if "tp" in mesh.names else None
     experts = expert_plans(an, chosen, mesh)
     split = {f"{path}.{local}" for path, ep in experts.items() for local in ep.params}
+    routed = {f"{path}.{local}" for path, ep in experts.items() if ep.kind == "routed"
+              for local in ep.params}
     params: dict[str, list[str]] = {}
     for pnode, (op, pos) in an.param_owner.items():
         fqn = g.node(pnode).target
@@ -100,6 +102,8 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         for a, name in enumerate(mesh.names):
             if name in DATA_AXES and st.zero == 3 and mesh.sizes[a] > 1 and \
                     not (name == "ep" and fqn in split):
+                pl[a] = "S(0)"
+            if name == "ep" and fqn in routed:
                 pl[a] = "S(0)"
         params[fqn] = pl
         for alias in g.params[fqn].aliases if fqn in g.params else []:
@@ -142,14 +146,17 @@ def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
     a = mesh.names.index("ep")
     out = {}
     for path, em in an.experts.items():
+        params = {fqn.rpartition(".")[2]: d for fqn, d in em.params.items()}
+        if em.kind == "routed":  # split whenever the mesh has ep
+            out[path] = ExpertPlan(path, em.experts, -1, -1, 0, params, kind="routed")
+            continue
         if em.output not in chosen or not chosen[em.output].raw_out[a].startswith("S("):
             continue
         if shard_dim(chosen[em.output].raw_out[a]) != em.out_dim:
             continue
         entry = next(iter(em.entries))
         out[path] = ExpertPlan(path, em.experts, em.entries[entry], em.out_dim,
-                               an.batch_dim.get(em.output) or 0,
-                               {fqn.rpartition(".")[2]: d for fqn, d in em.params.items()})
+                               an.batch_dim.get(em.output) or 0, params)
     return out
 
 

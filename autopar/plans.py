@@ -77,6 +77,10 @@ class ExpertPlan:
         input_dim / output_dim: the expert dim of its input and of its output.
         batch_dim: the batch dim of both.
         params: local parameter name -> its expert dim.
+        kind: "stacked" (its input and output hold slots per expert: an all-to-all
+            regroups them) or "routed" (a dropless module fed tokens, their experts'
+            indices and weights, as Hugging Face's ``MixtralExperts``: each token row
+            is sent to its experts' ranks and back; the dims above are then -1).
     """
 
     path: str
@@ -85,6 +89,7 @@ class ExpertPlan:
     output_dim: int
     batch_dim: int = 0
     params: dict[str, int] = field(default_factory=dict)
+    kind: str = "stacked"
 
 
 @dataclass

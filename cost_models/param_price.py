@@ -24,7 +24,7 @@ from autopar.cost_models.memory import (ParamBytes, activation_bytes_per_element
 from autopar.cost_models.offload import host_step_time, offload_transfer_time
 from autopar.cost_models.param_work import device_step_time, fsdp_copy_time
 from autopar.graph import OpNode
-from autopar.strategies.enumeration import StrategySpace
+from autopar.strategies.enumeration import OwnedParam, StrategySpace
 
 Placements = tuple[str, ...]
 
@@ -101,11 +101,22 @@ class ParamPricer:
                          param_bytes(st.precision, st.optimizer,
                                      st.zero if n > 1 or st.offload else 0, n, st.offload))
 
-    def data_group(self, placements: Placements) -> DataGroup:
-        """The data-parallel group of a parameter placed ``placements``
-        (:meth:`_group`)."""
+    def data_group(self, placements: Placements, routed: bool = False) -> DataGroup:
+        """The data-parallel group of a parameter placed ``placements`` (:meth:`_group`);
+        ``routed``: an expert weight of a routed expert module, split over ep whatever
+        its placement (:mod:`autopar.strategies.experts`)."""
         a = self.ep_axis
-        return self._groups[a is not None and placements[a].startswith("S(")]
+        return self._groups[a is not None and (routed or placements[a].startswith("S("))]
+
+    def local(self, p: OwnedParam, ins) -> float:
+        """Elements of owned parameter ``p`` on one device under input placements
+        ``ins`` (a routed expert weight also split over ep)."""
+        n = p.numel / self.degree(ins[p.pos])
+        return n / self._ep() if p.routed else n
+
+    def group_of(self, p: OwnedParam, ins) -> DataGroup:
+        """:meth:`data_group` of owned parameter ``p`` under input placements ``ins``."""
+        return self.data_group(ins[p.pos], p.routed)
 
     def param_terms(self, n: OpNode, ins: tuple[Placements, ...],
                     grads: tuple[Placements, ...]) -> ParamTerms:
@@ -161,8 +172,8 @@ class ParamPricer:
         params = grads = optimizer = 0.0
         gathered: float | None = None
         for p in self.facts.owned(n):
-            pb = self.data_group(ins[p.pos]).pbytes
-            numel = p.numel / self.degree(ins[p.pos])
+            pb = self.group_of(p, ins).pbytes
+            numel = self.local(p, ins)
             if not p.trainable:
                 params += numel * p.nbytes / max(p.numel, 1)
                 continue
@@ -177,7 +188,7 @@ class ParamPricer:
     def _own_params(self, n: OpNode, ins) -> list[tuple[float, int]]:
         """Local element counts of the trainable parameters op ``n`` owns, each with
         its ZeRO shard group's size."""
-        return [(p.numel / self.degree(ins[p.pos]), self.data_group(ins[p.pos]).shard)
+        return [(self.local(p, ins), self.group_of(p, ins).shard)
                 for p in self.facts.owned(n) if p.trainable]
 
     def _optimizer_step(self, n: OpNode, ins) -> float:
@@ -236,12 +247,12 @@ class ParamPricer:
         for p in self.facts.owned(n):
             if not p.trainable:
                 continue
-            local = p.numel / self.degree(ins[p.pos])
+            local = self.local(p, ins)
             share = p.share
             for a in self.free:
                 if grads[p.pos][a] == "P":
                     tp += self._partial_grad_time(local * 4.0, a, share)
-            group = self.data_group(ins[p.pos])
+            group = self.group_of(p, ins)
             if group.size == 1:
                 continue
             dpn, link, pb = group.size, group.link, group.pbytes

@@ -94,7 +94,22 @@ class StrategyPricer(ParamPricer):
         if self.ep_axis is not None:  # an expert module's tokens sent back over ep
             a2a = self.output_comm(n, ns.raw_out, ns.out) - \
                 self.output_comm(n, ns.raw_out, _except(ns.out, ns.raw_out, self.ep_axis))
+            a2a += self.routed_exchange(n, ns)
+            comm += self.routed_exchange(n, ns)
         return StrategyPrice(op, terms, comm, mem, a2a)
+
+    def routed_exchange(self, n: OpNode, ns: NodeStrategy) -> float:
+        """Seconds per micro-batch of a routed expert module's all-to-alls, charged on its
+        output op ``n``: each device's tokens, once per expert they go to, sent to the
+        experts' ranks and back, forward and backward (four exchanges of tokens x top-k
+        rows; an even spread over the experts assumed, as dropless routing with load
+        balancing aims at)."""
+        em = self.an.expert_of_output(n.name)
+        if em is None or em.kind != "routed" or self.ep_axis is None:
+            return 0.0
+        ep = self.mesh.sizes[self.ep_axis]
+        rows = self.out_bytes(n.name) / self.degree(ns.out) * em.top_k
+        return 4 * collective_time("all_to_all", rows, ep, self.links[self.ep_axis])
 
     def op_terms(self, n: OpNode, ns: NodeStrategy) -> OpTerms:
         """The op's own terms under strategy ``ns`` (:class:`OpTerms`)."""

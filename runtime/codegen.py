@@ -343,6 +343,7 @@ _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "init_device_mesh": "torch.distributed.device_mesh",
     "CPUOffloadPolicy": "torch.distributed.fsdp", "MixedPrecisionPolicy": "torch.distributed.fsdp",
     "fully_shard": "torch.distributed.fsdp", "DTensor": "torch.distributed.tensor",
+    "all_to_all_single_autograd": "torch.distributed._functional_collectives",
     "Placement": "torch.distributed.tensor", "Replicate": "torch.distributed.tensor",
     "Shard": "torch.distributed.tensor", "distribute_module": "torch.distributed.tensor",
     "Partial": "torch.distributed.tensor", "distribute_tensor": "torch.distributed.tensor",

@@ -18,6 +18,7 @@ from autopar.runtime import dtensor_layout as _layout
 from autopar.runtime import experts as _experts
 from autopar.runtime import materialize as _materialize
 from autopar.runtime import piecewise as _piecewise
+from autopar.runtime import routed_experts as _routed
 from autopar.runtime import tensor_parallel as _tp
 
 __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "PIECEWISE",
@@ -169,10 +170,12 @@ def build_expert_mesh(device_type: str) -> DeviceMesh:
     """The mesh of expert parallelism: the same ranks with the data-parallel axis cut in
     dp (ranks holding the same experts) x ep (ranks splitting them), ep inner."""
     # $comment
-    return init_device_mesh(device_type, $shape, mesh_dim_names=$names)''')
+    return init_device_mesh(device_type, $shape,
+                            mesh_dim_names=$names)''')
 """The expert mesh, built once (every stage of a pipeline rank asks for it)."""
 
 EXPERT_PARALLEL = Template("\n\n".join(inspect.getsource(f) for f in (
+    _routed.exchange_rows, _routed.routed_args, _routed.route_tokens,
     _experts.ScaleGrad, _experts.exchange, _experts.keep_own_experts,
     _experts.split_experts)) + '''
 

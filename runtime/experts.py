@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autopar.errors import LoweringError
 from autopar.plans import Plan
+from autopar.runtime.routed_experts import route_tokens
 
 __all__ = ["check_experts", "apply_expert_parallel", "expert_table", "split_experts",
            "keep_own_experts", "exchange", "ScaleGrad"]
@@ -88,8 +89,9 @@ def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Map
                   mesh: DeviceMesh) -> None:
     """For each module path of ``table`` -> (batch dim, expert dim of its input, of its
     output, {parameter: expert dim}): keep this rank's experts and move the module's
-    tokens by all-to-all over ``mesh`` (the ``ep`` axis) at its boundary. Modules the
-    model (or this pipeline stage) does not hold are skipped."""
+    tokens by all-to-all over ``mesh`` (the ``ep`` axis) at its boundary; expert dims
+    of -1 mark a routed module (:func:`~autopar.runtime.routed_experts.route_tokens`).
+    Modules the model (or this pipeline stage) does not hold are skipped."""
     paths = dict(model.named_modules())
     ep = float(mesh.size())
     for path, (batch, into, out_dim, params) in table.items():
@@ -97,6 +99,9 @@ def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Map
         if module is None:
             continue
         keep_own_experts(module, params, mesh)
+        if into < 0:  # a routed module: each token to its experts' ranks and back
+            route_tokens(module, params, mesh, ScaleGrad)
+            continue
 
         def dispatch(_: nn.Module, args: tuple, batch: int = batch, into: int = into) -> tuple:
             x = exchange(args[0], mesh, batch, into)

@@ -352,8 +352,11 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     for c in cands:
         users.setdefault(mesh_key(c), []).append(c)
     hopeless: dict[tuple, int] = {}  # batch group -> the micro-batch size that did not fit
-    for key in sorted(users, key=lambda k: (_batch_group(users[k][0]),
-                                            users[k][0].microbatch_size)):
+    order = sorted(users, key=lambda k: (_batch_group(users[k][0]), users[k][0].microbatch_size))
+    # whether a larger micro-batch of the same group follows (only then is a bound worth it)
+    larger = {k: nxt is not None and _batch_group(users[nxt][0]) == _batch_group(users[k][0])
+              for k, nxt in zip(order, order[1:] + [None])}
+    for key in order:
         c = users[key][0]
         group = _batch_group(c)
         if group in hopeless:
@@ -368,6 +371,8 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
             built = built_by[key] = build_problem(an, st, layouts)
         except NoFeasiblePlanError as e:
             built_by[key] = e
+            continue
+        if not larger.get(key):
             continue
         by_schedule = {u.schedule: u for u in users[key]}  # one pp per key: dp and tp fix it
         if all(lower_bound_memory(an.graph, built, u) > memory_budget * (1 + 1e-9)

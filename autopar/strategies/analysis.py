@@ -45,6 +45,11 @@ class GraphAnalysis:
     expert_label: dict[str, str] = field(default_factory=dict)
     """Each op of an expert module -> its expert label."""
 
+    def expert_of_output(self, op: str) -> ExpertModule | None:
+        """The expert module whose output op ``op`` makes, or None."""
+        em = self.experts.get(self.graph.node(op).module_path)
+        return em if em is not None and em.output == op else None
+
     def expert_of(self, op: str) -> ExpertModule | None:
         """The expert module op ``op`` belongs to, or None."""
         if op not in self.expert_label:

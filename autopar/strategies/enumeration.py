@@ -72,6 +72,7 @@ class OwnedParam:
     trainable: bool
     share: float    # its share of its ``fully_shard`` unit's collectives
     root: bool      # in the root unit (outside every block)
+    routed: bool = False  # an expert weight of a routed expert module: split over ep
 
 
 class GraphFacts:
@@ -84,6 +85,8 @@ class GraphFacts:
         self.nodes: dict[str, OpNode] = {n.name: n for n in an.graph.nodes}
         self._owned: dict[str, tuple[OwnedParam, ...]] = {}
         self._kinds: dict[str, tuple[str, ...]] = {}
+        self.routed = frozenset(f for em in an.experts.values() if em.kind == "routed"
+                                for f in em.params)
 
     def owned(self, n: OpNode) -> tuple[OwnedParam, ...]:
         """The parameters op ``n`` owns, in input order."""
@@ -103,7 +106,7 @@ class GraphFacts:
             out.append(OwnedParam(pos, node.out.numel, node.out.nbytes,
                                   info is None or info.trainable,
                                   an.unit_share.get(node.target, 1.0),
-                                  node.target in an.root_params))
+                                  node.target in an.root_params, node.target in self.routed))
         return out
 
     def input_kinds(self, n: OpNode) -> tuple[str, ...]:

@@ -32,6 +32,11 @@ class ExpertModule:
         out_dim: the expert dim of that output.
         params: parameter fqn -> its expert dim.
         experts: how many experts (the size of the expert dim).
+        kind: "stacked" (the above: ops split by expert) or "routed" (:func:`_routed`:
+            a dropless module fed (tokens, expert indices, weights), whose ops stay
+            split by token; ``labels`` and ``entries`` are then empty).
+        tokens: for a routed module, the node of the tokens it is fed (tokens, dim).
+        top_k: for a routed module, the experts each token goes to.
     """
 
     path: str
@@ -41,6 +46,9 @@ class ExpertModule:
     out_dim: int
     params: dict[str, int]
     experts: int
+    kind: str = "stacked"
+    tokens: str = ""
+    top_k: int = 1
 
 
 def _param_expert_label(n: OpNode, rule: OpRule, kinds: dict[str, str],
@@ -115,7 +123,54 @@ def expert_modules(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, st
     for path, ops in by_module.items():
         if not any(n.params for n in ops):
             continue
-        em = _module(g, path, ops, rules, batch_label, outputs, kinds)
+        em = _module(g, path, ops, rules, batch_label, outputs, kinds) or \
+            _routed(g, path, ops, outputs, kinds)
         if em is not None:
             found[path] = em
     return found
+
+
+def _routed(g: Graph, path: str, ops: list[OpNode], outputs: set[str],
+            kinds: dict[str, str]) -> ExpertModule | None:
+    """The routed :class:`ExpertModule` of module ``path``, or None: its parameters all
+    stack E >= 2 experts along dim 0 (Hugging Face's ``MixtralExperts``, ``gate_up_proj``
+    (E, 2F, D) and ``down_proj`` (E, D, F)); it reads from outside exactly tokens (T,
+    D), float, expert indices (T, k), integer, and their weights (T, k), float; and its
+    output op makes a tensor shaped like the tokens. What it does with them inside
+    (sorting, grouped GEMMs, loops) is its own: expert parallelism moves the tokens to
+    their experts' ranks around it and runs it unchanged."""
+    fqns = sorted({p for n in ops for p in n.params})
+    shapes = [g.params[f].meta.shape for f in fqns if f in g.params]
+    if not shapes or len(shapes) != len(fqns) or any(len(s) != 3 for s in shapes) or \
+            len({s[0] for s in shapes}) != 1 or shapes[0][0] < 2:
+        return None
+    members = [n for n in g.nodes if n.kind == "op" and
+               (n.module_path == path or n.module_path.startswith(path + "."))]
+    inside = {n.name for n in members}
+    read = []
+    for n in members:
+        for i in n.inputs:
+            if i not in inside and kinds[i] in ("op", "input") and i not in read:
+                read.append(i)
+    metas = [g.node(i).out for i in read]
+    if len(metas) != 3 or any(m is None or len(m.shape) != 2 for m in metas):
+        return None
+    index = [i for i, m in zip(read, metas) if not m.is_float]
+    if len(index) != 1:
+        return None
+    k = g.node(index[0]).out.shape[1]
+    floats = [i for i in read if i != index[0]]
+    weights = [i for i in floats if g.node(i).out.shape[1] == k]
+    hidden = [i for i in floats if i not in weights[:1]]
+    if len(weights) < 1 or len(hidden) != 1:
+        return None
+    hidden = hidden[0]
+    t = g.node(hidden).out.shape[0]
+    if any(m.shape[0] != t for m in metas):
+        return None
+    out = [o for o in ops if o.name in outputs and o.out is not None and
+           o.out.shape == g.node(hidden).out.shape]
+    if not out:
+        return None
+    return ExpertModule(path, {}, {}, out[-1].name, -1, {f: 0 for f in fqns}, shapes[0][0],
+                        kind="routed", tokens=hidden, top_k=k)

@@ -1,0 +1,77 @@
+"""Hugging Face's mixtures of experts (``transformers`` 5.x Mixtral and Qwen2-MoE, built
+from configs: dropless routing, experts stacked in one module fed tokens, indices and
+weights) train under expert parallelism as in one process: every routed expert module
+is found, each rank keeps its share of the experts, and the losses equal a
+single-process run (fp32, gloo, 4 ranks, 3 SGD steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.demo import reference_step, sgd_losses
+from tests.dist_utils import RankPool
+from tests.test_batch_flow import hf
+
+pytest.importorskip("transformers")
+
+STEPS, LR, EXPERTS = 3, 0.1, 4
+CASES = [("mixtral", {"dp": 4, "ep": 4}), ("mixtral", {"dp": 2, "ep": 2, "tp": 2}),
+         ("qwen2moe", {"dp": 4, "ep": 2, "zero": 3}), ("qwen2moe", {"pp": 2, "dp": 2, "ep": 2})]
+
+
+def make(kind: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (same weights each call) and one batch of 8 sequences of 16."""
+    torch.manual_seed(0)
+    model = hf(kind)
+    g = torch.Generator().manual_seed(1)
+    return (model, torch.randint(0, 64, (8, 16), generator=g),
+            torch.randint(0, 64, (8, 16), generator=g))
+
+
+def train(cases: list[tuple[str, dict]]) -> list[tuple[list[float], dict, int, list[int]]]:
+    """Each case trained on this group's ranks: losses, mesh, expert modules split and
+    the experts each rank holds of each."""
+    import autopar
+
+    out = []
+    for kind, space in cases:
+        model, x, y = make(kind)
+        pm = autopar.parallelize(model, (x,), precision="fp32", **space)
+        held = sorted({p.shape[0] for n, p in pm.named_parameters() if "gate_up_proj" in n})
+        out.append((sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR),
+                    dict(pm.plan.mesh), len(pm.plan.experts), held))
+    return out
+
+
+@pytest.mark.multirank
+def test_hf_experts_train_as_in_one_process(rank_pool: RankPool) -> None:
+    got = rank_pool.run(4, train, CASES, timeout_s=900)[0]
+    for (kind, space), (losses, mesh, split, held) in zip(CASES, got):
+        model, x, y = make(kind)
+        ref = sgd_losses(model.parameters(), reference_step(model, x, y), STEPS, LR)
+        assert losses == pytest.approx(ref, abs=1e-5), (kind, space)
+        assert mesh["ep"] == space["ep"] and mesh["dp"] * space["ep"] == space["dp"]
+        assert split == model.config.num_hidden_layers, (kind, space)  # every MoE block
+        assert held == [EXPERTS // space["ep"]], (kind, space, held)
+
+
+def test_emitted_program_for_routed_experts_is_clean(tmp_path) -> None:
+    """The program for an expert-parallel plan of Hugging Face's Mixtral carries the
+    routed exchange (its uneven all-to-all included) and passes pyflakes."""
+    import autopar
+    from autopar.runtime.codegen import emit_program
+    from tests.test_codegen import pyflakes
+
+    factory = tmp_path / "models.py"
+    factory.write_text("from tests.test_batch_flow import hf\n\n\ndef mixtral():\n"
+                       "    return hf('mixtral')\n")
+    model, x, y = make("mixtral")
+    plan = autopar.plan(model, (x,), example_targets=y, cluster=autopar.Cluster("cpu", 1, 4),
+                        precision="fp32", dp=4, ep=2)
+    assert {xp.kind for xp in plan.experts.values()} == {"routed"}
+    program = tmp_path / "train.py"
+    program.write_text(emit_program(plan, f"{factory}:mixtral"))
+    text = program.read_text()
+    assert "def route_tokens(" in text and "all_to_all_single_autograd" in text
+    assert pyflakes(program) == ""
