@@ -118,16 +118,17 @@ def _check_params(model: nn.Module, plan: Plan, groups: list[list[str]]) -> None
         got = dict(zip(axes, planned))
         xp = plan.experts.get(path)
         for axis in ("dp", "ep"):
-            if axis == "ep" and xp is not None and local in xp.params:
-                want = {f"S({xp.params[local]})"}
-            else:
-                want = allowed_dp
-            if got.get(axis, "R") not in want and plan.degree(axis) > 1:
-                raise LoweringError(
-                    f"parameter '{fqn}' is planned as {planned} on {tuple(axes)}, but zero="
-                    f"{plan.zero} over dp={plan.data_parallel} places it as "
-                    f"{' or '.join(repr(p) for p in sorted(want))} on {axis}; make "
-                    f"plan.params agree with plan.zero and plan.experts")
+            expert = axis == "ep" and xp is not None and local in xp.params
+            want = {f"S({xp.params[local]})"} if expert else allowed_dp  # type: ignore[union-attr]
+            if got.get(axis, "R") in want or plan.degree(axis) == 1:
+                continue
+            why = f"zero={plan.zero} over dp={plan.data_parallel}"
+            if expert:
+                why = f"plan.experts splits its experts (dim {next(iter(want))[2:-1]}) over ep"
+            raise LoweringError(
+                f"parameter '{fqn}' is planned as {planned} on {tuple(axes)}, but {why} "
+                f"places it as {' or '.join(repr(p) for p in sorted(want))} on {axis}; make "
+                f"plan.params agree with plan.{'experts' if expert else 'zero'}")
     for group in groups:
         tps = {tp_placement(plan, plan.params[n]) for n in group}
         if len(tps) > 1:

@@ -83,5 +83,5 @@ def test_fsdp_copy_is_counted_wherever_the_runtime_applies_fsdp() -> None:
     for (precision, dp, offload), gathered in cases.items():
         zero = 3 if offload else 0
         assert param_bytes(precision, "adamw", zero, dp, offload).gathered == gathered
-        plan = SimpleNamespace(precision=precision, offload=offload, degree={"dp": dp}.get)
+        plan = SimpleNamespace(precision=precision, offload=offload, data_parallel=dp)
         assert needs_fsdp(plan) == (gathered > 0)
