@@ -140,6 +140,13 @@ def _check_heads(graph, tp: int) -> None:
                     f"{[d for d in range(1, heads + 1) if heads % d == 0]}")
 
 
+def _check_imbalance(value: Any) -> None:
+    """``expert_imbalance`` must be a number of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise ConfigError(f"expert_imbalance={value!r}: expected a number of at least 1 (the "
+                          f"busiest expert-parallel rank's tokens over the mean; 1 = even)")
+
+
 def _experts(an, ep: int | None) -> int:
     """How many experts every expert module of the analysed graph has in common (their
     gcd; 0 without any), checked against an ``ep`` asked for."""
@@ -205,7 +212,7 @@ def _collect_less() -> Iterator[None]:
 @_collect_less()
 def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | None,
                 loss_fn, precision: str, optimizer: str, memory_budget, spec: Spec,
-                time_limit_s: float | None = None, top_k: int = 1,
+                expert_imbalance: float = 1.0, time_limit_s: float | None = None, top_k: int = 1,
                 progress: Callable[[int, int, float | None], None] | None = None,
                 name: str | None = None, example_targets: torch.Tensor | None = None):
     """Search the configurations ``spec`` leaves open (its fields, already checked by
@@ -217,6 +224,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
 
     check_choice("precision", precision, PRECISIONS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
+    _check_imbalance(expert_imbalance)
     if not isinstance(cluster, Cluster):
         raise ConfigError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     hw = cluster.hardware()
@@ -234,7 +242,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                        microbatch_size=spec.microbatch_size, zero=spec.zero,
                        schedule=spec.schedule, virtual_stages=spec.virtual_stages,
                        num_units=len(graph.layers) + 2 if graph.layers else 1,
-                       heads=_heads(graph), ep=spec.ep, experts=_experts(an, spec.ep))
+                       heads=_heads(graph), ep=spec.ep, experts=_experts(an, spec.ep),
+                       expert_imbalance=float(expert_imbalance))
     if not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k={top_k!r}: expected a positive integer (1 = the best plan "
                           f"only)")
@@ -288,7 +297,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
 def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch: int | None = None,
          loss_fn: Callable | None = None, precision: str = "bf16", optimizer: str = "adamw",
          memory_budget: float | None = None, example_targets: torch.Tensor | None = None,
-         space: Spec | None = None, **knobs: Any) -> "Plan":
+         space: Spec | None = None, expert_imbalance: float = 1.0, **knobs: Any) -> "Plan":
     """Find the fastest plan for ``model`` on ``cluster`` that fits in memory.
 
     ``example_inputs`` is one global batch (real or ``meta`` tensors); ``global_batch``
@@ -312,14 +321,18 @@ def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch:
     best_step_time_s)`` after each configuration). Any other keyword raises ConfigError
     naming the valid ones. ``memory_budget`` (bytes per device) defaults to the GPU's
     memory less the profile's stated reserve. Without a cluster, plans for the running
-    job (see :func:`detect_cluster`).
+    job (see :func:`detect_cluster`). ``expert_imbalance`` (at least 1) is the routing's
+    load imbalance the pricing assumes for Hugging Face-style dropless experts under
+    expert parallelism: the busiest ep rank receives that many times the mean tokens
+    (docs/strategies.md, section ``autopar.strategies.experts``).
     """
     spec, options = split_space(knobs, space)
     cluster = cluster or detect_cluster()
     p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=global_batch,
                        loss_fn=loss_fn, precision=precision, optimizer=optimizer,
                        memory_budget=memory_budget, spec=spec,
-                       example_targets=example_targets, **options)
+                       example_targets=example_targets, expert_imbalance=expert_imbalance,
+                       **options)
     return p
 
 
@@ -330,14 +343,15 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
              global_batch: int | None = None, loss_fn: Callable | None = None,
              precision: str = "bf16", optimizer: str = "adamw",
              memory_budget: float | None = None,
-             example_targets: torch.Tensor | None = None) -> "Plan":
+             example_targets: torch.Tensor | None = None,
+             expert_imbalance: float = 1.0) -> "Plan":
     """Score a hand-written configuration with the same cost model as :func:`plan`.
 
     What ``spec`` leaves out is filled as :meth:`Spec.for_estimate` says: degrees are 1,
     except ``dp``, which fills the world. The intra-op layout within the given degrees
     is still chosen by the solver (so ``tp=8`` gives the best 8-way tensor-parallel
-    layout), and so is recomputation when ``spec.recompute`` is None. ``loss_fn`` and
-    ``example_targets`` are those of :func:`plan`.
+    layout), and so is recomputation when ``spec.recompute`` is None. ``loss_fn``,
+    ``example_targets`` and ``expert_imbalance`` are those of :func:`plan`.
     """
     if not isinstance(spec, Spec):
         raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
@@ -346,7 +360,8 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
     scored = spec.for_estimate(cluster.world_size, gb)
     p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=gb, loss_fn=loss_fn,
                        precision=precision, optimizer=optimizer, memory_budget=memory_budget,
-                       spec=scored, example_targets=example_targets)
+                       spec=scored, example_targets=example_targets,
+                       expert_imbalance=expert_imbalance)
     p.notes.append(f"scored hand-written configuration {scored}")
     return p
 

@@ -54,6 +54,9 @@ def _add_workload_args(p: argparse._ActionsContainer) -> None:
     p.add_argument("--memory-budget", type=parse_bytes,
                    help="per device, e.g. 40GB (default: the GPU's memory less the "
                         "profile's reserve)")
+    p.add_argument("--expert-imbalance", type=float, default=1.0,
+                   help="dropless experts under expert parallelism: the busiest ep rank's "
+                        "tokens over the mean (default: %(default)s, an even spread)")
 
 
 def _cluster_from_args(args: argparse.Namespace) -> Cluster:
@@ -170,6 +173,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         precision=args.precision, optimizer=args.optimizer,
                         memory_budget=args.memory_budget, example_targets=targets,
                         space=_spec_from_args(args), top_k=args.top_k,
+                        expert_imbalance=args.expert_imbalance,
                         time_limit_s=args.time_limit_s, progress=_progress_line(sys.stderr))
     if sys.stderr.isatty():
         sys.stderr.write("\n")
@@ -217,7 +221,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     result = autopar.compare(model, inputs, _spec_from_args(args), cluster=cluster,
                              global_batch=args.global_batch, precision=args.precision,
                              optimizer=args.optimizer, memory_budget=args.memory_budget,
-                             example_targets=targets)
+                             example_targets=targets, expert_imbalance=args.expert_imbalance)
     name = args.model if ":" not in args.model else result.planned.model
     print(f"autopar compare for {name} on {cluster.nodes} node(s) x {cluster.gpus_per_node} "
           f"{args.gpu}, global batch {result.planned.global_batch}\n")

@@ -209,7 +209,7 @@ def compare(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None
             global_batch: int | None = None, loss_fn: Callable | None = None,
             precision: str = "bf16", optimizer: str = "adamw",
             memory_budget: float | None = None, example_targets: torch.Tensor | None = None,
-            **space: Any) -> Comparison:
+            expert_imbalance: float = 1.0, **space: Any) -> Comparison:
     """Plan ``model`` and score the hand-written ``spec`` beside the plan.
 
     The arguments are those of :func:`autopar.plan` (``space``, a Spec or its fields by
@@ -225,7 +225,8 @@ def compare(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None
     spec.for_estimate(cluster.world_size, _global_batch(global_batch, example_inputs))
     common = dict(cluster=cluster, global_batch=global_batch,
                   loss_fn=loss_fn, precision=precision, optimizer=optimizer,
-                  memory_budget=memory_budget, example_targets=example_targets)
+                  memory_budget=memory_budget, example_targets=example_targets,
+                  expert_imbalance=expert_imbalance)
     planned = plan(model, example_inputs, **common, **space)
     budget = float(planned.solver.get("memory_budget_bytes", memory_budget or math.inf))
     try:

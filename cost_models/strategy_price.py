@@ -102,18 +102,23 @@ class StrategyPricer(ParamPricer):
         """Seconds per micro-batch of a routed expert module's all-to-alls, charged on its
         output op ``n``: each device's tokens, once per expert they go to, sent to the
         experts' ranks and back, forward and backward (four exchanges of tokens x top-k
-        rows; an even spread over the experts assumed, as dropless routing with load
-        balancing aims at)."""
+        rows); the busiest rank receives the settings' ``expert_imbalance`` times the
+        mean (1: the even spread routers' load-balancing losses aim at)."""
         em = self.an.expert_of_output(n.name)
         if em is None or em.kind != "routed" or self.ep_axis is None:
             return 0.0
         ep = self.mesh.sizes[self.ep_axis]
         rows = self.out_bytes(n.name) / self.degree(ns.out) * em.top_k
+        rows *= self.st.expert_imbalance  # the busiest rank's rows
         return 4 * collective_time("all_to_all", rows, ep, self.links[self.ep_axis])
 
     def op_terms(self, n: OpNode, ns: NodeStrategy) -> OpTerms:
-        """The op's own terms under strategy ``ns`` (:class:`OpTerms`)."""
+        """The op's own terms under strategy ``ns`` (:class:`OpTerms`): a routed expert
+        module's op under expert parallelism runs on the busiest rank's tokens, the
+        settings' ``expert_imbalance`` times the mean."""
         device, bwd, host, host_b = self._times(n, ns)
+        if self.ep_axis is not None and n.name in self.an.routed_ops:
+            device, bwd = device * self.st.expert_imbalance, bwd * self.st.expert_imbalance
         return OpTerms(device, bwd, host, host_b, self._activations(n, ns.ins, ns.out),
                        self._loss_gradient(n, ns.ins))
 

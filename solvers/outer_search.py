@@ -50,6 +50,7 @@ class Candidate:
     offload: bool = False
     ep: int = 1  # experts split over ep of the dp ranks (ep divides dp)
     split_experts: bool = False  # every expert module split over ep (ep asked for)
+    expert_imbalance: float = 1.0  # busiest ep rank's routed tokens over the mean
 
     def label(self) -> str:
         """Short readable description."""
@@ -102,14 +103,15 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                zero: int | None = None, schedule: str | None = None,
                virtual_stages: int | None = None, num_units: int = 0,
                heads: int | None = None, ep: int | None = None,
-               experts: int = 0) -> list[Candidate]:
+               experts: int = 0, expert_imbalance: float = 1.0) -> list[Candidate]:
     """Every candidate allowed by the fixed degrees (None = free). ``num_units`` (the
     model's pipeline units) bounds the pipeline: each stage needs one unit. A free
     ``tp`` must divide ``heads`` (the attention heads; None = any), since attention
     cannot split otherwise; a free micro-batch size must leave a pipeline at least
     ``pp`` micro-batches (fewer leave ranks idle for most of the step). A free ``ep``
     is each divisor of both ``dp`` and ``experts`` (the experts of every expert module;
-    0 = the model has none, so ep is 1)."""
+    0 = the model has none, so ep is 1); every candidate carries ``expert_imbalance``,
+    the load imbalance its pricing assumes for routed experts."""
     out = []
     for p in divisors(world):
         if (pp is not None and p != pp) or (pp is None and p > 1 and p * 2 > num_units):
@@ -134,7 +136,8 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                     for sched, v in _schedules(p, m, schedule, virtual_stages, num_units):
                         for e in _expert_degrees(d, ep, experts):
                             out.append(Candidate(d, t, mb, m, z, p, sched, v, ep=e,
-                                                 split_experts=ep is not None and e > 1))
+                                                 split_experts=ep is not None and e > 1,
+                                                 expert_imbalance=expert_imbalance))
     if not out:
         raise ConfigError(
             f"no pipeline x data x tensor parallel layout of {world} devices divides the "
@@ -328,7 +331,7 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
     return Settings(mesh, c.microbatch_size, c.num_microbatches,
                     c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
                     sequence_parallel=sequence_parallel, offload=c.offload,
-                    split_experts=c.split_experts,
+                    split_experts=c.split_experts, expert_imbalance=c.expert_imbalance,
                     recompute_modes=recompute or RECOMPUTE)
 
 
@@ -434,7 +437,7 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
 def mesh_key(c: Candidate) -> tuple:
     """What a candidate's intra-op problem depends on (pipelined or not)."""
     return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload, c.ep,
-            c.split_experts)
+            c.split_experts, c.expert_imbalance)
 
 
 def _bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: float) -> list[float]:

@@ -75,3 +75,24 @@ def test_emitted_program_for_routed_experts_is_clean(tmp_path) -> None:
     text = program.read_text()
     assert "def route_tokens(" in text and "all_to_all_single_autograd" in text
     assert pyflakes(program) == ""
+
+
+def test_load_imbalance_is_priced_on_routed_experts_only_under_ep() -> None:
+    """``expert_imbalance`` makes the busiest ep rank's expert GEMMs and all-to-alls
+    longer; without expert parallelism it changes nothing; below 1 it is refused."""
+    import autopar
+    from autopar.errors import ConfigError
+
+    model, x, y = make("mixtral")
+    kw = dict(cluster=autopar.Cluster("h100-sxm", 1, 4), example_targets=y)
+
+    def scored(spec: autopar.Spec, imbalance: float) -> dict:
+        return autopar.estimate(model, (x,), spec, expert_imbalance=imbalance, **kw).breakdown
+
+    even, skewed = scored(autopar.Spec(dp=4, ep=4), 1.0), scored(autopar.Spec(dp=4, ep=4), 2.0)
+    assert skewed["compute_s"] > even["compute_s"]
+    assert skewed["all_to_all_s"] > even["all_to_all_s"]
+    assert scored(autopar.Spec(dp=4), 2.0) == scored(autopar.Spec(dp=4), 1.0)
+    with pytest.raises(ConfigError, match=r"expert_imbalance=0\.5: expected a number of at "
+                                          r"least 1"):
+        autopar.plan(model, (x,), expert_imbalance=0.5, **kw)

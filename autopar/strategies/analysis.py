@@ -44,6 +44,8 @@ class GraphAnalysis:
     """The expert modules by path (:mod:`autopar.strategies.experts`)."""
     expert_label: dict[str, str] = field(default_factory=dict)
     """Each op of an expert module -> its expert label."""
+    routed_ops: frozenset[str] = frozenset()
+    """The ops of routed expert modules (and of their submodules)."""
 
     def expert_of_output(self, op: str) -> ExpertModule | None:
         """The expert module whose output op ``op`` makes, or None."""
@@ -93,9 +95,10 @@ def analyze(graph: Graph) -> GraphAnalysis:
     outputs = module_outputs(graph, rules)
     experts = expert_modules(graph, rules, batch_label, outputs)
     labels = {op: lab for em in experts.values() for op, lab in em.labels.items()}
+    routed = frozenset(op for em in experts.values() for op in em.members)
     return GraphAnalysis(graph, rules, in_metas, batch_label, batch_dim, module_ops, owner,
                          consumers, saved, mult, constants, unit_shares(graph), outputs,
-                         root_params(graph), experts, labels)
+                         root_params(graph), experts, labels, routed)
 
 
 def root_params(g: Graph) -> frozenset[str]:

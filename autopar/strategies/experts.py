@@ -37,6 +37,8 @@ class ExpertModule:
             split by token; ``labels`` and ``entries`` are then empty).
         tokens: for a routed module, the node of the tokens it is fed (tokens, dim).
         top_k: for a routed module, the experts each token goes to.
+        members: for a routed module, its ops and its submodules' (their work runs on
+            the tokens its rank receives).
     """
 
     path: str
@@ -49,6 +51,7 @@ class ExpertModule:
     kind: str = "stacked"
     tokens: str = ""
     top_k: int = 1
+    members: tuple[str, ...] = ()
 
 
 def _param_expert_label(n: OpNode, rule: OpRule, kinds: dict[str, str],
@@ -173,4 +176,5 @@ def _routed(g: Graph, path: str, ops: list[OpNode], outputs: set[str],
     if not out:
         return None
     return ExpertModule(path, {}, {}, out[-1].name, -1, {f: 0 for f in fqns}, shapes[0][0],
-                        kind="routed", tokens=hidden, top_k=k)
+                        kind="routed", tokens=hidden, top_k=k,
+                        members=tuple(n.name for n in members))

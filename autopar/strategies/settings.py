@@ -30,6 +30,7 @@ class Settings:
     offload: bool = False
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
     split_experts: bool = False  # every expert module split over ep (else the solver's)
+    expert_imbalance: float = 1.0  # busiest ep rank's routed tokens over the mean
 
     @property
     def overlap(self) -> float:
