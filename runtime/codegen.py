@@ -326,6 +326,12 @@ def _save_ops() -> str:
     return "\n".join(lines + [cur, "}"])
 
 
+_EXPERT_CHECKPOINT_GUARD = (
+    "    if args.save or args.load:  # each rank holds its own experts under one name\n"
+    "        raise SystemExit(\"--save/--load: checkpoints of expert-parallel plans are not \"\n"
+    "                         \"supported yet; train without them, or plan without ep\")\n")
+
+
 _IMPORTS = MappingProxyType({  # name used in the program -> the import that provides it
     "argparse": "import argparse", "functools": "import functools",
     "importlib": "import importlib.util", "os": "import os", "time": "import time",
@@ -523,6 +529,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     optim_key = 'f"optim{list(model)}"' if pipelined else '"optim"'
     sections += [T.CHECKPOINT.substitute(optim_key=optim_key),
                  T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, build=build,
+                                   guard=_EXPERT_CHECKPOINT_GUARD if plan.experts else "",
                                    step_args=step_args)]
     body = "\n\n\n".join(sections)
     constants = T.CONSTANTS.substitute(

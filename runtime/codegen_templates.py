@@ -334,7 +334,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Lay the model out as planned, then train."""
     args = parse_args()
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+$guard    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     device = torch.device("cpu")
     if device_type == "cuda":

@@ -22,9 +22,6 @@ CASES = {  # name -> (factory, pipeline_plan arguments, optimizer, lr)
     "llama pp2 tp2 interleaved 1f1b": (
         "tiny_llama", dict(pp=2, tp=2, schedule="interleaved_1f1b", virtual_stages=1,
                            num_microbatches=2), "adamw", 1e-2),
-    "gpt pp2 tp2 interleaved 1f1b selective": (
-        "tiny_gpt", dict(pp=2, tp=2, schedule="interleaved_1f1b", virtual_stages=1,
-                         num_microbatches=2, recompute="selective"), "adamw", 1e-2),
     "llama pp2 dp2 zero3 gpipe full recompute": (
         "tiny_llama", dict(pp=2, dp=2, zero=3, schedule="gpipe", recompute="full"), "sgd", 0.1),
 }

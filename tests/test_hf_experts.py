@@ -58,7 +58,8 @@ def test_hf_experts_train_as_in_one_process(rank_pool: RankPool) -> None:
 
 def test_emitted_program_for_routed_experts_is_clean(tmp_path) -> None:
     """The program for an expert-parallel plan of Hugging Face's Mixtral carries the
-    routed exchange (its uneven all-to-all included) and passes pyflakes."""
+    routed exchange (its uneven all-to-all included), refuses --save and --load (each
+    rank's experts share one name), and passes pyflakes."""
     import autopar
     from autopar.runtime.codegen import emit_program
     from tests.test_codegen import pyflakes
@@ -74,6 +75,7 @@ def test_emitted_program_for_routed_experts_is_clean(tmp_path) -> None:
     program.write_text(emit_program(plan, f"{factory}:mixtral"))
     text = program.read_text()
     assert "def route_tokens(" in text and "all_to_all_single_autograd" in text
+    assert "--save/--load: checkpoints of expert-parallel plans are not " in text
     assert pyflakes(program) == ""
 
 
