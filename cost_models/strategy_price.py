@@ -24,17 +24,12 @@ from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
 from autopar.cost_models.param_price import ParamPricer, ParamTerms
 from autopar.graph import OpNode, TensorMeta
 from autopar.strategies.analysis import GraphAnalysis
-from autopar.strategies.edges import collectives
+from autopar.strategies.edges import collectives, with_axis
 from autopar.strategies.enumeration import GraphFacts, NodeStrategy, StrategySpace
 from autopar.strategies.grad_sum import summed_placement
 from autopar.strategies.settings import Settings
 
 Placements = tuple[str, ...]
-
-
-def _except(pl: Placements, other: Placements, axis: int) -> Placements:
-    """``pl`` with ``other``'s placement on mesh axis ``axis``."""
-    return tuple(other[a] if a == axis else p for a, p in enumerate(pl))
 
 
 @dataclass(frozen=True)
@@ -89,13 +84,13 @@ class StrategyPricer(ParamPricer):
                "activations": op.activations}
         if terms.gathered is not None:
             mem["gathered"] = terms.gathered
-        comm = self.output_comm(n, ns.raw_out, ns.out) + terms.tp + self._grad_sum(n, ns)
-        a2a = 0.0
-        if self.ep_axis is not None:  # an expert module's tokens sent back over ep
-            a2a = self.output_comm(n, ns.raw_out, ns.out) - \
-                self.output_comm(n, ns.raw_out, _except(ns.out, ns.raw_out, self.ep_axis))
-            a2a += self.routed_exchange(n, ns)
-            comm += self.routed_exchange(n, ns)
+        out_comm = self.output_comm(n, ns.raw_out, ns.out)
+        a2a = self.routed_exchange(n, ns)
+        ep = self.ep_axis
+        if ep is not None and ns.out[ep] != ns.raw_out[ep]:  # an expert module's tokens
+            a2a += out_comm - self.output_comm(n, ns.raw_out,  # sent back over ep
+                                               with_axis(ns.out, ns.raw_out, ep))
+        comm = out_comm + terms.tp + self._grad_sum(n, ns) + self.routed_exchange(n, ns)
         return StrategyPrice(op, terms, comm, mem, a2a)
 
     def routed_exchange(self, n: OpNode, ns: NodeStrategy) -> float:

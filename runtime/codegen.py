@@ -288,7 +288,8 @@ def _ep_sections(plan: Plan) -> list[str]:
     quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
     comment = " x ".join(f"{a}={n}" for a, n in zip(names, shape))
     table = "{\n" + "".join(
-        f'        "{path}": ({xp.batch_dim}, {xp.input_dim}, {xp.output_dim}, {dict(xp.params)}),\n'
+        f'        "{path}": '
+        f'({xp.batch_dim}, {xp.input_dim}, {xp.output_dim}, {dict(xp.params)}),\n'
         for path, xp in sorted(plan.experts.items())) + "    }"
     a2a = _seconds(plan.breakdown.get("all_to_all_s", 0.0))
     return [T.EXPERT_MESH.substitute(comment=comment, shape=shape, names=quoted),

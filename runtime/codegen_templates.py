@@ -157,9 +157,10 @@ $policies$expert_loop$block_loop    # the root's parameters (embeddings, head) a
 
 FSDP_EXPERTS = Template('''\
     # the experts: over the dp ranks that hold the same ones (their ep rank's share)
+    modules = dict(model.named_modules())
     for path in $paths:
-        if path in dict(model.named_modules()):
-            fully_shard(model.get_submodule(path), mesh=expert_mesh,
+        if path in modules:
+            fully_shard(modules[path], mesh=expert_mesh,
                         reshard_after_forward=$reshard$kwargs)
 ''')
 """The per-expert-module ``fully_shard`` loop, before the blocks that hold them."""

@@ -19,7 +19,7 @@ class PieceCost:
     weight-grad part that zero-bubble schedules run apart; ``comm_s`` (activation
     collectives and resharding), ``param_comm_s`` (ZeRO-3 traffic) and ``recompute_s``
     (recomputed forwards) are parts of ``forward_s + backward_s``, and ``all_to_all_s``
-(tokens to their experts and back) part of ``comm_s``; ``host_s`` is the
+    (tokens to their experts and back) part of ``comm_s``; ``host_s`` is the
     host's seconds issuing that work. ``activation_bytes`` are kept for backward per
     micro-batch in flight; ``static_bytes`` are parameters, gradients and optimizer
     state. Per step: ``step_comm_s`` (data-parallel gradient synchronization),

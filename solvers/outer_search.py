@@ -346,16 +346,17 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     Keys are built by increasing micro-batch size within each group of
     :func:`_batch_group`: a group's candidates differ only in how the rank's samples are
     cut into several micro-batches, so static memory is the same and the activations in
-    flight (micro-batch size x micro-batches held) do not shrink with a larger one. Once every candidate
-    of a micro-batch size has a memory lower bound over the budget, the larger ones are
-    not built."""
+    flight (micro-batch size x micro-batches held) do not shrink with a larger one. Once
+    every candidate of a micro-batch size has a memory lower bound over the budget, the
+    larger ones are not built."""
     built_by: dict[tuple, Built | NoFeasiblePlanError] = {}
     layouts: dict = {}  # build_problem's cache: layouts shared across ZeRO stages
     users: dict[tuple, list[Candidate]] = {}
     for c in cands:
         users.setdefault(mesh_key(c), []).append(c)
     hopeless: dict[tuple, int] = {}  # batch group -> the micro-batch size that did not fit
-    order = sorted(users, key=lambda k: (_batch_group(users[k][0]), users[k][0].microbatch_size))
+    order = sorted(users, key=lambda k: (_batch_group(users[k][0]),
+                                         users[k][0].microbatch_size))
     # whether a larger micro-batch of the same group follows (only then is a bound worth it)
     larger = {k: nxt is not None and _batch_group(users[nxt][0]) == _batch_group(users[k][0])
               for k, nxt in zip(order, order[1:] + [None])}

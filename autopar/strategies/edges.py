@@ -51,12 +51,15 @@ def collectives(src: Placements, dst: Placements, nbytes: float,
     return tuple(steps)
 
 
+def with_axis(pl: Placements, other: Placements, axis: int) -> Placements:
+    """``pl`` with ``other``'s placement on mesh axis ``axis``."""
+    return tuple(other[a] if a == axis else p for a, p in enumerate(pl))
+
+
 def shared_conversion(c: "Conversion", axis: int) -> "Conversion":
     """Conversion ``c`` without its collectives over ``axis``, which an earlier edge
     runs (its destination and gradient placed there as its source)."""
-    def keep(p: Placements) -> Placements:
-        return tuple(c.src[a] if a == axis else x for a, x in enumerate(p))
-    return Conversion(c.src, keep(c.dst), keep(c.grad))
+    return Conversion(c.src, with_axis(c.dst, c.src, axis), with_axis(c.grad, c.src, axis))
 
 
 def reachable(src: Placements, dst: Placements) -> bool:

@@ -309,8 +309,8 @@ class StrategySpace:
         opts = []
         m = self.meta(n.name)
         per_axis = []
+        em = self.an.expert_of(n.name)
         for a in range(self.mesh.ndim):
-            em = self.an.expert_of(n.name)
             if a == self.ep_axis and em is not None and em.output == n.name:
                 per_axis.append(self._ep_deliveries(n, raw[a]))
                 continue
