@@ -247,13 +247,14 @@ def _fast_capture(model: nn.Module, wrapper: LossWrapper, args: tuple,
 
 
 def _batch_of_two(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """A batch of one captured as a batch of two (a broadcast view, no copy): with one
-    sample a reshape such as (1, T, C) -> (1, T, H, D) cannot tell the batch dim from
-    the unit dims, and the batch split would be lost. Costs are scaled from the
-    captured batch to the planned one, so the plan is the same."""
+    """A batch of one captured as a batch of two (the sample twice, contiguous, so that
+    a forward that calls ``view`` on its input still can): with one sample a reshape
+    such as (1, T, C) -> (1, T, H, D) cannot tell the batch dim from the unit dims, and
+    the batch split would be lost. Costs are scaled from the captured batch to the
+    planned one, so the plan is the same."""
     if tensors[0].shape[0] != 1:
         return tensors
-    return tuple(t.expand(2, *t.shape[1:]) if t.dim() and t.shape[0] == 1 else t
+    return tuple(t.expand(2, *t.shape[1:]).contiguous() if t.dim() and t.shape[0] == 1 else t
                  for t in tensors)
 
 

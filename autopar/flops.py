@@ -43,8 +43,13 @@ randn_like randint_like linspace eye tensor fill zero""".split())
 _NO_WRITE = frozenset("empty empty_like new_empty".split())
 
 # Matrix products and attention (formulas in ``_matmul_flops``).
+GROUPED_MM_OPS = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+"""Grouped matrix products: rows (M, K) sorted by group against stacked weights
+(G, K, N), each row multiplied by its group's matrix (``torch._grouped_mm``, and
+``transformers``' custom op of the same contract, which runs a per-expert loop)."""
+
 MATMUL_OPS = frozenset("""linear addmm mm bmm baddbmm matmul einsum mv dot vdot outer ger
-convolution conv1d conv2d conv3d scaled_dot_product_attention""".split())
+convolution conv1d conv2d conv3d scaled_dot_product_attention""".split()) | GROUPED_MM_OPS
 
 POINTWISE_FLOPS: Mapping[str, float] = MappingProxyType({
     # one arithmetic operation or comparison per element
@@ -218,7 +223,7 @@ def _matmul_flops(op: str, node: OpNode, m: Sequence[TensorMeta | None]) -> floa
     """FLOPs of matrix products, convolutions and attention.
 
     linear: 2·M·N·K (+ M·N for the bias); addmm / baddbmm: 2·M·N·K + M·N; mm, bmm,
-    matmul: 2·(output elements)·K; mv / dot: 2·M·K; outer: M·N; convolution:
+    matmul and grouped products: 2·(output elements)·K; mv / dot: 2·M·K; outer: M·N; convolution:
     2·(output elements)·(C_in/groups)·prod(kernel) (+ bias); einsum: contracted left to
     right as torch does without opt_einsum, 2·prod(sizes of the pair's labels) per
     contracting step; scaled_dot_product_attention: 2·B·L·S·E for Q·Kᵀ plus 2·B·L·S·Ev
@@ -235,7 +240,7 @@ def _matmul_flops(op: str, node: OpNode, m: Sequence[TensorMeta | None]) -> floa
     if op in ("addmm", "baddbmm"):
         a = m[1]
         return 2.0 * o * (a.shape[-1] if a is not None else 1) + o
-    if op in ("mm", "bmm", "matmul", "mv", "dot", "vdot"):
+    if op in ("mm", "bmm", "matmul", "mv", "dot", "vdot") or op in GROUPED_MM_OPS:
         a = m[0]
         k = a.shape[-1] if a is not None and a.shape else 1
         return 2.0 * max(o, 1.0) * k

@@ -33,7 +33,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -79,9 +79,7 @@ def load_or_predict(case: LayerCase, gpu: str, plans: Path | None) -> Any:
 def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None,
              sustain_s: float = 0.0) -> dict[str, Any]:
     """Plan, lay out, time and profile one case (module docstring)."""
-    from gpu_gemm_duty import gpu_clock
     from autopar.runtime import apply_plan
-    from gpu_runtime_step import kernel_breakdown
 
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
@@ -90,8 +88,30 @@ def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None,
     model, _, _ = build(case)
     torch.manual_seed(0)
     pm = apply_plan(model, plan, loss_fn=mse_loss)
-    dev = "cuda" if cuda else "cpu"
-    _, x, y = build(case, dev)
+    _, x, y = build(case, "cuda" if cuda else "cpu")
+    timed = time_steps(pm, x, y, steps, sustain_s)
+    flops = layer_flops(case) * case.layers
+    return {
+        "case": case.as_dict(), "name": case.name, "profile": gpu, "plan_s": plan_s,
+        "predicted_fwd_bwd_s": plan.breakdown.get("compute_s", 0.0)
+        + plan.breakdown.get("recompute_s", 0.0) + plan.breakdown.get("exposed_host_s", 0.0),
+        "predicted_breakdown": plan.breakdown,
+        "predicted_peak_bytes": plan.memory_per_device_bytes,
+        **timed, "model_flops": flops,
+        "tflops_per_s": flops / timed["measured_fwd_bwd_s"] / 1e12,
+    }
+
+
+def time_steps(pm: Any, x: torch.Tensor, y: torch.Tensor, steps: int,
+               sustain_s: float = 0.0) -> dict[str, Any]:
+    """Time ``pm.step(x, y)`` (a synchronize after each; gradients dropped between
+    steps): two warm-up steps, ``sustain_s`` seconds of back-to-back steps, then
+    ``steps`` timed ones (median), the SM clock and power before and after them, the
+    peak memory, and one more step's device time per kernel kind (module docstring)."""
+    from gpu_gemm_duty import gpu_clock
+    from gpu_runtime_step import kernel_breakdown
+
+    cuda = torch.cuda.is_available()
 
     def sync() -> None:
         if cuda:
@@ -123,19 +143,27 @@ def run_case(case: LayerCase, gpu: str, steps: int, plans: Path | None = None,
     pm.zero_grad(set_to_none=True)
     kernels = kernel_breakdown(step) if cuda else None
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    med = statistics.median(times)
-    flops = layer_flops(case) * case.layers
-    return {
-        "case": case.as_dict(), "name": case.name, "profile": gpu, "plan_s": plan_s,
-        "predicted_fwd_bwd_s": plan.breakdown.get("compute_s", 0.0)
-        + plan.breakdown.get("recompute_s", 0.0) + plan.breakdown.get("exposed_host_s", 0.0),
-        "predicted_breakdown": plan.breakdown,
-        "predicted_peak_bytes": plan.memory_per_device_bytes,
-        "measured_fwd_bwd_s": med, "times_s": times, "measured_peak_bytes": peak,
-        "kernels": kernels, "model_flops": flops, "sustain_s": sustain_s,
-        "clock_sm_power": clocks,
-        "tflops_per_s": flops / med / 1e12,
-    }
+    return {"measured_fwd_bwd_s": statistics.median(times), "times_s": times,
+            "measured_peak_bytes": peak, "kernels": kernels, "sustain_s": sustain_s,
+            "clock_sm_power": clocks}
+
+
+def guarded_row(name: str, case: dict[str, Any], run: Callable[[], dict[str, Any]],
+                describe: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """``run()``'s row for one case, printed with ``describe``; a failure becomes a row
+    with its error and traceback, so that one failed case does not end the run. The
+    device's cached memory is released after each case."""
+    try:
+        row = run()
+        print(f"{name:34s} {describe(row)}", flush=True)
+    except Exception as e:  # noqa: BLE001 — one failed case must not end the run
+        row = {"case": case, "name": name, "error": f"{type(e).__name__}: {e}"[:400],
+               "traceback": traceback.format_exc()[-2000:]}
+        print(f"{name:34s} FAILED {row['error']}", flush=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
 
 
 def main() -> int:
@@ -178,20 +206,12 @@ def main() -> int:
         if args.time_limit and time.perf_counter() - start > args.time_limit:
             doc["stopped_early"] = f"time limit {args.time_limit} s reached before {case.name}"
             break
-        try:
-            row = run_case(case, gpu, args.steps, args.plans, args.sustain)
-            print(f"{case.name:34s} measured {row['measured_fwd_bwd_s'] * 1e3:9.2f} ms  "
-                  f"predicted {row['predicted_fwd_bwd_s'] * 1e3:9.2f} ms  "
-                  f"{row['tflops_per_s']:6.1f} TFLOP/s", flush=True)
-        except Exception as e:  # noqa: BLE001 — one failed case must not end the run
-            row = {"case": case.as_dict(), "name": case.name,
-                   "error": f"{type(e).__name__}: {e}"[:400],
-                   "traceback": traceback.format_exc()[-2000:]}
-            print(f"{case.name:34s} FAILED {row['error']}", flush=True)
-        doc["rows"].append(row)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        doc["rows"].append(guarded_row(
+            case.name, case.as_dict(),
+            lambda: run_case(case, gpu, args.steps, args.plans, args.sustain),
+            lambda r: f"measured {r['measured_fwd_bwd_s'] * 1e3:9.2f} ms  predicted "
+                      f"{r['predicted_fwd_bwd_s'] * 1e3:9.2f} ms  "
+                      f"{r['tflops_per_s']:6.1f} TFLOP/s"))
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0

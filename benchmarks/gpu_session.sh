@@ -22,6 +22,12 @@
 # (<gpu>_layers_steady.json), and two cases of the 8-layer slice
 # (<gpu>_llama8b_slice_steady.json). The operand layouts and values of a GEMM are
 # separate one-off runs: ``benchmarks/gpu_gemm_duty.py --layouts`` / ``--operands``.
+#
+# ``bash benchmarks/gpu_session.sh moe`` (about 6 minutes; also carry .gpu/hostbound.txt,
+# the host-bound layer cases' names, comma-separated): the MoE blocks
+# (<gpu>_moe.json, benchmarks/gpu_moe.py), the quick profile's host figures
+# (<gpu>.quick.profile.json), attention at long sequences (<gpu>_attention_long.json)
+# and the host-bound layer cases again (<gpu>_layers_hostbound.json).
 set -u
 MODE=${1:-all}
 OUT=${OUT:-/tmp/gpu_out}
@@ -45,6 +51,21 @@ if [ "$MODE" = steady ]; then
         --slice-layers 8 --cases plan,selective --fused \
         --out "$OUT/${gpu}_llama8b_slice_steady.json")
     echo "slice took $((SECONDS - start)) s"
+    exit 0
+fi
+if [ "$MODE" = moe ]; then
+    (cd benchmarks && timeout 150 python3 gpu_moe.py --sustain 1 --out "$OUT/${gpu}_moe.json")
+    echo "moe took $((SECONDS - start)) s"; start=$SECONDS
+    (cd /tmp && timeout 90 autopar profile --quick --out "$OUT/$gpu.quick.profile.json")
+    echo "quick profile took $((SECONDS - start)) s"; start=$SECONDS
+    (cd benchmarks && timeout 100 python3 gpu_attention_long.py \
+        --out "$OUT/${gpu}_attention_long.json")
+    echo "attention took $((SECONDS - start)) s"; start=$SECONDS
+    (cd benchmarks && timeout 110 python3 gpu_layers.py --plans ../.gpu/plans --sustain 1 \
+        --cases "$(cat ../.gpu/hostbound.txt)" --out "$OUT/${gpu}_layers_hostbound.json" \
+        --time-limit 95)
+    echo "layers took $((SECONDS - start)) s"
+    rm -f "$OUT"/*.partial.jsonl
     exit 0
 fi
 if [ "$gpu" = h200 ]; then

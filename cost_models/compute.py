@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost_models.hardware import HardwareProfile
-from autopar.flops import op_name
+from autopar.flops import GROUPED_MM_OPS, op_name
 from autopar.cost_models.tables import (ELEMENT_BYTES, attention_time, gemm_time,
                                         memory_bound_time)
 
@@ -26,7 +26,8 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp
            "bf16": "bf16", "fp16": "fp16", "tf32": "tf32"}
 
 MATMUL_OPS = frozenset({"linear", "mm", "bmm", "addmm", "matmul", "einsum", "baddbmm",
-                        "scaled_dot_product_attention", "conv1d", "conv2d", "convolution"})
+                        "scaled_dot_product_attention", "conv1d", "conv2d",
+                        "convolution"}) | GROUPED_MM_OPS
 
 
 def is_matmul(target: str) -> bool:
@@ -90,7 +91,10 @@ _MEMORY_KIND: dict[str, str] = {
     "embedding": "embedding", "cross_entropy_loss": "cross_entropy",
 }
 _MAIN_IS_OUTPUT = frozenset({"add", "mul", "silu", "gelu", "copy", "embedding"})
-_GEMM_OPS = frozenset({"linear", "mm", "addmm", "bmm", "matmul"})
+_GEMM_OPS = frozenset({"linear", "mm", "addmm", "bmm", "matmul"}) | GROUPED_MM_OPS
+"""Products priced from the GEMM table. A grouped product of M rows against G stacked
+(K, N) weights is priced as one (M, N, K) GEMM: a grouped kernel tiles each group's
+rows as a GEMM would (measured on an H100: benchmarks/results/h100_moe.json)."""
 
 
 def local_shape(shape: Shape | None, placements: tuple[str, ...],

@@ -14,7 +14,7 @@ def test_batch_of_one_keeps_the_batch_split() -> None:
                                   n_heads=4, n_kv_heads=2, ffn_dim=64))
     x = torch.randint(0, 128, (1, 16), device="meta")
     g = capture(model, (x,))
-    assert g.batch_size == 2  # captured as a broadcast batch of two
+    assert g.batch_size == 2  # captured as a batch of two
     plan = autopar.plan(model, (x,), cluster=autopar.Cluster("cpu", 1, 4), global_batch=4,
                         dp=4, tp=1, precision="fp32")
     assert plan.mesh == {"dp": 4, "tp": 1} and plan.microbatch_size == 1

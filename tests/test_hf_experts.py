@@ -98,3 +98,22 @@ def test_load_imbalance_is_priced_on_routed_experts_only_under_ep() -> None:
     with pytest.raises(ConfigError, match=r"expert_imbalance=0\.5: expected a number of at "
                                           r"least 1"):
         autopar.plan(model, (x,), expert_imbalance=0.5, **kw)
+
+
+def test_grouped_expert_products_are_matrix_work() -> None:
+    """A standalone sparse block (it views its input, here a batch of one) captures, and
+    transformers' grouped products, the experts' GEMMs, count 2·rows·K·N FLOPs each."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from autopar.capture import capture
+    from autopar.cost_models.compute import is_matmul
+
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=4,
+                        num_experts_per_tok=2)
+    cfg._experts_implementation = "grouped_mm"
+    g = capture(MixtralSparseMoeBlock(cfg), (torch.randn(1, 16, 32),))
+    grouped = [n for n in g.nodes if n.kind == "op" and "grouped_mm" in n.target]
+    rows = g.batch_size * 16 * 2
+    assert sorted(n.flops for n in grouped) == [2 * rows * 48 * 32, 2 * rows * 32 * 96]
+    assert all(is_matmul(n.target) for n in grouped)

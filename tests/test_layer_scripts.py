@@ -57,3 +57,16 @@ def test_layer_accuracy_prices_committed_rows_again() -> None:
     assert set(r["predicted_terms_s"]) == set(TERMS) == set(measured_terms(rows[0]))
     assert r["predicted_terms_s"]["gemm"] > 0 and r["predicted_terms_s"]["attention"] > 0
     assert summary(records)["all"]["cases"] == 1
+
+
+def test_moe_blocks_priced_near_their_h100_measurement() -> None:
+    """The committed H100 run of Mixtral 8x7B's block with 2 experts (an ep-4 rank's
+    share) is priced again within 15%: its grouped expert products are matrix work
+    (they were priced as free copies before, 57% under)."""
+    from gpu_moe import MoECase, predict
+
+    doc = json.loads((BENCH / "results" / "h100_moe.json").read_text())
+    (row,) = [r for r in doc["rows"] if r["name"] == "mixtral-8x7b/ep4"]
+    plan = predict(MoECase(**row["case"]), "h100-sxm")
+    pred = plan.breakdown["compute_s"] + plan.breakdown["exposed_host_s"]
+    assert pred == pytest.approx(row["measured_fwd_bwd_s"], rel=0.15)
