@@ -327,12 +327,6 @@ def _save_ops() -> str:
     return "\n".join(lines + [cur, "}"])
 
 
-_EXPERT_CHECKPOINT_GUARD = (
-    "    if args.save or args.load:  # each rank holds its own experts under one name\n"
-    "        raise SystemExit(\"--save/--load: checkpoints of expert-parallel plans are not \"\n"
-    "                         \"supported yet; train without them, or plan without ep\")\n")
-
-
 _IMPORTS = MappingProxyType({  # name used in the program -> the import that provides it
     "argparse": "import argparse", "functools": "import functools",
     "importlib": "import importlib.util", "os": "import os", "time": "import time",
@@ -482,6 +476,8 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         if piecewise(tp_layout(plan, facts.model)):
             sections.insert(-1, T.PIECEWISE.template)
         layout.append(f'apply_tp({target}, mesh["tp"])')
+    if plan.experts:
+        layout.append(f'shard_experts({target}, build_expert_mesh(device_type), mesh["tp"])')
     if any(m != "none" for m in plan.recompute.values()):
         if "selective" in plan.recompute.values():
             sections.append(T.SELECTIVE_POLICY.template)
@@ -530,7 +526,6 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     optim_key = 'f"optim{list(model)}"' if pipelined else '"optim"'
     sections += [T.CHECKPOINT.substitute(optim_key=optim_key),
                  T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, build=build,
-                                   guard=_EXPERT_CHECKPOINT_GUARD if plan.experts else "",
                                    step_args=step_args)]
     body = "\n\n\n".join(sections)
     constants = T.CONSTANTS.substitute(

@@ -178,15 +178,25 @@ def build_expert_mesh(device_type: str) -> DeviceMesh:
 EXPERT_PARALLEL = Template("\n\n".join(inspect.getsource(f) for f in (
     _routed.exchange_rows, _routed.routed_args, _routed.route_tokens,
     _experts.ScaleGrad, _experts.exchange, _experts.keep_own_experts,
-    _experts.split_experts)) + '''
+    _experts.split_experts, _experts.shard_expert_weights)) + '''
+
+
+EXPERTS = $table
+"""Expert modules: path -> (batch dim, expert dim of its input, of its output,
+{parameter: expert dim})."""
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Expert parallelism over ep=$ep: each listed module keeps 1/$ep of its experts
-    and its tokens cross ep by all-to-all on the way in and out (path: (batch dim,
-    expert dim of its input, of its output, {parameter: expert dim})); predicted
-    all-to-all $a2a per step."""
-    split_experts(model, $table, ep_mesh)''')
+    and its tokens cross ep by all-to-all on the way in and out; predicted all-to-all
+    $a2a per step."""
+    split_experts(model, EXPERTS, ep_mesh)
+
+
+def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
+    """The experts' weights as DTensors split over ep (after tensor parallelism): what
+    FSDP2 and checkpoints see; the modules' forwards see this rank's share."""
+    shard_expert_weights(model, EXPERTS, expert_mesh, tp_mesh)''')
 """Expert parallelism: the runtime's own functions (:mod:`autopar.runtime.experts`),
 copied into the program, with the plan's table."""
 
@@ -335,7 +345,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Lay the model out as planned, then train."""
     args = parse_args()
-$guard    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     device = torch.device("cpu")
     if device_type == "cuda":

@@ -7,8 +7,10 @@ sample, holding every expert's slots; the all-to-all (:func:`exchange`, a DTenso
 redistribution ``Shard(batch)`` -> ``Shard(expert)`` on the ``ep`` mesh) gives it every
 sample's slots of this rank's experts, and the reverse one hands each rank its samples
 back; autograd runs both backward. :class:`ScaleGrad` makes the experts' gradients
-the data-parallel mean. Why and how, in full: docs/runtime.md, section
-``autopar.runtime.experts``.
+the data-parallel mean. After tensor parallelism, :func:`shard_expert_weights` makes
+the weights DTensors of every expert split over ``ep`` (what FSDP2 and checkpoints
+see), the forward still seeing its share. Why and how, in full: docs/runtime.md,
+section ``autopar.runtime.experts``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from autopar.plans import Plan
 from autopar.runtime.routed_experts import route_tokens
 
 __all__ = ["check_experts", "apply_expert_parallel", "expert_table", "split_experts",
-           "keep_own_experts", "exchange", "ScaleGrad"]
+           "keep_own_experts", "exchange", "ScaleGrad", "shard_expert_weights",
+           "shard_plan_experts"]
 
 
 def check_experts(model: nn.Module, plan: Plan) -> None:
@@ -113,6 +116,55 @@ def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Map
 
         module.register_forward_pre_hook(dispatch)
         module.register_forward_hook(combine)
+
+
+def shard_expert_weights(model: nn.Module,
+                         table: Mapping[str, tuple[int, int, int, Mapping[str, int]]],
+                         expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
+    """Make each expert parameter of ``table`` (cut to this rank's experts by
+    :func:`split_experts`, and split by tensor parallelism since, where it is) a DTensor
+    sharded over ``expert_mesh["ep"]`` along its expert dim, on ``expert_mesh["ep",
+    "tp"]`` when it is a tensor-parallel DTensor: the global tensor of every expert,
+    which FSDP2 and checkpoints see under the parameter's own name. The module's
+    forward keeps seeing this rank's share, as a plain tensor or as a DTensor on
+    ``tp_mesh``: a forward pre-hook puts that view in the module's ``__dict__``, which
+    attribute lookup reads before its parameters, and a forward hook takes it out."""
+    paths = dict(model.named_modules())
+    for path, (_, _, _, params) in table.items():
+        module = paths.get(path)
+        if module is None:
+            continue
+        for local, dim in params.items():
+            p = module._parameters[local]
+            if isinstance(p, DTensor):
+                whole = DTensor.from_local(p.to_local().detach(), expert_mesh["ep", "tp"],
+                                           [Shard(dim), *p.placements], run_check=False)
+            else:
+                whole = DTensor.from_local(p.detach(), expert_mesh["ep"], [Shard(dim)],
+                                           run_check=False)
+            module._parameters[local] = nn.Parameter(whole, requires_grad=p.requires_grad)
+        names = tuple(params)
+
+        def views(m: nn.Module, _: tuple, names: tuple[str, ...] = names) -> None:
+            for name in names:
+                p = m._parameters[name]
+                view = p.to_local() if isinstance(p, DTensor) else p
+                if isinstance(p, DTensor) and p.device_mesh.ndim == 2 and tp_mesh is not None:
+                    view = DTensor.from_local(view, tp_mesh, p.placements[1:], run_check=False)
+                m.__dict__[name] = view
+
+        def drop(m: nn.Module, _: tuple, out: object, names: tuple[str, ...] = names) -> None:
+            for name in names:
+                m.__dict__.pop(name, None)
+
+        module.register_forward_pre_hook(views)
+        module.register_forward_hook(drop)
+
+
+def shard_plan_experts(model: nn.Module, plan: Plan, expert_mesh: DeviceMesh,
+                       tp_mesh: DeviceMesh | None) -> None:
+    """:func:`shard_expert_weights` for the expert modules of ``plan.experts``."""
+    shard_expert_weights(model, expert_table(plan), expert_mesh, tp_mesh)
 
 
 def expert_table(plan: Plan) -> dict[str, tuple[int, int, int, dict[str, int]]]:

@@ -27,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import PRECISION_DTYPES, apply_data_parallel, check_tied_units
-from autopar.runtime.experts import apply_expert_parallel, check_experts
+from autopar.runtime.experts import apply_expert_parallel, check_experts, shard_plan_experts
 from autopar.runtime.materialize import (check_materializable, is_meta_model, materialize,
                                          materialize_stage)
 from autopar.runtime.mesh import MESH_AXES, PlanMeshes, build_meshes
@@ -170,6 +170,8 @@ def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
         apply_expert_parallel(model, plan, meshes.ep)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(model, plan, meshes.tp)
+    if meshes.experts is not None:
+        shard_plan_experts(model, plan, meshes.experts, meshes.tp)
     apply_ac(model, plan)
     if meshes.fsdp is not None:
         apply_data_parallel(model, plan, meshes.fsdp, meshes.expert_fsdp)

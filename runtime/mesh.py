@@ -40,6 +40,8 @@ class PlanMeshes:
             parallelism.
         expert_fsdp: the mesh FSDP2 runs the expert modules on: the data-parallel
             ranks holding the same experts (the plan's ``dp`` axis), or None.
+        experts: the expert mesh whose sub-meshes ``ep`` and ``expert_fsdp`` are (axes
+            of :func:`expert_mesh_shape`), or None.
     """
 
     mesh: DeviceMesh
@@ -48,6 +50,7 @@ class PlanMeshes:
     pp: DeviceMesh | None = None
     ep: DeviceMesh | None = None
     expert_fsdp: DeviceMesh | None = None
+    experts: DeviceMesh | None = None
 
 
 def needs_fsdp(plan: Plan) -> bool:
@@ -72,19 +75,21 @@ def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
         root = init_device_mesh(device_type, shape + (tp,), mesh_dim_names=outer + ("tp",))
         fsdp = root["dp"] if needs_fsdp(plan) else None
     return PlanMeshes(mesh=root[outer + ("tp",)], tp=root["tp"], fsdp=fsdp,
-                      pp=root["pp"] if pp > 1 else None, ep=ep[0], expert_fsdp=ep[1])
+                      pp=root["pp"] if pp > 1 else None, ep=ep[0], expert_fsdp=ep[1],
+                      experts=ep[2])
 
 
-def expert_meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """The ``ep`` mesh and the experts' FSDP2 mesh (the ``dp`` ranks holding the same
-    experts), or (None, None) without expert parallelism. The data-parallel ranks of
-    the main mesh are these two axes flattened, ``ep`` inner, so both meshes number
-    the ranks alike."""
+def expert_meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh | None,
+                                                          DeviceMesh | None]:
+    """The ``ep`` mesh, the experts' FSDP2 mesh (the ``dp`` ranks holding the same
+    experts) and the expert mesh they are cut from, or three Nones without expert
+    parallelism. The data-parallel ranks of the main mesh are the ``dp`` and ``ep``
+    axes flattened, ``ep`` inner, so both meshes number the ranks alike."""
     if plan.degree("ep") == 1:
-        return None, None
+        return None, None, None
     names, shape = expert_mesh_shape(plan)
     root = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    return root["ep"], root[expert_fsdp_axes(plan)]
+    return root["ep"], root[expert_fsdp_axes(plan)], root
 
 
 def expert_mesh_shape(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import apply_data_parallel
-from autopar.runtime.experts import apply_expert_parallel
+from autopar.runtime.experts import apply_expert_parallel, shard_plan_experts
 from autopar.runtime.dtensor_layout import tp_context
 from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
@@ -339,6 +339,8 @@ def parallelize_stage(module: nn.Module, plan: Plan, meshes: PlanMeshes) -> None
         apply_tensor_parallel(module, sub, meshes.tp)
         if plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
             module.register_forward_hook(_own_outputs)
+    if meshes.experts is not None:
+        shard_plan_experts(module, sub, meshes.experts, meshes.tp)
     apply_ac(module, sub)
     if meshes.fsdp is not None:
         apply_data_parallel(module, sub, meshes.fsdp, meshes.expert_fsdp)

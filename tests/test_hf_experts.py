@@ -12,6 +12,7 @@ import torch
 from autopar.demo import reference_step, sgd_losses
 from tests.dist_utils import RankPool
 from tests.test_batch_flow import hf
+from tests.test_moe_models import experts_held
 
 pytest.importorskip("transformers")
 
@@ -38,7 +39,7 @@ def train(cases: list[tuple[str, dict]]) -> list[tuple[list[float], dict, int, l
     for kind, space in cases:
         model, x, y = make(kind)
         pm = autopar.parallelize(model, (x,), precision="fp32", **space)
-        held = sorted({p.shape[0] for n, p in pm.named_parameters() if "gate_up_proj" in n})
+        held = experts_held(pm, "gate_up_proj")
         out.append((sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR),
                     dict(pm.plan.mesh), len(pm.plan.experts), held))
     return out
@@ -58,8 +59,9 @@ def test_hf_experts_train_as_in_one_process(rank_pool: RankPool) -> None:
 
 def test_emitted_program_for_routed_experts_is_clean(tmp_path) -> None:
     """The program for an expert-parallel plan of Hugging Face's Mixtral carries the
-    routed exchange (its uneven all-to-all included), refuses --save and --load (each
-    rank's experts share one name), and passes pyflakes."""
+    routed exchange (its uneven all-to-all included) and the experts' weights as
+    DTensors split over ep (so --save and --load keep every expert), and passes
+    pyflakes."""
     import autopar
     from autopar.runtime.codegen import emit_program
     from tests.test_codegen import pyflakes
@@ -75,7 +77,7 @@ def test_emitted_program_for_routed_experts_is_clean(tmp_path) -> None:
     program.write_text(emit_program(plan, f"{factory}:mixtral"))
     text = program.read_text()
     assert "def route_tokens(" in text and "all_to_all_single_autograd" in text
-    assert "--save/--load: checkpoints of expert-parallel plans are not " in text
+    assert "shard_experts(model, build_expert_mesh(device_type), mesh[\"tp\"])" in text
     assert pyflakes(program) == ""
 
 
