@@ -154,6 +154,18 @@ def _experts(an, ep: int | None) -> int:
     common = math.gcd(*counts) if counts else 0
     if ep is not None and ep > 1:
         if not counts:
+            from autopar.strategies.experts import expert_lists
+
+            lists = expert_lists(an.graph)
+            if lists:
+                path, n = next(iter(sorted(lists.items())))
+                raise ConfigError(
+                    f"ep={ep}: the experts of '{path}' are a list of {n} modules, each run "
+                    f"on its own in the forward; expert parallelism splits experts stacked "
+                    f"in one module (one weight of shape (experts, ...) per projection, as "
+                    f"transformers 5's MoE layers and autopar.examples.moe hold them). "
+                    f"Stack them, or leave ep out: data, tensor and pipeline parallelism "
+                    f"still split these layers")
             raise ConfigError(f"ep={ep}: the model has no expert modules (a module whose "
                               f"parameters stack one weight per expert, run per expert); "
                               f"leave ep out for a dense model")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import pytest
+import torch
 
 import autopar
 from autopar.cli import _build_parser, _spec_from_args, main
@@ -153,3 +154,39 @@ def test_memory_is_written_in_decimal_units(gpt):
         fmt_bytes(plan.memory_per_device_bytes),
         fmt_bytes(result.handwritten.memory_per_device_bytes))
     assert "iB" not in result.table()
+
+
+class _ListExperts(torch.nn.Module):
+    """A mixture of experts written as a list of FFN modules, every expert run on
+    every token and weighted by the top-2 gate (zero elsewhere)."""
+
+    def __init__(self, dim: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, 32), torch.nn.SiLU(),
+                                torch.nn.Linear(32, dim)) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        w = self.router(x).softmax(-1)
+        top, idx = w.topk(2, -1)
+        gate = torch.zeros_like(w).scatter(-1, idx, top)
+        return x + sum(gate[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+
+
+def test_expert_parallelism_of_listed_experts_says_why():
+    """Experts written as a list of modules are found, and ep on them is refused with
+    what to change; without ep the same model plans (blocks are not taken for experts)."""
+    from autopar.capture import capture
+    from autopar.strategies.experts import expert_lists
+
+    model = torch.nn.Sequential(_ListExperts(), _ListExperts())
+    x = torch.randn(8, 4, 16)
+    assert expert_lists(capture(model, (x,))) == {"0.experts": 4, "1.experts": 4}
+    assert _message(lambda: autopar.plan(model, (x,), cluster=CLUSTER, dp=4, ep=2)) == (
+        "ep=2: the experts of '0.experts' are a list of 4 modules, each run on its own in "
+        "the forward; expert parallelism splits experts stacked in one module (one weight "
+        "of shape (experts, ...) per projection, as transformers 5's MoE layers and "
+        "autopar.examples.moe hold them). Stack them, or leave ep out: data, tensor and "
+        "pipeline parallelism still split these layers")
+    assert autopar.plan(model, (x,), cluster=CLUSTER, dp=4).mesh["dp"] == 4

@@ -178,3 +178,36 @@ def _routed(g: Graph, path: str, ops: list[OpNode], outputs: set[str],
     return ExpertModule(path, {}, {}, out[-1].name, -1, {f: 0 for f in fqns}, shapes[0][0],
                         kind="routed", tokens=hidden, top_k=k,
                         members=tuple(n.name for n in members))
+
+
+def expert_lists(g: Graph) -> dict[str, int]:
+    """Experts written as a list of modules (``nn.ModuleList`` run one by one in the
+    forward): module path of the list -> its length. A list qualifies when its members
+    (children named 0, 1, ...) hold parameters of the same names and shapes and no
+    member reads another's output (a list of repeated blocks is chained; experts all
+    read the layer's tokens). Expert parallelism cannot split such a list: its loop
+    sits in the parent's forward, where no module boundary lets tokens be exchanged."""
+    members: dict[str, dict[int, dict[str, tuple[int, ...]]]] = {}
+    for fqn, p in g.params.items():
+        parts = fqn.split(".")
+        for i in range(1, len(parts) - 1):
+            if parts[i].isdigit():
+                parent, rest = ".".join(parts[:i]), ".".join(parts[i + 1:])
+                members.setdefault(parent, {}).setdefault(int(parts[i]), {})[rest] = \
+                    tuple(p.meta.shape)
+    found = {}
+    for parent, by_index in members.items():
+        shapes = list(by_index.values())
+        if len(shapes) < 2 or any(s != shapes[0] for s in shapes):
+            continue
+        owner: dict[str, int] = {}
+        for n in g.nodes:
+            if n.kind == "op" and n.module_path.startswith(parent + "."):
+                head = n.module_path[len(parent) + 1:].split(".")[0]
+                if head.isdigit():
+                    owner[n.name] = int(head)
+        chained = any(owner.get(i, owner[op]) != owner[op]
+                      for op in owner for i in g.node(op).inputs)
+        if not chained:
+            found[parent] = len(by_index)
+    return found
