@@ -21,6 +21,11 @@ FlashAttention-2, Dao 2023)::
 
     python benchmarks/gpu_attention_long.py --out results/h100_attention_long.json
     python benchmarks/gpu_attention_long.py --tiny --out /tmp/att.json   # CPU check
+    python benchmarks/gpu_attention_long.py --reprice results/h100_attention_long.json
+
+``--reprice`` prices each measured case's calls again
+(:func:`autopar.cost_models.context_parallel.attention_call_s`, profile ``h100-sxm``)
+and prints measured against predicted, per case and per variant (no GPU needed).
 """
 
 from __future__ import annotations
@@ -110,16 +115,49 @@ def measure(seqs: list[int], cps: list[int], dev: str, reps: int) -> list[dict[s
     return rows
 
 
+def reprice(path: str, profile: str) -> dict[str, Any]:
+    """Measured against predicted seconds of every case of ``path`` (module docstring)."""
+    import autopar
+    from autopar.cost_models.context_parallel import attention_call_s
+
+    hw = autopar.Cluster(profile, 1, 1).hardware()
+    doc = json.loads(open(path).read())
+    out, by_variant = [], {}
+    for r in doc["rows"]:
+        pred = sum(sum(attention_call_s(hw, 1, h, kv, lq, lk, HEAD_DIM, c, "bf16"))
+                   for lq, lk, h, kv, c in r["calls"])
+        err = (pred / r["seconds"] - 1) * 100
+        variant = r["case"].split("/")[0]
+        by_variant.setdefault(variant, []).append(abs(err))
+        out.append({"case": r["case"], "seq": r["seq"], "measured_s": r["seconds"],
+                    "predicted_s": pred, "error_pct": err})
+        print(f"{r['case']:18s} S={r['seq']:7d} {r['seconds'] * 1e3:9.2f} ms  predicted "
+              f"{pred * 1e3:9.2f} ms ({err:+6.1f}%)")
+    mape = {v: statistics.fmean(e) for v, e in by_variant.items()}
+    print("MAPE per variant:", {v: round(m, 1) for v, m in mape.items()})
+    return {"data": path, "profile": profile, "mape_pct": mape, "cases": out}
+
+
 def main() -> int:
-    """Measure and write the JSON."""
+    """Measure and write the JSON (or reprice committed data)."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="JSON to write (required unless --reprice)")
+    ap.add_argument("--reprice", help="measurements to price again (no GPU)")
+    ap.add_argument("--profile", default="h100-sxm", help="hardware profile for --reprice")
     ap.add_argument("--seqs", default="8192,32768,131072")
     ap.add_argument("--cps", default="2,4,8")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="small sequences, to check on a CPU")
     args = ap.parse_args()
+    if args.reprice:
+        res = reprice(args.reprice, args.profile)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
+    if not args.out:
+        ap.error("--out is required unless --reprice")
     from autopar.cost_models.profiling.timing import provenance
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

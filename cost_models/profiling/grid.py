@@ -8,7 +8,8 @@ same structure with small shapes on a CPU. Shapes come from the models autopar p
   al. 2019), at 2048 and 8192 tokens per micro-batch;
 - the weight-gradient GEMMs of those layers (n × k output, inner dimension = tokens);
 - attention head_dim 64 / 128 and 8..64 heads over sequences 512..8192 with
-  8192 tokens per batch, and Llama 3 8B's grouped-query 32 heads / 8 KV heads;
+  8192 tokens per batch, and Llama 3 8B's grouped-query 32 heads / 8 KV heads, also
+  on one sequence of 16K-128K tokens (context parallelism's range);
 - memory-bound ops over 1 MiB..512 MiB tensors (beyond the 50 MB L2 of an H100),
   rows of hidden 4096, vocabularies 50304 (GPT-2 padded, nanoGPT) and 128256 (Llama 3).
 """
@@ -108,6 +109,12 @@ LLAMA_GPT = ((4096, 14336), (4096, 16384), (8192, 28672), (8192, 32768), (12288,
 """(hidden, FFN) pairs of the module docstring."""
 
 
+LONG_ATTENTION = [(1, 32, kv, s, 128, "bf16") for kv in (8, 32)
+                  for s in (16384, 32768, 65536, 131072)]
+"""Attention of one long sequence (Llama 3 8B's heads, grouped and not), 16K to 128K
+tokens: where context parallelism is planned."""
+
+
 def gpu_grid(quick: bool) -> Grid:
     """The GPU grid: a few hundred points in full mode, about a hundred in quick."""
     if quick:
@@ -130,6 +137,7 @@ def gpu_grid(quick: bool) -> Grid:
     attn = [(8192 // s, h, h, s, d, "bf16") for d in (64, 128) for h in (8, 16, 32, 64)
             for s in (512, 1024, 2048, 4096, 8192)]
     attn += [(8192 // s, 32, 8, s, 128, "bf16") for s in (1024, 2048, 4096, 8192)]
+    attn += LONG_ATTENTION
     attn += [(1, 32, 32, s, 128, "fp16") for s in (2048, 8192)]
     sizes = tuple(2**k for k in (19, 21, 23, 25, 27))  # 1 MiB .. 256 MiB in bf16
     return Grid(gemm=tuple(gemm), attention=tuple(attn),
