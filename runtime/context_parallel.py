@@ -1,14 +1,14 @@
 """Attention over sequences split across the ranks of a context-parallel group, on
 local tensors, differentiable, on gloo and NCCL: the layout (:func:`head_tail`,
-:func:`shard_sequence`, :func:`gather_sequence`) and two of the variants that
-``autopar.cost_models.context_parallel`` prices, :func:`allgather_attention` and
-:func:`ulysses_attention`, each equal to ``F.scaled_dot_product_attention`` over the
-whole sequence.
+:func:`shard_sequence`, :func:`gather_sequence`) and the three variants that
+``autopar.cost_models.context_parallel`` prices, :func:`allgather_attention`,
+:func:`ring_attention` and :func:`ulysses_attention`, each equal to
+``F.scaled_dot_product_attention`` over the whole sequence.
 
 Head-tail layout: the sequence is cut into 2·cp chunks and rank r holds chunks r and
 2cp-1-r, in that order, so that causal attention costs every rank the same. The
 collectives are ``torch.distributed._functional_collectives``' autograd forms (private;
-torch 2.11 to 2.13), isolated here. Why and how: docs/runtime.md, section
+torch 2.11 to 2.13) and point-to-point sends. Why and how: docs/runtime.md, section
 ``autopar.runtime.context_parallel``.
 """
 
@@ -23,7 +23,7 @@ from torch.nn.attention.bias import causal_lower_right
 from autopar.errors import LoweringError
 
 __all__ = ["head_tail", "shard_sequence", "gather_sequence", "allgather_attention",
-           "ulysses_attention"]
+           "ulysses_attention", "ring_attention"]
 
 
 def head_tail(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -124,3 +124,75 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, **gqa)
     return _sequence_to_heads(out, group)
+
+
+class _RingPass(torch.autograd.Function):
+    """Forward: send ``x`` to the next rank of the ring and receive the previous rank's;
+    backward: the gradient goes the other way round."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: D102
+        ctx.group = group
+        return _shift(x.contiguous(), group, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return _shift(grad.contiguous(), ctx.group, -1), None
+
+
+def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
+    """``x`` sent ``step`` ranks on around the ring; what comes from ``step`` ranks back."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, dist.get_global_rank(group, (rank + step) % cp), group),
+           dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (rank - step) % cp), group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return out
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` on one key block, written out (scores, softmax, values) so its
+    log-sum-exp is at hand: (output, log-sum-exp per query). Masked pairs score a large
+    negative number, not -inf, so a fully masked query row weighs nothing in the merge
+    and has no NaN gradient."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -1e30)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   group: dist.ProcessGroup, is_causal: bool = True) -> torch.Tensor:
+    """Attention of this rank's tokens (batch, heads, local, dim; head-tail) by ring
+    exchange: in ``cp`` steps each rank attends to the key/value block in hand and
+    passes it on, and the blocks' results are merged by their log-sum-exp. Written
+    with plain operators (a reference form: a flash kernel that returns the
+    log-sum-exp is the fast one); key/value heads fewer than the query heads are
+    repeated to them."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    seq = q.shape[2] * cp
+    mine = head_tail(seq, cp, rank).to(q.device)
+    kv = torch.stack((k, v))
+    out = lse = None
+    for step in range(cp):
+        src = (rank - step) % cp
+        mask = None
+        if is_causal:
+            theirs = head_tail(seq, cp, src).to(q.device)
+            mask = mine[:, None] >= theirs[None, :]
+        o, s = _block(q, kv[0], kv[1], mask)
+        if out is None:
+            out, lse = o, s
+        else:
+            total = torch.logaddexp(lse, s)
+            out = torch.exp(lse - total) * out + torch.exp(s - total) * o
+            lse = total
+        if step < cp - 1:
+            kv = _RingPass.apply(kv, group)
+    return out

@@ -1,7 +1,7 @@
 """Context parallelism's attention variants on gloo ranks equal attention over the whole
 sequence, forward and backward: each rank holds its head-tail share of q, k and v,
-runs :func:`~autopar.runtime.context_parallel.allgather_attention` or
-:func:`~autopar.runtime.context_parallel.ulysses_attention`, and its output and the
+runs one of the variants of :mod:`autopar.runtime.context_parallel` (all-gather,
+ring, Ulysses), and its output and the
 gradients of its share match a single-process ``scaled_dot_product_attention`` (fp64),
 with and without causal masking, for grouped-query and multi-head attention."""
 
@@ -14,10 +14,13 @@ import torch.nn.functional as F
 
 from autopar.errors import LoweringError
 from autopar.runtime.context_parallel import (allgather_attention, gather_sequence, head_tail,
-                                              shard_sequence, ulysses_attention)
+                                              ring_attention, shard_sequence,
+                                              ulysses_attention)
 from tests.dist_utils import RankPool
 
-CASES = [(variant, kv, causal) for variant in ("allgather", "ulysses") for kv in (4, 2)
+VARIANTS = {"allgather": allgather_attention, "ring": ring_attention,
+            "ulysses": ulysses_attention}
+CASES = [(variant, kv, causal) for variant in VARIANTS for kv in (4, 2)
          for causal in (True, False)]
 
 
@@ -33,8 +36,7 @@ def largest_errors(cases: list[tuple[str, int, bool]]) -> list[float]:
         ref = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=kv != 4)
         (ref * w).sum().backward()
         mine = [shard_sequence(t, 2, cp, rank).requires_grad_(True) for t in (q, k, v)]
-        fn = allgather_attention if variant == "allgather" else ulysses_attention
-        got = fn(*mine, group, is_causal=causal)
+        got = VARIANTS[variant](*mine, group, is_causal=causal)
         (got * shard_sequence(w, 2, cp, rank)).sum().backward()
         errs = [(got - shard_sequence(ref, 2, cp, rank)).abs().max()]
         errs += [(m.grad - shard_sequence(t.grad, 2, cp, rank)).abs().max()
