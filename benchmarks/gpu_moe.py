@@ -10,9 +10,9 @@ experts stacked in one module) built with ``E / ep`` experts, no communication:
 - ``mixtral-8x7b/ep{1,2,4}``: Mixtral 8x7B's block (h 4096, FFN 14336, 8 experts,
   top-2; Mistral AI's release config) with 8, 4 and 2 experts;
 - ``deepseek-v3/ep{8,16}``: DeepSeek-V3's fine-grained experts (h 7168, expert FFN
-  2048, 256 routed experts, top-8, one shared expert of FFN 2048; DeepSeek-AI 2024,
-  Table/config) as Qwen2-MoE's block (softmax router, shared expert with a sigmoid
-  gate) with 32 and 16 experts.
+  2048, 256 routed experts, top-8, one shared expert of FFN 2048; the DeepSeek-V3
+  release config, DeepSeek-AI 2024) as Qwen2-MoE's block (softmax router, shared
+  expert with a sigmoid gate) with 32 and 16 experts.
 
 Each case runs under autopar's runtime on one device (bf16 autocast over fp32
 parameters), timed as ``gpu_layers.py`` times a layer; the router (gate linear, softmax,
