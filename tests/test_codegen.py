@@ -91,10 +91,10 @@ def reference_losses(cases: list[tuple[str, dict, str, float, int]], data: str) 
     return out
 
 
-def torchrun_output(program: Path, *args: str) -> str:
-    """Run ``program`` on 4 gloo processes; return what they printed."""
+def torchrun_output(program: Path, *args: str, nproc: int = 4) -> str:
+    """Run ``program`` on ``nproc`` gloo processes; return what they printed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), str(program), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -106,9 +106,9 @@ def printed_losses(stdout: str) -> list[float]:
     return [float(v) for v in re.findall(r"^step \d+ loss (\S+)", stdout, re.M)]
 
 
-def torchrun(program: Path, *args: str) -> list[float]:
-    """Run ``program`` on 4 gloo processes; return the losses rank 0 printed."""
-    return printed_losses(torchrun_output(program, *args))
+def torchrun(program: Path, *args: str, nproc: int = 4) -> list[float]:
+    """Run ``program`` on ``nproc`` gloo processes; return the losses rank 0 printed."""
+    return printed_losses(torchrun_output(program, *args, nproc=nproc))
 
 
 def emit_to(tmp: Path, name: str, plan: Plan, factory: str) -> Path:
