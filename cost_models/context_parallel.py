@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import OpShapes, backward_factors, op_time
 from autopar.cost_models.hardware import HardwareProfile, LinkSpec
+from autopar.cost_models.tables import ELEMENT_BYTES
 from autopar.errors import ConfigError
 
 __all__ = ["VARIANTS", "AttentionShape", "CPAttentionCost", "attention_call_s",
@@ -30,7 +31,6 @@ VARIANTS = ("allgather", "ring", "ulysses")
 """The context-parallel attention variants (module docstring)."""
 
 SDPA = "aten.scaled_dot_product_attention.default"
-_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class AttentionShape:
     @property
     def element_bytes(self) -> int:
         """Bytes per element of q, k, v."""
-        return _BYTES.get(self.dtype, 4)
+        return ELEMENT_BYTES.get(self.dtype, 4)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def attention_call_s(hw: HardwareProfile, batch: int, heads: int, kv_heads: int,
     2.5x that backward."""
     pairs = q_len * k_len - (q_len * q_len / 2.0 if causal else 0.0)
     flops = 4.0 * batch * heads * head_dim * pairs
-    b = _BYTES.get(dtype, 4)
+    b = ELEMENT_BYTES.get(dtype, 4)
     nbytes = b * batch * head_dim * (2 * heads * q_len + 2 * kv_heads * k_len)
     shapes = OpShapes(SDPA, ((batch, heads, q_len, head_dim), (batch, kv_heads, k_len, head_dim),
                              (batch, kv_heads, k_len, head_dim)),

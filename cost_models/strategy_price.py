@@ -85,12 +85,13 @@ class StrategyPricer(ParamPricer):
         if terms.gathered is not None:
             mem["gathered"] = terms.gathered
         out_comm = self.output_comm(n, ns.raw_out, ns.out)
-        a2a = self.routed_exchange(n, ns)
+        routed = self.routed_exchange(n, ns)
+        a2a = routed
         ep = self.ep_axis
         if ep is not None and ns.out[ep] != ns.raw_out[ep]:  # an expert module's tokens
             a2a += out_comm - self.output_comm(n, ns.raw_out,  # sent back over ep
                                                with_axis(ns.out, ns.raw_out, ep))
-        comm = out_comm + terms.tp + self._grad_sum(n, ns) + self.routed_exchange(n, ns)
+        comm = out_comm + terms.tp + self._grad_sum(n, ns) + routed
         return StrategyPrice(op, terms, comm, mem, a2a)
 
     def routed_exchange(self, n: OpNode, ns: NodeStrategy) -> float:
