@@ -43,10 +43,20 @@ def shard_sequence(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tenso
     return x.index_select(dim, head_tail(x.shape[dim], cp, rank).to(x.device))
 
 
+def _pieces(seq: int, cp: int) -> torch.Tensor:
+    """The positions of the ranks' head-tail pieces laid end to end, rank 0 first."""
+    return torch.cat([head_tail(seq, cp, r) for r in range(cp)])
+
+
 def _natural(seq: int, cp: int) -> torch.Tensor:
     """Where each position sits in the ranks' head-tail pieces laid end to end."""
-    order = torch.cat([head_tail(seq, cp, r) for r in range(cp)])
-    return torch.argsort(order)
+    return torch.argsort(_pieces(seq, cp))
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key/value heads (dim 1) repeated to ``heads``, each group's queries beside their
+    head, as grouped-query attention pairs them."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], 1)
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -76,9 +86,8 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         end = (chunk + 1) * c
         qc = q[:, :, part * c:(part + 1) * c]
         kc, vc = kw[:, :, :end], vw[:, :, :end]
-        if gqa:  # a bottom-right mask and grouped heads: expand the keys' heads
-            kc = kc.repeat_interleave(q.shape[1] // k.shape[1], 1)
-            vc = vc.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        # a bottom-right mask and grouped heads: expand the keys' heads
+        kc, vc = _repeat_heads(kc, q.shape[1]), _repeat_heads(vc, q.shape[1])
         outs.append(F.scaled_dot_product_attention(qc, kc, vc,
                                                    attn_mask=causal_lower_right(c, end)))
     return torch.cat(outs, dim=2)
@@ -99,8 +108,7 @@ def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     """The inverse of :func:`_heads_to_sequence`."""
     cp = dist.get_world_size(group)
     b, hl, seq, d = x.shape
-    order = torch.cat([head_tail(seq, cp, r) for r in range(cp)]).to(x.device)
-    pieces = x.index_select(2, order).reshape(b, hl, cp, seq // cp, d)
+    pieces = x.index_select(2, _pieces(seq, cp).to(x.device)).reshape(b, hl, cp, seq // cp, d)
     send = pieces.permute(2, 0, 1, 3, 4).contiguous()  # (cp: destination, b, h/cp, s, d)
     got = fc.all_to_all_single_autograd(send, None, None, group)
     return got.transpose(0, 1).reshape(b, cp * hl, seq // cp, d)
@@ -118,8 +126,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             f"which does not divide them; use the all-gather variant or a "
                             f"cp that divides the heads")
     if k.shape[1] % cp:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
     qh, kh, vh = (_heads_to_sequence(t, group) for t in (q, k, v))
     gqa = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, **gqa)
@@ -173,9 +180,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     log-sum-exp is the fast one); key/value heads fewer than the query heads are
     repeated to them."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
     seq = q.shape[2] * cp
     mine = head_tail(seq, cp, rank).to(q.device)
     kv = torch.stack((k, v))
