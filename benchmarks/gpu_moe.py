@@ -135,32 +135,22 @@ def predicted_parts(case: MoECase, gpu: str) -> dict[str, dict[str, float]]:
     for the router timed alone, where each op takes the longer of its host and device
     times (``autopar.cost_models.compute``)."""
     import autopar
-    from autopar.capture import capture
     from autopar.cost_models.host import op_host_time, op_kind
-    from autopar.sharding import Mesh
-    from autopar.solvers.problem_build import build_problem
-    from autopar.strategies.analysis import analyze
-    from autopar.strategies.settings import Settings
+    from layer_accuracy import node_prices
 
     model, x, y = build(case)
-    graph = capture(model, (x,), loss_fn=mse_loss, example_targets=y)
     hw = autopar.Cluster(gpu, 1, 1).hardware()
     precision = "fp32" if gpu == "cpu" else "bf16"
-    st = Settings(Mesh(("dp", "tp"), (1, 1)), case.batch, 1, 0, precision, "adamw",
-                  float("inf"), hw, 1, recompute_modes=("none",))
-    built = build_problem(analyze(graph), st)
     out = {p: {"gemm": 0.0, "memory": 0.0} for p in ("router", "experts", "other")}
     alone = 0.0
-    for choice in built.problem.nodes:
-        n = graph.node(choice.name)
+    for n, cost, mult in node_prices(model, x, y, case.batch, hw, precision=precision):
         path = n.module_path or ""
         part = ("router" if ".gate" in path and "shared_expert_gate" not in path
                 else "experts" if ".experts" in path else "other")
         term = "gemm" if op_kind(n.target, n.flops, n.bytes) in ("matmul", "attention") \
             else "memory"
-        cost = choice.strategies[0]
-        out[part][term] += cost.compute_s * choice.multiplicity
-        out[part]["memory"] += cost.param_copy_s * choice.multiplicity
+        out[part][term] += cost.compute_s * mult
+        out[part]["memory"] += cost.param_copy_s * mult
         if part == "router":
             fwd, bwd = op_host_time(hw, n.target, n.flops, n.bytes, n.requires_grad)
             alone += max(cost.compute_s, fwd + bwd)

@@ -54,31 +54,40 @@ def measured_terms(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def predicted_terms(case: LayerCase, profile: str, plan: Any) -> dict[str, float]:
-    """Seconds per term by the planner's per-node prices on one device."""
-    import autopar
+def node_prices(model: Any, x: Any, y: Any, batch: int, hw: Any, *, zero: int = 0,
+                precision: str = "bf16", optimizer: str = "adamw",
+                recompute: str = "none") -> list[tuple[Any, Any, float]]:
+    """(op node, its price, multiplicity) of every op of ``model`` as the planner prices
+    it on one device (:func:`autopar.solvers.problem_build.build_problem`, the op's
+    first strategy), with ``mse_loss`` against ``y``."""
     from autopar.capture import capture
-    from autopar.cost_models.host import op_kind
     from autopar.sharding import Mesh
     from autopar.strategies.analysis import analyze
     from autopar.solvers.problem_build import build_problem
     from autopar.strategies.settings import Settings
 
-    model, x, y = build(case)
     graph = capture(model, (x,), loss_fn=mse_loss, example_targets=y)
-    hw = autopar.Cluster(profile, 1, 1).hardware()
-    st = Settings(Mesh(("dp", "tp"), (1, 1)), case.batch, 1, plan.zero, plan.precision,
-                  plan.optimizer, float("inf"), hw, 1,
-                  recompute_modes=(case.recompute,))
+    st = Settings(Mesh(("dp", "tp"), (1, 1)), batch, 1, zero, precision, optimizer,
+                  float("inf"), hw, 1, recompute_modes=(recompute,))
     built = build_problem(analyze(graph), st)
+    return [(graph.node(c.name), c.strategies[0], c.multiplicity) for c in built.problem.nodes]
+
+
+def predicted_terms(case: LayerCase, profile: str, plan: Any) -> dict[str, float]:
+    """Seconds per term by the planner's per-node prices on one device."""
+    import autopar
+    from autopar.cost_models.host import op_kind
+
+    model, x, y = build(case)
+    hw = autopar.Cluster(profile, 1, 1).hardware()
     out = dict.fromkeys(TERMS, 0.0)
-    for choice in built.problem.nodes:
-        n = graph.node(choice.name)
-        cost = choice.strategies[0]
+    for n, cost, mult in node_prices(model, x, y, case.batch, hw, zero=plan.zero,
+                                     precision=plan.precision, optimizer=plan.optimizer,
+                                     recompute=case.recompute):
         kind = op_kind(n.target, n.flops, n.bytes)
         term = {"matmul": "gemm", "attention": "attention"}.get(kind, "memory")
-        out[term] += cost.compute_s * choice.multiplicity
-        out["memory"] += cost.param_copy_s * choice.multiplicity
+        out[term] += cost.compute_s * mult
+        out["memory"] += cost.param_copy_s * mult
     out["host"] = plan.breakdown.get("exposed_host_s", 0.0)
     return out
 
