@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cluster import Cluster
-from autopar.errors import AutoparError, ConfigError
+from autopar.errors import AutoparError, ConfigError, NoFeasiblePlanError
 from autopar.spec import Spec, check_choice, split_space
 
 if TYPE_CHECKING:
@@ -175,6 +175,25 @@ def _experts(an, ep: int | None) -> int:
     return common
 
 
+def _cp_variants(an, spec: Spec) -> tuple[str, ...]:
+    """The context-parallel variants the search may try on the analysed graph: all,
+    or none where the sequence cannot be split (ConfigError naming where, when ``cp``
+    > 1 was asked for, or a sequence 2·cp does not divide)."""
+    from autopar.cost_models.context_parallel import VARIANTS
+
+    seq = an.sequence
+    asked = spec.cp is not None and spec.cp > 1
+    if seq is None or not seq.splittable:
+        if asked:
+            raise ConfigError(f"cp={spec.cp}: {seq.refusal if seq else 'no sequence'}")
+        return ()
+    if asked and seq.length % (2 * spec.cp):
+        raise ConfigError(f"cp={spec.cp} cuts each sequence into {2 * spec.cp} head-tail "
+                          f"chunks (equal causal work per rank), which do not divide "
+                          f"{seq.length} tokens; choose a cp that divides {seq.length // 2}")
+    return VARIANTS
+
+
 def _check_pipeline_depth(pp: int | None, num_blocks: int) -> None:
     """Pipelining needs a pipeline unit per stage: the repeated blocks and what comes
     before and after them."""
@@ -255,7 +274,9 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                        schedule=spec.schedule, virtual_stages=spec.virtual_stages,
                        num_units=len(graph.layers) + 2 if graph.layers else 1,
                        heads=_heads(graph), ep=spec.ep, experts=_experts(an, spec.ep),
-                       expert_imbalance=float(expert_imbalance))
+                       expert_imbalance=float(expert_imbalance), cp=spec.cp,
+                       seq_len=graph.seq_len or 0, cp_variants=_cp_variants(an, spec),
+                       cp_variant=spec.cp_variant)
     if not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k={top_k!r}: expected a positive integer (1 = the best plan "
                           f"only)")
@@ -272,7 +293,16 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                       offload=spec.offload, time_limit_s=time_limit_s, top_k=top_k,
                       progress=progress)
 
-    res = run(cands)
+    try:
+        res = run(cands)
+    except NoFeasiblePlanError as e:
+        if spec.cp == 1 and an.sequence is not None and an.sequence.splittable:
+            more = NoFeasiblePlanError(f"{e} Context parallelism (leave cp out, or cp > 1) "
+                                       f"would split each sequence's activations over cp "
+                                       f"ranks.")
+            more.least_bytes = getattr(e, "least_bytes", None)
+            raise more from None
+        raise
     # whether the runtime can cut the model into stages is asked only of a search that
     # kept a pipeline (a second export): one it cannot cut is searched again without
     if not asked and any(r.candidate is not None and r.candidate.pp > 1
@@ -299,6 +329,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     plan.inputs = _input_specs(example_inputs, gb)
     if pp_note:
         plan.notes.append(pp_note)
+    if plan.context is not None and spec.cp is None and res.passed_over:
+        plan.notes.append(f"context parallelism, because without it {res.passed_over[-1]}")
     if "gap" in plan.solver:
         plan.notes.append(f"the search stopped at its time limit of {time_limit_s} s; "
                           f"no plan it did not try can be more than "

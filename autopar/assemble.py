@@ -7,7 +7,7 @@ MFU."""
 from __future__ import annotations
 
 from autopar.graph import Graph
-from autopar.plans import ExpertPlan, ModulePlan, PipelinePlan, Plan, StagePlan
+from autopar.plans import ContextPlan, ExpertPlan, ModulePlan, PipelinePlan, Plan, StagePlan
 from autopar.sharding import DATA_AXES, shard_dim
 from autopar.solvers.intra_op_ilp import Solution
 from autopar.solvers.pipelined_candidate import PipelineOutcome, pipeline_terms
@@ -100,7 +100,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
             continue  # buffers are not placed: each rank keeps its own copy
         pl = list(chosen[op].ins[pos])
         for a, name in enumerate(mesh.names):
-            if name in DATA_AXES and st.zero == 3 and mesh.sizes[a] > 1 and \
+            if (name in DATA_AXES or name == "cp") and st.zero == 3 and mesh.sizes[a] > 1 and \
                     not (name == "ep" and fqn in split):
                 pl[a] = "S(0)"
             if name == "ep" and fqn in routed:
@@ -135,7 +135,21 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         modules=modules, blocks=blocks, step_time_s=ev.step_time_s, breakdown=breakdown,
         memory=memory, throughput=global_batch / ev.step_time_s if ev.step_time_s else 0.0,
         mfu=mfu, solver=dict(sol.stats), notes=[], recompute=recompute, offload=st.offload,
-        loss_reduction=loss_reduction(g), experts=experts)
+        loss_reduction=loss_reduction(g), experts=experts,
+        context=context_plan(an, st, per_node))
+
+
+def context_plan(an: GraphAnalysis, st, per_node: dict[str, float]) -> ContextPlan | None:
+    """The plan's :class:`ContextPlan` under settings ``st`` (None without a ``cp``
+    axis), its attention time from ``per_node`` (seconds per micro-batch by node)."""
+    mesh = st.mesh
+    if "cp" not in mesh.names or mesh.sizes[mesh.names.index("cp")] == 1:
+        return None
+    seq = an.sequence
+    inputs = [seq.inputs.get(name) for name in an.graph.inputs]
+    attention = sum(per_node.get(name, 0.0) for name in seq.attention)
+    return ContextPlan(st.cp_variant, seq.length, inputs, all(seq.attention.values()),
+                       attention * st.num_microbatches)
 
 
 def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy],

@@ -76,7 +76,10 @@ def _add_spec_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--dp", type=int, help="data-parallel degree")
     g.add_argument("--tp", type=int, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, help="pipeline-parallel degree")
-    g.add_argument("--cp", type=int, help="context-parallel degree (not implemented yet: 1)")
+    g.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over "
+                   "cp ranks")
+    g.add_argument("--cp-variant", metavar="{allgather,ring,ulysses}",
+                   help="how attention reaches the keys of the other cp ranks")
     g.add_argument("--ep", type=int, help="expert-parallel degree: the experts split over ep "
                    "of the dp ranks (ep divides dp)")
     g.add_argument("--microbatch-size", "--microbatch", type=int, dest="microbatch_size",

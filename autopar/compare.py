@@ -189,7 +189,8 @@ def _layout(spec: Spec, planned: Plan) -> list[tuple[str, Callable[[Plan], str],
     """(label, the text of a plan's value, the Spec's value as :func:`autopar.estimate`
     scores it, as text)."""
     s = spec.for_estimate(planned.world_size, planned.global_batch)
-    mesh = ({"pp": s.pp} if s.pp > 1 else {}) | {"dp": s.dp, "tp": s.tp}
+    mesh = ({"pp": s.pp} if s.pp > 1 else {}) | {"dp": s.dp} | \
+        ({"cp": s.cp} if s.cp > 1 else {}) | {"tp": s.tp}
     v = s.virtual_stages or 1
     sched = "none" if s.pp == 1 else s.schedule + (f", {v} virtual stages" if v > 1 else "")
     return [

@@ -23,7 +23,7 @@ from autopar.errors import PlanFormatError
 from autopar.memory_choices import RECOMPUTE, SELECTIVE_SAVE_OPS, fsdp_unit
 
 __all__ = ["PLAN_FORMAT_VERSION", "READABLE_VERSIONS", "TP_STYLES", "SCHEDULES", "RECOMPUTE",
-           "SELECTIVE_SAVE_OPS", "fsdp_unit", "ModulePlan", "ExpertPlan", "StagePlan", "PipelinePlan", "Plan"]
+           "SELECTIVE_SAVE_OPS", "fsdp_unit", "ModulePlan", "ExpertPlan", "ContextPlan", "StagePlan", "PipelinePlan", "Plan"]
 
 PLAN_FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 plans (no pipeline) read as version 2 with pipeline=None
@@ -119,6 +119,30 @@ class StagePlan:
 
 
 @dataclass
+class ContextPlan:
+    """Context parallelism over the mesh axis ``cp``: every sequence split over its
+    ranks in head-tail chunks (rank r holds chunks r and 2cp-1-r of 2cp, so causal
+    attention costs each the same), attention replaced by ``variant``.
+
+    Attributes:
+        variant: "allgather", "ring" or "ulysses"
+            (:mod:`autopar.runtime.context_parallel`).
+        seq_len: tokens per sequence the plan was made for.
+        inputs: the sequence dim of each graph input (the model's inputs, then the
+            targets), None for one without a sequence: the runtime splits these.
+        causal: whether the model's attention is causal.
+        attention_s: predicted seconds per step of attention with the variant's exposed
+            communication, on one rank.
+    """
+
+    variant: str
+    seq_len: int
+    inputs: list[int | None] = field(default_factory=list)
+    causal: bool = True
+    attention_s: float = 0.0
+
+
+@dataclass
 class PipelinePlan:
     """Pipeline parallelism over the mesh axis ``pp``.
 
@@ -192,6 +216,8 @@ class Plan:
             "int64"}``: a pipeline's stages are exported for these shapes.
         experts: module path -> :class:`ExpertPlan`, for the expert modules split over
             the ``ep`` axis (empty without expert parallelism).
+        context: context parallelism over the ``cp`` axis (:class:`ContextPlan`), or
+            None without it.
         loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``
             (:func:`autopar.strategies.rules.loss_reduction`); the runtime scales a
             summed loss so that averaging over ranks and micro-batches keeps the sum.
@@ -226,6 +252,7 @@ class Plan:
     inputs: list[dict[str, Any]] = field(default_factory=list)
     loss_reduction: str = "mean"
     experts: dict[str, ExpertPlan] = field(default_factory=dict)
+    context: ContextPlan | None = None
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -291,6 +318,8 @@ class Plan:
         try:
             data["modules"] = {k: ModulePlan(**v) for k, v in data.get("modules", {}).items()}
             data["experts"] = {k: ExpertPlan(**v) for k, v in data.get("experts", {}).items()}
+            if data.get("context") is not None:
+                data["context"] = ContextPlan(**data["context"])
             pipe = data.get("pipeline")
             if pipe is not None:
                 pipe = dict(pipe)
@@ -343,6 +372,9 @@ def _check_plan(plan: Plan) -> None:
     if plan.microbatch_size < 1 or plan.num_microbatches < 1:
         raise PlanFormatError("microbatch_size and num_microbatches must be positive")
     _check_pipeline(plan)
+    if (plan.degree("cp") > 1) != (plan.context is not None):
+        raise PlanFormatError(f"the mesh has cp={plan.degree('cp')} but the plan "
+                              f"{'has no' if plan.context is None else 'has a'} context section")
 
 
 def _check_pipeline(plan: Plan) -> None:

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 from autopar.errors import ConfigError, PlanFormatError
 
-__all__ = ["DATA_AXES", "data_parallel_degree", "Mesh", "layout_name", "check_placement", "shard_dim", "shard_pieces",
+__all__ = ["DATA_AXES", "data_parallel_degree", "replica_degree", "Mesh", "layout_name", "check_placement", "shard_dim", "shard_pieces",
            "shard_placement"]
 
 
@@ -88,6 +88,13 @@ def data_parallel_degree(mesh: Mesh) -> int:
     for name, size in zip(mesh.names, mesh.sizes):
         n *= size if name in DATA_AXES else 1
     return n
+
+
+def replica_degree(mesh: Mesh) -> int:
+    """How many ranks hold a replica of a (non-expert) parameter: the data axes' and
+    the context-parallel axis's (``cp`` runs the same parameters on other tokens)."""
+    cp = mesh.sizes[mesh.names.index("cp")] if "cp" in mesh.names else 1
+    return data_parallel_degree(mesh) * cp
 
 
 def shard_placement(dim: int, pieces: int = 1) -> str:

@@ -14,6 +14,7 @@ import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from autopar.cost_models.context_parallel import VARIANTS as CP_VARIANTS
 from autopar.errors import ConfigError
 from autopar.memory_choices import RECOMPUTE
 from autopar.plans import SCHEDULES
@@ -23,14 +24,8 @@ __all__ = ["Spec", "SEARCH_OPTIONS", "split_space", "check_choice", "default_mic
 SEARCH_OPTIONS = ("time_limit_s", "top_k", "progress")
 """Keywords of :func:`autopar.plan` that steer the search rather than name a choice."""
 
-COUNTS = ("dp", "tp", "pp", "ep", "microbatch_size", "virtual_stages")
+COUNTS = ("dp", "tp", "pp", "cp", "ep", "microbatch_size", "virtual_stages")
 """The fields that are positive integers."""
-
-NOT_IMPLEMENTED = {
-    "cp": ("context parallelism",
-           "to fit long sequences, use tp with sequence_parallel=True, and recompute"),
-}
-"""Degrees that keep their names but are not planned yet: (what, what to use instead)."""
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> Any:
@@ -54,8 +49,11 @@ class Spec:
         ep: expert-parallel degree: the experts of each mixture-of-experts layer split
             over ``ep`` of the ``dp`` ranks (ep divides dp, as Megatron's expert
             parallelism; the rest of the model stays data-parallel over all dp).
-        cp: context-parallel degree: not implemented yet, so only None or 1 (any other
-            value raises ConfigError saying what to use instead).
+        cp: context-parallel degree: every sequence split over ``cp`` ranks (head-tail
+            chunks, so 2·cp divides the sequence), attention bringing the keys by
+            ``cp_variant``; the parameters are replicated (or ZeRO-sharded) over dp × cp.
+        cp_variant: how attention reaches the other ranks' keys under cp, one of
+            "allgather", "ring", "ulysses" (:mod:`autopar.cost_models.context_parallel`).
         microbatch_size: samples per forward/backward pass on one data-parallel rank.
         schedule: the pipeline schedule, one of :data:`autopar.plans.SCHEDULES`.
         virtual_stages: model chunks per pipeline rank (None: 1, or 2 for "zbv").
@@ -71,6 +69,7 @@ class Spec:
     pp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    cp_variant: str | None = None
     microbatch_size: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -81,17 +80,10 @@ class Spec:
 
     def __post_init__(self) -> None:
         """Check every field given (the one place they are checked)."""
-        for name in COUNTS + ("zero", "cp"):
+        for name in COUNTS + ("zero",):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _integer(name, value))
-        for name, (what, instead) in NOT_IMPLEMENTED.items():
-            value = getattr(self, name)
-            if value not in (None, 1):
-                raise ConfigError(f"{name}={value}: {what} is not implemented yet; autopar "
-                                  f"plans data (dp, zero), tensor (tp, sequence_parallel), "
-                                  f"expert (ep) and pipeline (pp) parallelism. Leave {name} "
-                                  f"out (or 1): {instead}")
         for name in COUNTS:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -102,6 +94,11 @@ class Spec:
             check_choice("schedule", self.schedule, SCHEDULES)
         if self.recompute is not None:
             check_choice("recompute", self.recompute, RECOMPUTE)
+        if self.cp_variant is not None:
+            check_choice("cp_variant", self.cp_variant, CP_VARIANTS)
+        if self.cp is not None and self.ep is not None and self.cp > 1 and self.ep > 1:
+            raise ConfigError(f"cp={self.cp} with ep={self.ep}: context and expert "
+                              f"parallelism are not planned together yet; choose one")
         for name in ("sequence_parallel", "offload"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected True or False")
@@ -120,23 +117,25 @@ class Spec:
 
     def for_estimate(self, world: int, global_batch: int) -> Spec:
         """The configuration :func:`autopar.estimate` scores on ``world`` devices: ``tp``,
-        ``pp`` and ``ep`` left out are 1, ``dp`` fills the world, ``microbatch_size`` is
-        :func:`default_microbatch`, ``schedule`` (with ``pp`` > 1) is "1f1b", ``zero``
-        0, ``sequence_parallel`` (with ``tp`` > 1) and ``offload`` False; ``recompute``
+        ``pp``, ``cp`` and ``ep`` left out are 1, ``dp`` fills the world,
+        ``microbatch_size`` is :func:`default_microbatch`, ``schedule`` (with ``pp`` >
+        1) is "1f1b", ``cp_variant`` (with ``cp`` > 1) "allgather", ``zero`` 0,
+        ``sequence_parallel`` (with ``tp`` > 1) and ``offload`` False; ``recompute``
         and ``virtual_stages`` left out stay the solver's.
 
         Raises:
             ConfigError: the degrees do not multiply to ``world``, ``dp`` does not
                 divide ``global_batch``, or ``ep`` does not divide ``dp``.
         """
-        tp, pp = self.tp or 1, self.pp or 1
-        if world % (tp * pp):
-            raise ConfigError(f"tp={tp} x pp={pp} does not divide the {world} devices of "
-                              f"the cluster")
-        dp = self.dp if self.dp is not None else world // (tp * pp)
-        if dp * tp * pp != world:
-            raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} uses {dp * tp * pp} devices but "
-                              f"the cluster has {world}")
+        tp, pp, cp = self.tp or 1, self.pp or 1, self.cp or 1
+        model = tp * pp * cp
+        if world % model:
+            raise ConfigError(f"tp={tp} x pp={pp} x cp={cp} does not divide the {world} "
+                              f"devices of the cluster")
+        dp = self.dp if self.dp is not None else world // model
+        if dp * model != world:
+            raise ConfigError(f"dp={dp} x tp={tp} x pp={pp} x cp={cp} uses {dp * model} "
+                              f"devices but the cluster has {world}")
         if global_batch % dp:
             raise ConfigError(f"the global batch {global_batch} is not divisible by dp={dp}")
         ep = self.ep or 1
@@ -144,8 +143,9 @@ class Spec:
             raise ConfigError(f"ep={ep} does not divide dp={dp}: the experts are split over "
                               f"ep of the data-parallel ranks; choose an ep that divides dp")
         mb = self.microbatch_size or default_microbatch(global_batch // dp, pp)
-        return replace(self, dp=dp, tp=tp, pp=pp, ep=ep, microbatch_size=mb,
+        return replace(self, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatch_size=mb,
                        schedule=(self.schedule or "1f1b") if pp > 1 else self.schedule,
+                       cp_variant=(self.cp_variant or "allgather") if cp > 1 else None,
                        zero=self.zero or 0, offload=bool(self.offload),
                        sequence_parallel=bool(self.sequence_parallel) if tp > 1 else None)
 

@@ -168,6 +168,7 @@ def plan_summary(plan: Plan) -> str:
         f"recompute {recompute_text(plan)}",
         f"tensor p. {'tp=' + str(plan.degree('tp')) if plan.degree('tp') > 1 else 'none'}"
         f"{', sequence parallel' if plan.sequence_parallel else ''}",
+        *_context_lines(plan),
         f"precision {plan.precision}, optimizer {plan.optimizer}",
         "",
         f"predicted step time  {fmt_time(plan.step_time_s)}   throughput "
@@ -202,6 +203,25 @@ def plan_summary(plan: Plan) -> str:
     for note in plan.notes:
         lines.append(f"note      {note}")
     return "\n".join(lines)
+
+
+CP_VARIANT_TEXT = {
+    "allgather": "keys and values all-gathered before attention, their gradients "
+                 "reduce-scattered",
+    "ring": "key/value blocks passed around the ring, each behind the attention of the last",
+    "ulysses": "all-to-all from sequence to head shards and back (Ulysses)",
+}
+"""How each context-parallel variant reaches the other ranks' keys, for the summary."""
+
+
+def _context_lines(plan: Plan) -> list[str]:
+    """The context-parallelism line: the degree, the variant, the tokens per rank."""
+    cx, cp = plan.context, plan.degree("cp")
+    if cx is None:
+        return []
+    return [f"context p. cp={cp}, {cx.variant}: {CP_VARIANT_TEXT.get(cx.variant, '')}",
+            f"          each sequence of {cx.seq_len:,} tokens in {2 * cp} head-tail chunks, "
+            f"{cx.seq_len // cp:,} per rank; attention {fmt_time(cx.attention_s)} of the step"]
 
 
 def _runners_up_lines(plan: Plan) -> list[str]:

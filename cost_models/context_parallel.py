@@ -66,6 +66,7 @@ class CPAttentionCost:
     comm_s: float
     exposed_s: float
     kv_bytes: float
+    backward_s: float = 0.0  # the backward's part of compute_s
 
     @property
     def total_s(self) -> float:
@@ -145,25 +146,26 @@ def cp_attention(variant: str, cp: int, a: AttentionShape, hw: HardwareProfile,
     times = [attention_call_s(hw, a.batch, h, kv, q, k, a.head_dim, causal, a.dtype)
              for q, k, h, kv, causal in calls]
     compute = sum(f + b for f, b in times)
+    bwd = sum(b for _, b in times)
     e = a.element_bytes * a.batch * a.head_dim
     local = a.seq // cp
     if cp == 1:
-        return CPAttentionCost(variant, 1, compute, 0.0, 0.0, 0.0)
+        return CPAttentionCost(variant, 1, compute, 0.0, 0.0, 0.0, bwd)
     if variant == "allgather":
         kv = 2.0 * e * a.kv_heads * a.seq  # the gathered k and v
         comm = collective_time("all_gather", kv, cp, link) + \
             collective_time("reduce_scatter", kv, cp, link)
-        return CPAttentionCost(variant, cp, compute, comm, comm, kv * (cp - 1) / cp)
+        return CPAttentionCost(variant, cp, compute, comm, comm, kv * (cp - 1) / cp, bwd)
     if variant == "ring":
         block = 2.0 * e * a.kv_heads * local  # one rank's k and v
         step_f = collective_time("send_recv", block, 2, link)
         step_b = collective_time("send_recv", 2.0 * block, 2, link)  # k, v and their grads
         exposed = sum(max(0.0, step_f - f) + max(0.0, step_b - b) for f, b in times[1:])
         comm = (cp - 1) * (step_f + step_b)
-        return CPAttentionCost(variant, cp, compute, comm, exposed, block)
+        return CPAttentionCost(variant, cp, compute, comm, exposed, block, bwd)
     kv_heads = max(a.kv_heads, cp)
     comm = 2.0 * sum(collective_time("all_to_all", e * local * h, cp, link)
                      for h in (a.heads, a.heads, kv_heads, kv_heads))
     # k and v head-split: the whole sequence on kv_heads / cp heads, against the own
     extra = max(0.0, 2.0 * e * (a.seq * kv_heads // cp - local * a.kv_heads))
-    return CPAttentionCost(variant, cp, compute, comm, comm, extra)
+    return CPAttentionCost(variant, cp, compute, comm, comm, extra, bwd)

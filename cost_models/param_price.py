@@ -77,6 +77,10 @@ class ParamPricer:
                       for a in range(self.mesh.ndim)]
         self.act_elt = activation_bytes_per_element(st.precision)
         self.ep_axis = space.ep_axis
+        # the ranks holding a replica of a parameter: data parallelism's, times the
+        # context-parallel ranks, which run the same parameters on other tokens
+        self.cp = self.mesh.sizes[space.cp_axis] if space.cp_axis is not None else 1
+        self.replicas = self.dp * self.cp
         self._groups = {False: self._group(self.dp), True: self._group(self.dp // self._ep())}
         self._terms: dict[tuple, ParamTerms] = {}
 
@@ -84,18 +88,24 @@ class ParamPricer:
         return self.mesh.sizes[self.ep_axis] if self.ep_axis is not None else 1
 
     def _group(self, n: int) -> DataGroup:
-        """The data-parallel group of ``n`` ranks a parameter's gradients are reduced
-        over: the ranks of the data axes (dp and ep together: ep is inside dp, so
-        they are one block of neighbours), or, for experts split over ep, dp's."""
+        """The data-parallel group of ``n`` data ranks (times ``cp``) a parameter's
+        gradients are reduced over: the ranks of the data axes (dp and ep together: ep
+        is inside dp, so they are one block of neighbours), or, for experts split over
+        ep, dp's; with context parallelism, cp's ranks joined to them (FSDP2 over dp x
+        cp, cp being the inner axis)."""
         st, mesh = self.st, self.mesh
         dpa = self.dp_axis if self.dp_axis is not None else self.ep_axis
+        n *= self.cp
         if dpa is None or n == 1:
             link = self.links[0]
         else:
             sizes = list(mesh.sizes)
-            if n == self.dp and self.ep_axis is not None:
-                sizes[dpa] = n
+            if n == self.replicas and self.ep_axis is not None:
+                sizes[dpa] *= sizes[self.ep_axis]
                 sizes[self.ep_axis] = 1
+            if self.space.cp_axis is not None:
+                sizes[dpa] *= sizes[self.space.cp_axis]
+                sizes[self.space.cp_axis] = 1
             link = group_link(tuple(sizes), dpa, st.gpus_per_node, st.hw)
         return DataGroup(n, link, n if st.zero >= 1 else 1,
                          param_bytes(st.precision, st.optimizer,
@@ -161,7 +171,7 @@ class ParamPricer:
         count = sum(1 for p in self.facts.owned(n) if p.trainable)
         if not count:
             return 0.0, 0.0, 0.0
-        fsdp = fsdp_lays_out(st.precision, self.dp, st.offload)
+        fsdp = fsdp_lays_out(st.precision, self.replicas, st.offload)
         f, b = fsdp_host_time(st.hw, count) if fsdp else (0.0, 0.0)
         step = optimizer_host_time(st.hw, count, fsdp or bool(self.free))
         return f + b, b, step
@@ -205,7 +215,7 @@ class ParamPricer:
         parameters op ``n`` owns, where FSDP2 lays the model out (data parallelism, low
         precision or offload: :func:`~autopar.cost_models.memory.fsdp_lays_out`)."""
         st = self.st
-        if not fsdp_lays_out(st.precision, self.dp, st.offload):
+        if not fsdp_lays_out(st.precision, self.replicas, st.offload):
             return 0.0, 0.0
         fwd = bwd = 0.0
         for local, shard in self._own_params(n, ins):
@@ -223,7 +233,7 @@ class ParamPricer:
         (``reduce_partial_gradients``): one all-reduce and one DTensor redistribution
         per parameter, spread here over the step's micro-batches."""
         st, n, link = self.st, self.mesh.sizes[axis], self.links[axis]
-        if fsdp_lays_out(st.precision, self.dp, st.offload):
+        if fsdp_lays_out(st.precision, self.replicas, st.offload):
             return bucketed_time("all_reduce", grad_bytes, n, link, share)
         one = collective_time("all_reduce", grad_bytes, n, link) + \
             self.redistribute_overhead("all_reduce")

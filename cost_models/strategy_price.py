@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost_models.comm import INF, collective_time
+from autopar.cost_models.context_parallel import AttentionShape, CPAttentionCost, cp_attention
 from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
                                          local_shape, op_time)
 from autopar.cost_models.host import op_host_time
@@ -75,6 +76,7 @@ class StrategyPricer(ParamPricer):
         self._ops: dict[tuple[str, tuple[str | None, ...]], tuple[float, ...]] = {}
         self._out_bytes: dict[str, float] = {}
         self._tensor_bytes: dict[str, float] = {}
+        self._attention: dict[tuple, CPAttentionCost] = {}
 
     def price(self, n: OpNode, ns: NodeStrategy, op: OpTerms) -> StrategyPrice:
         """Strategy ``ns`` of op ``n`` priced, its own terms ``op`` given
@@ -92,7 +94,33 @@ class StrategyPricer(ParamPricer):
             a2a += out_comm - self.output_comm(n, ns.raw_out,  # sent back over ep
                                                with_axis(ns.out, ns.raw_out, ep))
         comm = out_comm + terms.tp + self._grad_sum(n, ns) + routed
+        cp = self.cp_attention(n, ns.ins)
+        if cp is not None:
+            comm += cp.exposed_s
         return StrategyPrice(op, terms, comm, mem, a2a)
+
+    def cp_attention(self, n: OpNode, ins: tuple[Placements, ...]) -> CPAttentionCost | None:
+        """The context-parallel cost of attention op ``n`` under input placements
+        ``ins`` (:func:`~autopar.cost_models.context_parallel.cp_attention`, the
+        settings' variant over the ``cp`` axis's link), or None for any other op or
+        without context parallelism. Memoized."""
+        a = self.space.cp_axis
+        if a is None or n.name not in self.an.sequence.attention:
+            return None
+        key = (n.name, ins[:3])
+        found = self._attention.get(key)
+        if found is None:
+            sizes, cp = self.mesh.sizes, self.mesh.sizes[a]
+            q, k = (local_shape(self.meta(i).shape, p, sizes)
+                    for i, p in zip(n.inputs[:2], ins[:2]))
+            batch = 1
+            for d in q[:-3]:
+                batch *= d
+            shape = AttentionShape(batch, q[-2] * cp, q[-3], k[-3], q[-1],
+                                   self.an.sequence.attention[n.name], self.st.precision)
+            found = self._attention[key] = cp_attention(self.st.cp_variant, cp, shape,
+                                                        self.st.hw, self.links[a])
+        return found
 
     def routed_exchange(self, n: OpNode, ns: NodeStrategy) -> float:
         """Seconds per micro-batch of a routed expert module's all-to-alls, charged on its
@@ -115,8 +143,11 @@ class StrategyPricer(ParamPricer):
         device, bwd, host, host_b = self._times(n, ns)
         if self.ep_axis is not None and n.name in self.an.routed_ops:
             device, bwd = device * self.st.expert_imbalance, bwd * self.st.expert_imbalance
-        return OpTerms(device, bwd, host, host_b, self._activations(n, ns.ins, ns.out),
-                       self._loss_gradient(n, ns.ins))
+        saved = self._activations(n, ns.ins, ns.out)
+        cp = self.cp_attention(n, ns.ins)
+        if cp is not None and cp.variant != "ring":  # gathered or head-split keys saved
+            saved += cp.kv_bytes
+        return OpTerms(device, bwd, host, host_b, saved, self._loss_gradient(n, ns.ins))
 
     # ---- bytes ------------------------------------------------------------------
     def nbytes(self, m: TensorMeta | None) -> float:
@@ -203,7 +234,7 @@ class StrategyPricer(ParamPricer):
     def _op_times(self, n: OpNode, combo, raw: Placements,
                   ins: tuple[Placements, ...]) -> tuple[float, float, float, float]:
         """:meth:`_times`, not memoized."""
-        shard = 1
+        shard = self.space.sequence_split(n)
         for lab, size in zip(combo, self.mesh.sizes):
             if lab is not None:
                 shard *= size
@@ -226,6 +257,9 @@ class StrategyPricer(ParamPricer):
             if ff or bf:
                 bwd = op_time(shapes, flops * ff, nbytes * bf, backward=True,
                               dtype=dtype, hw=hw)
+        cp = self.cp_attention(n, ins)
+        if cp is not None:  # the queries on every key they attend, as the variant runs it
+            fwd, bwd = cp.compute_s - cp.backward_s, cp.backward_s if n.requires_grad else 0.0
         host_f, host_b = self._op_host(n, ins)
         if not hw.host_runs_ahead:  # on a CPU the host is the device
             fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0

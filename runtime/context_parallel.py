@@ -69,7 +69,8 @@ def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torc
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        group: dist.ProcessGroup, is_causal: bool = True) -> torch.Tensor:
+                        group: dist.ProcessGroup, is_causal: bool = True,
+                        scale: float | None = None) -> torch.Tensor:
     """Attention of this rank's queries (batch, heads, local, dim; head-tail) over the
     whole sequence: keys and values all-gathered (their gradients reduce-scattered
     backward). Causal: each query chunk attends to the key prefix ending with it
@@ -79,7 +80,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kw, vw = gather_sequence(k, 2, group), gather_sequence(v, 2, group)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if not is_causal:
-        return F.scaled_dot_product_attention(q, kw, vw, **gqa)
+        return F.scaled_dot_product_attention(q, kw, vw, scale=scale, **gqa)
     c = q.shape[2] // 2
     outs = []
     for part, chunk in enumerate((rank, 2 * cp - 1 - rank)):
@@ -88,7 +89,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kc, vc = kw[:, :, :end], vw[:, :, :end]
         # a bottom-right mask and grouped heads: expand the keys' heads
         kc, vc = _repeat_heads(kc, q.shape[1]), _repeat_heads(vc, q.shape[1])
-        outs.append(F.scaled_dot_product_attention(qc, kc, vc,
+        outs.append(F.scaled_dot_product_attention(qc, kc, vc, scale=scale,
                                                    attn_mask=causal_lower_right(c, end)))
     return torch.cat(outs, dim=2)
 
@@ -115,7 +116,8 @@ def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      group: dist.ProcessGroup, is_causal: bool = True) -> torch.Tensor:
+                      group: dist.ProcessGroup, is_causal: bool = True,
+                      scale: float | None = None) -> torch.Tensor:
     """Attention of this rank's tokens (batch, heads, local, dim; head-tail) by
     Ulysses: q, k, v all-to-all'd to heads/cp heads over the whole sequence, attention
     there, the output all-to-all'd back. The group's size must divide the query
@@ -129,7 +131,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
     qh, kh, vh = (_heads_to_sequence(t, group) for t in (q, k, v))
     gqa = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, **gqa)
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale, **gqa)
     return _sequence_to_heads(out, group)
 
 
@@ -158,13 +160,13 @@ def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor
     return out
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` on one key block, written out (scores, softmax, values) so its
     log-sum-exp is at hand: (output, log-sum-exp per query). Masked pairs score a large
     negative number, not -inf, so a fully masked query row weighs nothing in the merge
     and has no NaN gradient."""
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, -1e30)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
@@ -172,7 +174,8 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   group: dist.ProcessGroup, is_causal: bool = True) -> torch.Tensor:
+                   group: dist.ProcessGroup, is_causal: bool = True,
+                   scale: float | None = None) -> torch.Tensor:
     """Attention of this rank's tokens (batch, heads, local, dim; head-tail) by ring
     exchange: in ``cp`` steps each rank attends to the key/value block in hand and
     passes it on, and the blocks' results are merged by their log-sum-exp. Written
@@ -191,7 +194,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if is_causal:
             theirs = head_tail(seq, cp, src).to(q.device)
             mask = mine[:, None] >= theirs[None, :]
-        o, s = _block(q, kv[0], kv[1], mask)
+        o, s = _block(q, kv[0], kv[1], mask, scale)
         if out is None:
             out, lse = o, s
         else:

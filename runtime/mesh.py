@@ -12,6 +12,7 @@ offload), and why: docs/runtime.md, section ``autopar.runtime.mesh``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -22,7 +23,7 @@ from autopar.plans import Plan
 __all__ = ["PlanMeshes", "build_meshes", "needs_fsdp", "MESH_AXES", "expert_meshes",
            "expert_mesh_shape", "expert_fsdp_axes"]
 
-MESH_AXES = ("pp", "dp", "ep", "tp")
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class PlanMeshes:
             ranks holding the same experts (the plan's ``dp`` axis), or None.
         experts: the expert mesh whose sub-meshes ``ep`` and ``expert_fsdp`` are (axes
             of :func:`expert_mesh_shape`), or None.
+        cp: the ``cp`` sub-mesh each sequence is split over, or None without context
+            parallelism (FSDP2 then runs on ``dp`` and ``cp`` flattened).
     """
 
     mesh: DeviceMesh
@@ -51,32 +54,44 @@ class PlanMeshes:
     ep: DeviceMesh | None = None
     expert_fsdp: DeviceMesh | None = None
     experts: DeviceMesh | None = None
+    cp: DeviceMesh | None = None
 
 
 def needs_fsdp(plan: Plan) -> bool:
     """Whether the plan runs FSDP2: for data parallelism, low precision (FSDP2's
     ``MixedPrecisionPolicy`` on a ``dp`` mesh of size 1, so every path casts alike) or
-    offload (the cost models' rule, :func:`autopar.cost_models.memory.fsdp_lays_out`)."""
-    return fsdp_lays_out(plan.precision, plan.data_parallel, plan.offload)
+    offload (the cost models' rule, :func:`autopar.cost_models.memory.fsdp_lays_out`);
+    the ranks of ``cp`` hold replicas too."""
+    return fsdp_lays_out(plan.precision, plan.data_parallel * plan.degree("cp"), plan.offload)
 
 
 def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
     """Create the plan's meshes with ``init_device_mesh`` (a collective: every rank
-    must call it). The caller has checked that the world size matches the plan."""
-    pp, dp, tp = plan.degree("pp"), plan.data_parallel, plan.degree("tp")
+    must call it). The caller has checked that the world size matches the plan. With
+    context parallelism the ``cp`` axis sits between ``dp`` and ``tp``, and FSDP2 runs
+    on ``dp`` and ``cp`` flattened (``dp_cp``), as torchtitan does."""
+    pp, dp, tp, cp = plan.degree("pp"), plan.data_parallel, plan.degree("tp"), plan.degree("cp")
     outer: tuple[str, ...] = ("pp", "dp") if pp > 1 else ("dp",)
     shape = (pp, dp) if pp > 1 else (dp,)
+    inner: tuple[str, ...] = ("cp", "tp") if cp > 1 else ("tp",)
+    inner_shape = (cp, tp) if cp > 1 else (tp,)
     ep = expert_meshes(plan, device_type)
-    if dp > 1 and plan.zero == 0:
-        root = init_device_mesh(device_type, shape + (1, tp),
-                                mesh_dim_names=outer + ("dp_shard", "tp"))
-        fsdp: DeviceMesh | None = root["dp", "dp_shard"]
+    data = ("dp", "cp") if cp > 1 else ("dp",)
+    if dp * cp > 1 and plan.zero == 0:
+        root = init_device_mesh(device_type, shape + inner_shape[:-1] + (1, tp),
+                                mesh_dim_names=outer + inner[:-1] + ("dp_shard", "tp"))
+        if cp > 1:
+            root[data]._flatten("dp_cp")
+        with warnings.catch_warnings():  # slicing a flattened dim: deprecated, works to 2.13
+            warnings.simplefilter("ignore", UserWarning)
+            fsdp: DeviceMesh | None = root["dp_cp" if cp > 1 else "dp", "dp_shard"]
     else:
-        root = init_device_mesh(device_type, shape + (tp,), mesh_dim_names=outer + ("tp",))
-        fsdp = root["dp"] if needs_fsdp(plan) else None
-    return PlanMeshes(mesh=root[outer + ("tp",)], tp=root["tp"], fsdp=fsdp,
+        root = init_device_mesh(device_type, shape + inner_shape, mesh_dim_names=outer + inner)
+        flat = root[data]._flatten("dp_cp") if cp > 1 else root["dp"]
+        fsdp = flat if needs_fsdp(plan) else None
+    return PlanMeshes(mesh=root[outer + inner], tp=root["tp"], fsdp=fsdp,
                       pp=root["pp"] if pp > 1 else None, ep=ep[0], expert_fsdp=ep[1],
-                      experts=ep[2])
+                      experts=ep[2], cp=root["cp"] if cp > 1 else None)
 
 
 def expert_meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh | None,

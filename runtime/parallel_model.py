@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -14,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from autopar.capture import cache_configs, default_loss, first_tensor
 from autopar.errors import ConfigError
 from autopar.plans import Plan
+from autopar.runtime.context_mode import SequenceShards, split_batch
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
 from autopar.runtime.dtensor_layout import tp_context
@@ -71,8 +73,17 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             raise ConfigError("a pipelined model runs only through step(inputs, targets); "
                               "each rank holds only its own stages")
-        with tp_context(self.plan.degree("tp")):
+        with tp_context(self.plan.degree("tp")), self.sequence_shards():
             return self.module(*inputs, **kwargs)
+
+    def sequence_shards(self) -> contextlib.AbstractContextManager:
+        """Under context parallelism, the mode that runs attention over the ``cp``
+        ranks and gives the model this rank's positions
+        (:class:`~autopar.runtime.context_mode.SequenceShards`); else nothing."""
+        cx = self.plan.context
+        if cx is None:
+            return contextlib.nullcontext()
+        return SequenceShards(self.mesh.get_group("cp"), cx.variant, cx.seq_len)
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         return _loss(self.loss_fn, output, targets, loss_scale(self.plan))
@@ -120,6 +131,9 @@ class ParallelModel(nn.Module):
         xs = tuple(to_device(x[mine], self.device) if isinstance(x, torch.Tensor) else x
                    for x in xs)
         targets = to_device(targets[mine], self.device)
+        cp = plan.degree("cp")
+        if cp > 1:  # this rank's share of every sequence
+            xs, targets = split_batch(plan, xs, targets, self.mesh.get_local_rank("cp"))
         fsdp = isinstance(self.module, FSDPModule)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in range(n):
@@ -133,9 +147,10 @@ class ParallelModel(nn.Module):
             total += loss.detach().float()
         if not fsdp:
             reduce_partial_gradients(self.module)
-        if dp > 1:
-            dist.all_reduce(total, group=self.mesh.get_group("dp"))
-            total /= dp
+        for axis, size in (("dp", dp), ("cp", cp)):
+            if size > 1:  # the mean over the ranks' samples (and shares of sequences)
+                dist.all_reduce(total, group=self.mesh.get_group(axis))
+                total /= size
         return total
 
 
@@ -205,10 +220,11 @@ def loss_scale(plan: Plan) -> float:
     The step takes the mean over micro-batches and data-parallel ranks (of the loss,
     and FSDP2 of the gradients), which is the whole batch's loss for a mean; a loss
     that sums over the batch (``plan.loss_reduction == "sum"``) is the sum of the
-    ranks' and micro-batches' losses, so each is scaled by their count."""
+    ranks' and micro-batches' losses, so each is scaled by their count (context
+    parallelism's ranks each sum a share of the tokens, and count too)."""
     if plan.loss_reduction != "sum":
         return 1.0
-    return float(plan.num_microbatches * plan.data_parallel)
+    return float(plan.num_microbatches * plan.data_parallel * plan.degree("cp"))
 
 
 def _loss(loss_fn: LossFn | None, output: Any, targets: torch.Tensor,

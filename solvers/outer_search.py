@@ -51,6 +51,8 @@ class Candidate:
     ep: int = 1  # experts split over ep of the dp ranks (ep divides dp)
     split_experts: bool = False  # every expert module split over ep (ep asked for)
     expert_imbalance: float = 1.0  # busiest ep rank's routed tokens over the mean
+    cp: int = 1  # context parallelism: every sequence split over cp ranks
+    cp_variant: str = ""  # how its attention brings the keys (context_parallel.VARIANTS)
 
     def label(self) -> str:
         """Short readable description."""
@@ -58,7 +60,8 @@ class Candidate:
             f" v={self.virtual_stages}" if self.virtual_stages > 1 else "") + " " \
             if self.pp > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"{pipe}dp={self.dp}{ep} tp={self.tp} mb={self.microbatch_size}x"
+        cp = f" cp={self.cp} {self.cp_variant}" if self.cp > 1 else ""
+        return (f"{pipe}dp={self.dp}{ep}{cp} tp={self.tp} mb={self.microbatch_size}x"
                 f"{self.num_microbatches} zero={self.zero}" + (" offload" if self.offload else ""))
 
 
@@ -84,6 +87,7 @@ class SearchResult:
     candidate: Candidate | None = None
     pipeline: PipelineOutcome | None = None
     runners_up: list["Scored"] = field(default_factory=list)
+    passed_over: list[str] = field(default_factory=list)  # why each earlier tier had none
 
 
 def divisors(n: int) -> list[int]:
@@ -103,7 +107,9 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                zero: int | None = None, schedule: str | None = None,
                virtual_stages: int | None = None, num_units: int = 0,
                heads: int | None = None, ep: int | None = None,
-               experts: int = 0, expert_imbalance: float = 1.0) -> list[Candidate]:
+               experts: int = 0, expert_imbalance: float = 1.0, cp: int | None = None,
+               seq_len: int = 0, cp_variants: tuple[str, ...] = (),
+               cp_variant: str | None = None) -> list[Candidate]:
     """Every candidate allowed by the fixed degrees (None = free). ``num_units`` (the
     model's pipeline units) bounds the pipeline: each stage needs one unit. A free
     ``tp`` must divide ``heads`` (the attention heads; None = any), since attention
@@ -111,16 +117,18 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
     ``pp`` micro-batches (fewer leave ranks idle for most of the step). A free ``ep``
     is each divisor of both ``dp`` and ``experts`` (the experts of every expert module;
     0 = the model has none, so ep is 1); every candidate carries ``expert_imbalance``,
-    the load imbalance its pricing assumes for routed experts."""
+    the load imbalance its pricing assumes for routed experts. A free ``cp`` is each
+    degree whose head-tail chunks divide ``seq_len`` (2·cp of them), each with every
+    variant of ``cp_variants`` that can split the heads left by tp (or ``cp_variant``
+    alone); no ``cp_variants`` (a model context parallelism cannot split): cp is 1."""
     out = []
     for p in divisors(world):
         if (pp is not None and p != pp) or (pp is None and p > 1 and p * 2 > num_units):
             continue
-        for t in divisors(world // p):
-            d = world // p // t
+        for t, c, variant in _model_degrees(world // p, tp, cp, heads, seq_len, cp_variants,
+                                            cp_variant):
+            d = world // p // t // c
             if (tp is not None and t != tp) or (dp is not None and d != dp):
-                continue
-            if tp is None and heads is not None and heads % t:
                 continue
             if global_batch % d:
                 continue
@@ -130,20 +138,49 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                 if local % mb or (microbatch_size is None and local // mb < p):
                     continue
                 m = local // mb
-                zs = [zero] if zero is not None else ([0, 2, 3] if d > 1 and p == 1 else
-                                                      [0, 2] if d > 1 else [0])
+                r = d * c  # the ranks holding each parameter: ZeRO shards over them
+                zs = [zero] if zero is not None else ([0, 2, 3] if r > 1 and p == 1 else
+                                                      [0, 2] if r > 1 else [0])
                 for z in zs:
                     for sched, v in _schedules(p, m, schedule, virtual_stages, num_units):
                         for e in _expert_degrees(d, ep, experts):
                             out.append(Candidate(d, t, mb, m, z, p, sched, v, ep=e,
                                                  split_experts=ep is not None and e > 1,
-                                                 expert_imbalance=expert_imbalance))
+                                                 expert_imbalance=expert_imbalance,
+                                                 cp=c, cp_variant=variant))
     if not out:
         raise ConfigError(
             f"no pipeline x data x tensor parallel layout of {world} devices divides the "
             f"global batch of {global_batch} under the requested degrees (pp={pp}, dp={dp}, "
             f"tp={tp}, microbatch={microbatch_size}); choose a global batch divisible by "
             f"the data-parallel degree, or fewer pipeline stages than the model has blocks")
+    return out
+
+
+def _model_degrees(n: int, tp: int | None, cp: int | None, heads: int | None, seq_len: int,
+                   variants: tuple[str, ...], variant: str | None
+                   ) -> list[tuple[int, int, str]]:
+    """The (tp, cp, cp variant) triples to try on ``n`` devices of a stage
+    (:func:`candidates`): tp dividing ``heads`` when free; cp 1, or, when the model
+    allows it (``variants``), each degree whose 2·cp head-tail chunks divide
+    ``seq_len``, with each variant that splits the heads tp leaves (Ulysses: cp
+    divides them)."""
+    out = []
+    for t in divisors(n):
+        if (tp is not None and t != tp) or (tp is None and heads is not None and heads % t):
+            continue
+        for c in divisors(n // t):
+            if (cp is not None and c != cp) or (cp is None and c > 1 and not variants):
+                continue
+            if c == 1:
+                out.append((t, 1, ""))
+                continue
+            if not seq_len or seq_len % (2 * c):
+                continue
+            for v in ((variant,) if variant else variants):
+                if v == "ulysses" and (heads is None or (heads // t) % c):
+                    continue
+                out.append((t, c, v))
     return out
 
 
@@ -186,20 +223,23 @@ def offload_candidates(cands: list[Candidate]) -> list[Candidate]:
 def tiers(cands: list[Candidate], gpus_per_node: int,
           offload: bool | None) -> list[list[Candidate]]:
     """``cands`` in the order the search tries them, each list only when none of the
-    earlier ones has a plan that fits: tensor and expert parallelism within a node first
-    (all of ``cands`` when none is), then the rest; ``offload=True``: only the offload
-    variants (:func:`offload_candidates`), in the same order; None: the offload variants
-    join the second list."""
+    earlier ones has a plan that fits: tensor and expert parallelism within a node
+    first (all of ``cands`` when none is), without context parallelism, then with it
+    (splitting sequences is for when they do not fit otherwise), then the rest;
+    ``offload=True``: only the offload variants (:func:`offload_candidates`), in the
+    same order; None: the offload variants join the last list."""
     local = [c for c in cands if c.tp * c.ep <= gpus_per_node]
     wide = [c for c in cands if c.tp * c.ep > gpus_per_node]
     if not local:  # every candidate is wider than a node: the caller asked for that tp
         local, wide = wide, []
+    first = [c for c in local if c.cp == 1] or local  # cp asked for: every one has it
+    split = [c for c in local if c.cp > 1 and first is not local]
     if offload:
-        out = [offload_candidates(local), offload_candidates(wide)]
+        out = [offload_candidates(first + split), offload_candidates(wide)]
     elif offload is None:
-        out = [local, wide + offload_candidates(cands)]
+        out = [first, split, wide + offload_candidates(cands)]
     else:
-        out = [local, wide]
+        out = [first, split, wide]
     return [t for t in out if t]
 
 
@@ -225,10 +265,14 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
               recompute=recompute, time_limit_s=time_limit_s, top_k=top_k, progress=progress)
     failed: NoFeasiblePlanError | None = None
+    passed: list[str] = []
     for tier in tiers(cands, gpus_per_node, offload) or [[]]:
         try:
-            return _search(an, tier, **kw)
+            res = _search(an, tier, **kw)
+            res.passed_over = passed
+            return res
         except NoFeasiblePlanError as e:  # name the smaller of the minima
+            passed.append(str(e))
             if failed is None or getattr(e, "least_bytes", 0.0) < \
                     getattr(failed, "least_bytes", 0.0):
                 failed = e
@@ -326,13 +370,18 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                        recompute: tuple[str, ...] | None = None) -> Settings:
     """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh, or
     dp/ep × ep × tp with expert parallelism)."""
-    mesh = Mesh(("dp", "ep", "tp"), (c.dp // c.ep, c.ep, c.tp)) if c.ep > 1 else \
-        Mesh(("dp", "tp"), (c.dp, c.tp))
-    return Settings(mesh, c.microbatch_size, c.num_microbatches,
+    names, sizes = ["dp", "tp"], [c.dp, c.tp]
+    if c.ep > 1:
+        names, sizes = ["dp", "ep", "tp"], [c.dp // c.ep, c.ep, c.tp]
+    if c.cp > 1:
+        names.insert(-1, "cp")
+        sizes.insert(-1, c.cp)
+    return Settings(Mesh(tuple(names), tuple(sizes)), c.microbatch_size, c.num_microbatches,
                     c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
                     sequence_parallel=sequence_parallel, offload=c.offload,
                     split_experts=c.split_experts, expert_imbalance=c.expert_imbalance,
-                    recompute_modes=recompute or RECOMPUTE)
+                    recompute_modes=recompute or RECOMPUTE,
+                    cp_variant=c.cp_variant or "allgather")
 
 
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
@@ -389,7 +438,7 @@ def _batch_group(c: Candidate) -> tuple:
     """What candidates share but for the cut of each rank's samples into micro-batches
     (one micro-batch apart: it keeps no gradients between micro-batches)."""
     return (c.dp, c.tp, c.pp, c.zero, c.offload, c.ep, c.split_experts,
-            c.num_microbatches == 1)
+            c.num_microbatches == 1, c.cp, c.cp_variant)
 
 
 def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, bound: float,
@@ -438,7 +487,7 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
 def mesh_key(c: Candidate) -> tuple:
     """What a candidate's intra-op problem depends on (pipelined or not)."""
     return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload, c.ep,
-            c.split_experts, c.expert_imbalance)
+            c.split_experts, c.expert_imbalance, c.cp, c.cp_variant)
 
 
 def _bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: float) -> list[float]:

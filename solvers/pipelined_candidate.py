@@ -24,7 +24,7 @@ from autopar.cost_models.comm import collective_time, group_link
 from autopar.cost_models.hardware import LinkSpec
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import Graph
-from autopar.sharding import Mesh, data_parallel_degree, shard_count
+from autopar.sharding import Mesh, data_parallel_degree, replica_degree, shard_count
 from autopar.units_text import fmt_bytes
 from autopar.solvers.cost_terms import PieceCost, StepTerms
 from autopar.solvers.intra_op_ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
@@ -109,10 +109,12 @@ def pipeline_problem(g: Graph, built: Built, pp: int, held: int) -> Problem:
 
 def _per_device(g: Graph, built: Built, numel: int, elt: float) -> float:
     """Bytes of a whole tensor of ``numel`` elements (at the captured batch) at the
-    micro-batch size on one dp rank."""
+    micro-batch size on one dp rank (a cp-th of it under context parallelism: the
+    tensors between blocks are split along the sequence)."""
     st = built.settings
     dp = data_parallel_degree(st.mesh)
-    return numel * st.microbatch_size * dp / g.batch_size * elt
+    cp = replica_degree(st.mesh) // dp
+    return numel * st.microbatch_size * dp / g.batch_size * elt / cp
 
 
 def boundary_node(g: Graph, built: Built) -> tuple[int, float] | None:

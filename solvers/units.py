@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar.graph import Graph
-from autopar.sharding import data_parallel_degree, shard_count
+from autopar.sharding import replica_degree, shard_count
 from autopar.solvers.cost_terms import PieceCost
 from autopar.solvers.problem import Problem, StrategyCost
 from autopar.solvers.problem_build import Built
@@ -266,7 +266,7 @@ def add_tied_copies(g: Graph, built: Built, choice: list[int], units: list[Unit]
     first and the last unit (always on different stages); for units in between, which
     a split may put on one stage, the copy is an upper bound."""
     st = built.settings
-    shard = data_parallel_degree(st.mesh) if st.zero >= 1 else 1
+    shard = replica_degree(st.mesh) if st.zero >= 1 else 1
     for copy in tied_copies(g, built):
         i = choice[copy.owner]
         s = built.problem.nodes[copy.owner].strategies[i]

@@ -19,12 +19,12 @@ from autopar.units_text import fmt_bytes
 CLUSTER = autopar.Cluster("a100-80g", 1, 4)
 CLI = ["--gpu", "a100-80g", "--gpus-per-node", "4", "--global-batch", "8"]
 
-NOT_PLANNED = "autopar plans data (dp, zero), tensor (tp, sequence_parallel), expert (ep) " \
-              "and pipeline (pp) parallelism"
 BAD = [  # (Spec fields, CLI options, the one message)
-    ({"cp": 2}, ["--cp", "2"],
-     f"cp=2: context parallelism is not implemented yet; {NOT_PLANNED}. Leave cp out (or "
-     f"1): to fit long sequences, use tp with sequence_parallel=True, and recompute"),
+    ({"cp_variant": "spiral"}, ["--cp-variant", "spiral"],
+     "cp_variant='spiral': expected one of allgather, ring, ulysses"),
+    ({"cp": 2, "ep": 2}, ["--cp", "2", "--ep", "2"],
+     "cp=2 with ep=2: context and expert parallelism are not planned together yet; "
+     "choose one"),
     ({"tp": 0}, ["--tp", "0"], "tp=0: expected a positive integer"),
     ({"zero": 5}, ["--zero", "5"], "zero=5: expected a ZeRO stage, 0, 1, 2 or 3"),
     ({"schedule": "1f2b"}, ["--schedule", "1f2b"],
@@ -82,7 +82,7 @@ def test_expert_parallelism_of_a_dense_model_is_refused(gpt, capsys):
 def test_an_unknown_planning_keyword_names_the_valid_ones(gpt):
     model, x = gpt
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, tensor_parallel=2)) == (
-        "unknown planning option(s) tensor_parallel; known: dp, tp, pp, cp, ep, "
+        "unknown planning option(s) tensor_parallel; known: dp, tp, pp, cp, ep, cp_variant, "
         "microbatch_size, schedule, virtual_stages, recompute, zero, sequence_parallel, "
         "offload, time_limit_s, top_k, progress (or space=autopar.Spec(...))")
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, space={"tp": 2})) == \
@@ -108,17 +108,21 @@ def test_estimate_fills_what_the_spec_leaves_out():
     micro-batch that still gives pp micro-batches; 1F1B with a pipeline; recomputation
     and virtual stages stay the solver's."""
     assert Spec(pp=2).for_estimate(8, 32) == Spec(
-        dp=4, tp=1, pp=2, ep=1, microbatch_size=4, schedule="1f1b", zero=0, offload=False)
+        dp=4, tp=1, pp=2, cp=1, ep=1, microbatch_size=4, schedule="1f1b", zero=0,
+        offload=False)
     assert Spec(tp=2, recompute="full").for_estimate(8, 32) == Spec(
-        dp=4, tp=2, pp=1, ep=1, microbatch_size=8, recompute="full", zero=0,
+        dp=4, tp=2, pp=1, cp=1, ep=1, microbatch_size=8, recompute="full", zero=0,
         sequence_parallel=False, offload=False)
+    assert Spec(cp=2).for_estimate(8, 32) == Spec(
+        dp=4, tp=1, pp=1, cp=2, ep=1, cp_variant="allgather", microbatch_size=8, zero=0,
+        offload=False)
     assert repr(Spec(tp=2, recompute="full")) == "Spec(tp=2, recompute='full')"
     with pytest.raises(ConfigError) as err:
         Spec(tp=3).for_estimate(8, 32)
-    assert str(err.value) == "tp=3 x pp=1 does not divide the 8 devices of the cluster"
+    assert str(err.value) == "tp=3 x pp=1 x cp=1 does not divide the 8 devices of the cluster"
     with pytest.raises(ConfigError) as err:
         Spec(dp=2, tp=2).for_estimate(8, 32)
-    assert str(err.value) == "dp=2 x tp=2 x pp=1 uses 4 devices but the cluster has 8"
+    assert str(err.value) == "dp=2 x tp=2 x pp=1 x cp=1 uses 4 devices but the cluster has 8"
     with pytest.raises(ConfigError) as err:
         Spec(dp=8).for_estimate(8, 12)
     assert str(err.value) == "the global batch 12 is not divisible by dp=8"
@@ -126,7 +130,8 @@ def test_estimate_fills_what_the_spec_leaves_out():
 
 def test_the_cli_has_an_option_per_spec_field_by_its_name():
     parser = _build_parser()
-    values = {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1, "microbatch_size": 2,
+    values = {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1, "cp_variant": "ring",
+              "microbatch_size": 2,
               "schedule": "gpipe", "virtual_stages": 1, "recompute": "full", "zero": 3,
               "sequence_parallel": True, "offload": True}
     assert set(values) == {f.name for f in fields(Spec)}

@@ -18,6 +18,7 @@ from autopar.strategies.batch_flow import FREE, BatchFlow
 from autopar.strategies.experts import ExpertModule, expert_modules
 from autopar.strategies.fused import piecewise_rules
 from autopar.strategies.rules import OpRule, constant_rule, rule_for
+from autopar.strategies.sequence_flow import SequenceSplit, sequence_split
 
 
 
@@ -46,6 +47,9 @@ class GraphAnalysis:
     """Each op of an expert module -> its expert label."""
     routed_ops: frozenset[str] = frozenset()
     """The ops of routed expert modules (and of their submodules)."""
+    sequence: SequenceSplit | None = None
+    """Where the sequence is in every tensor, for context parallelism
+    (:mod:`autopar.strategies.sequence_flow`)."""
 
     def expert_of_output(self, op: str) -> ExpertModule | None:
         """The expert module whose output op ``op`` makes, or None."""
@@ -81,6 +85,7 @@ def analyze(graph: Graph) -> GraphAnalysis:
             rules[n.name] = rule_for(n, in_metas[n.name])
             flow.visit(n)
     flow.finish()
+    sequence = sequence_split(graph, rules, constants)
     batch_label = flow.label
     batch_dim = {k: (int(v[2:-1]) if v.startswith("S(") else None)
                  for k, v in flow.place.items()}
@@ -98,7 +103,7 @@ def analyze(graph: Graph) -> GraphAnalysis:
     routed = frozenset(op for em in experts.values() for op in em.members)
     return GraphAnalysis(graph, rules, in_metas, batch_label, batch_dim, module_ops, owner,
                          consumers, saved, mult, constants, unit_shares(graph), outputs,
-                         root_params(graph), experts, labels, routed)
+                         root_params(graph), experts, labels, routed, sequence)
 
 
 def root_params(g: Graph) -> frozenset[str]:

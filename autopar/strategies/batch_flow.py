@@ -96,6 +96,7 @@ class BatchFlow:
     place: dict[str, str] = field(default_factory=dict)
     label: dict[str, str | None] = field(default_factory=dict)
     inner: dict[str, int] = field(default_factory=dict)
+    extent: int = 0  # the size of the split dim (0: the graph's batch size)
 
     def visit(self, n: OpNode) -> None:
         """Place op ``n``, whose inputs are placed."""
@@ -197,7 +198,7 @@ class BatchFlow:
         if src is None or out is None or d is None:
             return None
         return reshape_batch(src.shape, out.shape, d, self.inner.get(n.inputs[pos], 1),
-                             self.graph.batch_size)
+                             self.extent or self.graph.batch_size)
 
     def _follow(self, n: OpNode, rule: OpRule, fixed: list[tuple[int, str]],
                 pending: list[int]) -> None:

@@ -144,10 +144,11 @@ def edge_options(space: StrategySpace, counts: dict[tuple[int, int, int], int],
         for j, sv in enumerate(details[v]):
             needs.setdefault((sv.ins[pos], sv.grads[pos]), []).append(j)
         pairs: list[tuple[list[int], list[int], Conversion]] = []
-        # a constant is computed on each rank from its local shapes: it is whatever the
-        # consumer needs on the data-parallel axis
+        # a constant is computed on each rank from its local shapes (and positions): it
+        # is whatever the consumer needs on the data- and context-parallel axes
         fixed = [a for a in range(space.mesh.ndim) if a not in free
-                 and not (un.name in an.constants and a in space.data_axes)]
+                 and not (un.name in an.constants and
+                          (a in space.data_axes or a == space.cp_axis))]
         axes = free + fixed
         strict = [a for a in fixed if not (entry and a == space.ep_axis)]
         for (out, summed), ii in outs.items():

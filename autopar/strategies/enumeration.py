@@ -128,15 +128,18 @@ class StrategySpace:
         self.mesh = st.mesh
         self.dp_axis = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
         self.ep_axis = self.mesh.names.index("ep") if "ep" in self.mesh.names else None
+        # the context-parallel axis: every activation split along its sequence
+        self.cp_axis = self.mesh.names.index("cp") if "cp" in self.mesh.names and \
+            self.mesh.sizes[self.mesh.names.index("cp")] > 1 else None
         # the data-parallel axes: dp, and ep, which splits the batch outside the experts
         self.data_axes = tuple(a for a in (self.dp_axis, self.ep_axis) if a is not None)
         self.dp = data_parallel_degree(self.mesh)
         # tensors are sized for one micro-batch on every data-parallel rank together;
         # the split then leaves microbatch_size samples per device
         self.factor = st.microbatch_size * self.dp / self.g.batch_size
-        # the model-parallel axes: those of size > 1 other than dp and ep
+        # the model-parallel axes: those of size > 1 other than dp, ep and cp
         self.free = [a for a, s in enumerate(self.mesh.sizes)
-                     if s > 1 and a not in self.data_axes]
+                     if s > 1 and a not in self.data_axes and a != self.cp_axis]
         self._metas: dict[str, TensorMeta | None] = {}
         self._degrees: dict[Placements, int] = {}
         self._names: dict[tuple[Placements, int], str] = {}
@@ -180,9 +183,12 @@ class StrategySpace:
 
     # ---- enumeration ------------------------------------------------------------
     def input_strategies(self, n: OpNode) -> list[NodeStrategy]:
-        """The one strategy of graph input ``n``: split along its batch over ``dp``."""
+        """The one strategy of graph input ``n``: split along its batch over ``dp``
+        (and along its sequence over ``cp``)."""
         pl = tuple("S(0)" if a in self.data_axes and self.an.batch_dim.get(n.name) == 0
                    and size > 1 else "R" for a, size in enumerate(self.mesh.sizes))
+        if self.cp_axis is not None:
+            pl = self._on_cp(pl, self.an.sequence.place.get(n.name, "R"))
         return [NodeStrategy(self.layout(pl, len(n.out.shape) if n.out else 0), pl, pl, (), ())]
 
     def strategies(self, n: OpNode) -> list[NodeStrategy]:
@@ -205,6 +211,10 @@ class StrategySpace:
             raw_t = tuple(raw)
             ins = tuple(_placements(labs, combo) for labs in rule.ins)
             grads = tuple(self._grad(labs, combo, rule, p) for labs, p in zip(rule.ins, ins))
+            if self.cp_axis is not None:
+                raw_t, ins, grads = self._sequence(n, raw_t, ins, grads)
+                if not self._shard_counts_ok(raw_t, out_meta):
+                    continue
             if not self._sp_allowed(n, rule, ins) or self._local_partial_grad(n, grads):
                 continue
             for out in self._deliveries(n, raw_t, nd):
@@ -241,6 +251,36 @@ class StrategySpace:
             if self._divisible(n, rule, combo):
                 result.append(combo)
         return result
+
+    def _on_cp(self, pl: Placements, place: str) -> Placements:
+        """Placements ``pl`` with ``place`` on the context-parallel axis."""
+        a = self.cp_axis
+        return pl[:a] + (place,) + pl[a + 1:]
+
+    def _sequence(self, n: OpNode, raw: Placements, ins: tuple[Placements, ...],
+                  grads: tuple[Placements, ...]) -> tuple[Placements, tuple[Placements, ...],
+                                                          tuple[Placements, ...]]:
+        """(raw output, inputs, gradients) of op ``n`` with their sequence split on the
+        context-parallel axis (:mod:`autopar.strategies.sequence_flow`): a parameter's
+        gradient comes out partial there, summed with the data-parallel ones."""
+        seq = self.an.sequence
+        places = seq.ins.get(n.name, ("R",) * len(ins))
+        kinds = self.facts.input_kinds(n)
+        new_ins = tuple(self._on_cp(p, q) for p, q in zip(ins, places))
+        new_grads = tuple(self._on_cp(g, "P" if k == "param" else q)
+                          for g, q, k in zip(grads, places, kinds))
+        return self._on_cp(raw, seq.place.get(n.name, "R")), new_ins, new_grads
+
+    def sequence_split(self, n: OpNode) -> int:
+        """How many ways context parallelism splits op ``n``'s work: ``cp`` where it
+        reads or makes a tensor split along the sequence, else 1."""
+        a = self.cp_axis
+        if a is None:
+            return 1
+        seq = self.an.sequence
+        split = seq.place.get(n.name, "R").startswith("S(") or any(
+            p.startswith("S(") for p in seq.ins.get(n.name, ()))
+        return self.mesh.sizes[a] if split else 1
 
     def _divisible(self, n: OpNode, rule: OpRule, combo) -> bool:
         """Every dim a combo splits divides evenly (each piece, for a piecewise split),

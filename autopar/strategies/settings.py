@@ -31,6 +31,7 @@ class Settings:
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
     split_experts: bool = False  # every expert module split over ep (else the solver's)
     expert_imbalance: float = 1.0  # busiest ep rank's routed tokens over the mean
+    cp_variant: str = "allgather"  # how attention brings keys over cp (context_parallel)
 
     @property
     def overlap(self) -> float:
