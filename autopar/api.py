@@ -330,7 +330,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     if pp_note:
         plan.notes.append(pp_note)
     if plan.context is not None and spec.cp is None and res.passed_over:
-        plan.notes.append(f"context parallelism, because without it {res.passed_over[-1]}")
+        why = res.passed_over[-1].split(" Raise memory_budget")[0]
+        plan.notes.append(f"context parallelism, because without it {why}")
     if "gap" in plan.solver:
         plan.notes.append(f"the search stopped at its time limit of {time_limit_s} s; "
                           f"no plan it did not try can be more than "

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from autopar.errors import LoweringError
 
@@ -87,11 +86,18 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         end = (chunk + 1) * c
         qc = q[:, :, part * c:(part + 1) * c]
         kc, vc = kw[:, :, :end], vw[:, :, :end]
-        # a bottom-right mask and grouped heads: expand the keys' heads
+        # a bottom-right mask (a boolean one: torch's CausalBias subclass fails to be
+        # made under some modes) and grouped heads: expand the keys' heads
         kc, vc = _repeat_heads(kc, q.shape[1]), _repeat_heads(vc, q.shape[1])
         outs.append(F.scaled_dot_product_attention(qc, kc, vc, scale=scale,
-                                                   attn_mask=causal_lower_right(c, end)))
+                                                   attn_mask=_lower_right(c, end, q.device)))
     return torch.cat(outs, dim=2)
+
+
+def _lower_right(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """The causal mask of ``rows`` queries that are the last of ``cols`` keys' positions:
+    query i attends to keys 0 .. cols - rows + i."""
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).tril(cols - rows)
 
 
 def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""Context parallelism on whole models: Llama and GPT as autopar's examples write them,
+nanoGPT as its author does, and Hugging Face's Llama and GPT-2 built from configs,
+each planned with cp > 1 and trained for 3 SGD steps on 4 gloo ranks (fp32): every
+loss equals a single-process run's to 1e-5, under cp2 x dp2, cp4 and cp2 x tp2, with
+the all-gather, ring and Ulysses variants (every pair for Llama)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.demo import reference_step, sgd_losses
+from autopar.plans import Plan
+from tests import codegen_models, foreign_models
+from tests.dist_utils import RankPool
+
+STEPS, LR = 3, 0.1
+MESHES = {"cp2xdp2": dict(dp=2, cp=2, tp=1), "cp4": dict(dp=1, cp=4, tp=1),
+          "cp2xtp2": dict(dp=1, cp=2, tp=2)}
+VARIANTS = ("allgather", "ring", "ulysses")
+
+
+def _hf(kind: str) -> torch.nn.Module:
+    from tests import test_hf_models as hf
+
+    return hf._Logits(hf.make(kind))
+
+
+def make(name: str) -> torch.nn.Module:
+    """Model ``name`` with the same weights on every call."""
+    torch.manual_seed(0)
+    if name == "llama":
+        return codegen_models.tiny_llama()
+    if name == "gpt":
+        return codegen_models.tiny_gpt()
+    if name == "nanogpt":
+        return foreign_models.NanoGPT(vocab_size=foreign_models.VOCAB,
+                                      block_size=foreign_models.SEQ)
+    return _hf(name.removeprefix("hf-"))
+
+
+def cases() -> list[tuple[str, str, str]]:
+    """(model, mesh, variant): every mesh with every variant for autopar's Llama;
+    each mesh and each variant once for its GPT and for Hugging Face's models."""
+    out = [("llama", mesh, v) for mesh in MESHES for v in VARIANTS]
+    out += [("gpt", mesh, v) for mesh, v in zip(MESHES, ("ring", "ulysses", "allgather"))]
+    out += [("nanogpt", "cp2xdp2", "ring")]
+    if _has_transformers():
+        out += [("hf-llama", "cp2xtp2", "ring"), ("hf-gpt2", "cp2xdp2", "allgather"),
+                ("hf-llama", "cp4", "ulysses")]
+    return out
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _plan(name: str, mesh: str, variant: str) -> Plan:
+    x, y = foreign_models.example_batch()
+    return autopar.plan(make(name), (x,), example_targets=y, precision="fp32",
+                        cluster=autopar.Cluster("cpu", 1, 4), pp=1, cp_variant=variant,
+                        zero=2, microbatch_size=foreign_models.BATCH // MESHES[mesh]["dp"],
+                        **MESHES[mesh])
+
+
+def _losses(jobs: list[tuple[str, str]]) -> list[list[float]]:
+    """On each rank: the losses of every (model, plan JSON) job."""
+    x, y = foreign_models.example_batch()
+    out = []
+    for name, text in jobs:
+        pm = autopar.parallelize(make(name), plan=Plan.from_json(text))
+        out.append(sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR))
+    return out
+
+
+@pytest.fixture(scope="module")
+def planned() -> dict[tuple[str, str, str], Plan]:
+    return {c: _plan(*c) for c in cases()}
+
+
+@pytest.mark.multirank
+def test_cp_training_equals_one_process(rank_pool: RankPool, planned) -> None:
+    x, y = foreign_models.example_batch()
+    jobs = [(c[0], p.to_json()) for c, p in planned.items()]
+    got = rank_pool.run(4, _losses, jobs, timeout_s=900)
+    for r in range(1, 4):
+        assert got[r] == got[0]
+    refs: dict[str, list[float]] = {}
+    for (name, mesh, variant), p, losses in zip(planned, planned.values(), got[0]):
+        assert p.mesh == {"dp": MESHES[mesh]["dp"], "cp": MESHES[mesh]["cp"],
+                          "tp": MESHES[mesh]["tp"]}
+        assert p.context is not None and p.context.variant == variant
+        if name not in refs:
+            model = make(name)
+            refs[name] = sgd_losses(model.parameters(), reference_step(model, x, y), STEPS, LR)
+        assert losses == pytest.approx(refs[name], abs=1e-5), (name, mesh, variant)

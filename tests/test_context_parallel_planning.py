@@ -1,0 +1,82 @@
+"""Context parallelism in the planner: where the sequence is (and a model that cannot be
+split along it, refused with where), the search turning to cp when nothing else fits
+and saying so, and attention priced at the variant's cost."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.capture import capture
+from autopar.cost_models.comm import group_link
+from autopar.cost_models.context_parallel import VARIANTS, AttentionShape, cp_attention
+from autopar.errors import ConfigError, NoFeasiblePlanError
+from autopar.examples import zoo
+from autopar.plans import Plan
+from autopar.strategies.analysis import analyze
+from tests import foreign_models as fm
+
+CLUSTER = autopar.Cluster("h100-sxm", 1, 4)
+SEQ, BUDGET = 32768, 12e9
+"""GPT-2 small at 32K tokens on 4 H100 with 12 GB each: it fits only with cp."""
+
+HANDWRITTEN = ("cp=2: the sequence cannot be split at operator aten.matmul.default in module "
+               "'layers.0.attention': it combines positions of the sequence with each other "
+               "(attention written out by hand?). Context parallelism needs attention through "
+               "F.scaled_dot_product_attention and every other op to work token by token")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return zoo.get("gpt2-small", batch_size=1, seq_len=SEQ)
+
+
+def test_the_sequence_is_followed_to_every_attention_call() -> None:
+    model, (x,), y = fm.nano_gpt()
+    an = analyze(capture(model, (x,), loss_fn=fm.lm_loss, example_targets=y))
+    seq = an.sequence
+    assert seq.splittable and seq.refusal == ""
+    assert list(seq.attention.values()) == [True] * len(an.graph.layers)
+    assert seq.inputs == {name: 1 for name in an.graph.inputs}  # tokens and targets
+    assert set(seq.place.values()) >= {"S(1)", "S(2)"}  # (b, s, d) and (b, h, s, d)
+
+
+def test_attention_written_by_hand_is_refused_with_where() -> None:
+    model, (x,), y = fm.tiny_llama()
+    with pytest.raises(ConfigError) as err:
+        autopar.plan(model, (x,), loss_fn=fm.lm_loss, example_targets=y, cp=2,
+                     cluster=autopar.Cluster("cpu", 1, 2), precision="fp32")
+    assert str(err.value) == HANDWRITTEN
+
+
+def test_long_sequences_turn_to_cp_when_nothing_else_fits(gpt2) -> None:
+    model, x = gpt2
+    with pytest.raises(NoFeasiblePlanError) as err:
+        autopar.plan(model, x, cluster=CLUSTER, memory_budget=BUDGET, cp=1)
+    assert str(err.value).startswith("no plan fits in 12.00 GB per device")
+    assert str(err.value).endswith("Context parallelism (leave cp out, or cp > 1) would split "
+                                   "each sequence's activations over cp ranks.")
+    plan = autopar.plan(model, x, cluster=CLUSTER, memory_budget=BUDGET)
+    assert plan.degree("cp") > 1 and plan.memory_per_device_bytes <= BUDGET
+    assert plan.context is not None and plan.context.seq_len == SEQ
+    assert plan.context.inputs == [1, 1]
+    assert plan.notes[-1].startswith("context parallelism, because without it no plan fits "
+                                     "in 12.00 GB per device: the smallest needs at least")
+    text = plan.summary()
+    assert f"context p. cp={plan.degree('cp')}, {plan.context.variant}: " in text
+    assert f"each sequence of 32,768 tokens in {2 * plan.degree('cp')} head-tail chunks" in text
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_planned_attention_costs_what_the_variant_does(gpt2, variant: str) -> None:
+    """12 layers of 12 heads of 64 over 32K tokens, causal, bf16, cp=4 in one node."""
+    model, x = gpt2
+    plan = autopar.plan(model, x, cluster=CLUSTER, memory_budget=BUDGET, cp=4, tp=1,
+                        cp_variant=variant)
+    hw = CLUSTER.hardware()
+    one = cp_attention(variant, 4, AttentionShape(1, SEQ, 12, 12, 64, True, "bf16"), hw,
+                       group_link((1, 4, 1), 1, 4, hw))
+    assert plan.context.variant == variant
+    assert plan.context.attention_s == pytest.approx(12 * (one.compute_s + one.exposed_s),
+                                                     rel=1e-9)
