@@ -187,6 +187,11 @@ def _cp_variants(an, spec: Spec) -> tuple[str, ...]:
         if asked:
             raise ConfigError(f"cp={spec.cp}: {seq.refusal if seq else 'no sequence'}")
         return ()
+    if asked and (spec.pp or 1) > 1 and seq.masked:
+        raise ConfigError(f"cp={spec.cp} with pp={spec.pp}: the model's attention reads a "
+                          f"mask its code builds from positions (a Hugging Face model's, "
+                          f"traced), which a pipeline stage would compute from each rank's "
+                          f"share of the sequence; leave pp or cp out")
     if asked and seq.length % (2 * spec.cp):
         raise ConfigError(f"cp={spec.cp} cuts each sequence into {2 * spec.cp} head-tail "
                           f"chunks (equal causal work per rank), which do not divide "
@@ -276,7 +281,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                        heads=_heads(graph), ep=spec.ep, experts=_experts(an, spec.ep),
                        expert_imbalance=float(expert_imbalance), cp=spec.cp,
                        seq_len=graph.seq_len or 0, cp_variants=_cp_variants(an, spec),
-                       cp_variant=spec.cp_variant)
+                       cp_variant=spec.cp_variant, cp_with_pp=not an.sequence.masked)
     if not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k={top_k!r}: expected a positive integer (1 = the best plan "
                           f"only)")
@@ -331,7 +336,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
         plan.notes.append(pp_note)
     if plan.context is not None and spec.cp is None and res.passed_over:
         why = res.passed_over[-1].split(" Raise memory_budget")[0]
-        plan.notes.append(f"context parallelism, because without it {why}")
+        plan.notes.append(f"context parallelism, because without it (and without tensor "
+                          f"parallelism across nodes or offload) {why}")
     if "gap" in plan.solver:
         plan.notes.append(f"the search stopped at its time limit of {time_limit_s} s; "
                           f"no plan it did not try can be more than "

@@ -25,7 +25,7 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, LoweringError
 from autopar.loader import load, load_callable
 from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
 from autopar.runtime import codegen_templates as T
@@ -297,23 +297,53 @@ def _ep_sections(plan: Plan) -> list[str]:
 
 
 def _mesh_section(plan: Plan) -> tuple[str, str]:
-    """``build_mesh`` and the expression of the mesh FSDP runs on ('' without FSDP)."""
-    pp, dp, tp = plan.degree("pp"), plan.data_parallel, plan.degree("tp")
+    """``build_mesh`` and the expression of the mesh FSDP runs on ('' without FSDP):
+    ``data_mesh(mesh)`` with context parallelism (dp and cp flattened)."""
+    pp, dp, tp, cp = plan.degree("pp"), plan.data_parallel, plan.degree("tp"), plan.degree("cp")
     outer: tuple[int, ...] = (pp,) if pp > 1 else ()
+    mid: tuple[int, ...] = (cp,) if cp > 1 else ()
+    mid_names: tuple[str, ...] = ("cp",) if cp > 1 else ()
     b = plan.breakdown
-    comment = (f"{f'pp={pp} x ' if pp > 1 else ''}dp={dp} x tp={tp}; predicted communication {_seconds(b.get('comm_s', 0.0))} "
+    comment = (f"{f'pp={pp} x ' if pp > 1 else ''}dp={dp} x {f'cp={cp} x ' if cp > 1 else ''}"
+               f"tp={tp}; predicted communication {_seconds(b.get('comm_s', 0.0))} "
                f"per step, {_seconds(b.get('exposed_comm_s', 0.0))} of it exposed")
-    if dp > 1 and plan.zero == 0:
-        shape, names, fsdp = (dp, 1, tp), ("dp", "dp_shard", "tp"), 'mesh["dp", "dp_shard"]'
-        comment += "\n    # dp_shard=1: FSDP2 replicates over dp (plain data parallelism)"
+    if dp * cp > 1 and plan.zero == 0:
+        shape, names = (dp, *mid, 1, tp), ("dp", *mid_names, "dp_shard", "tp")
+        fsdp = 'mesh["dp", "dp_shard"]'
+        comment += (f"\n    # dp_shard=1: FSDP2 replicates over dp{' x cp' if cp > 1 else ''} "
+                    f"(plain data parallelism)")
     else:
-        shape, names = (dp, tp), ("dp", "tp")
+        shape, names = (dp, *mid, tp), ("dp", *mid_names, "tp")
         fsdp = 'mesh["dp"]' if needs_fsdp(plan) else ""
+    if cp > 1 and fsdp:
+        fsdp = "data_mesh(mesh)"
     shape, names = outer + shape, ("pp",) * len(outer) + names
     quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
     one_line = len(f"    return init_device_mesh(device_type, {shape}, mesh_dim_names={quoted})")
     sep = " " if one_line <= 99 else "\n" + " " * 28
     return T.BUILD_MESH.substitute(comment=comment, shape=shape, names=quoted, sep=sep), fsdp
+
+
+def _cp_section(plan: Plan) -> tuple[str, str]:
+    """The context-parallel section of the program and its constants."""
+    cx, cp = plan.context, plan.degree("cp")
+    assert cx is not None
+    if plan.zero == 0:
+        doc = ", each a full replica (dp_shard=1)"
+        body = ("    mesh[\"dp\", \"cp\"]._flatten(\"dp_cp\")\n"
+                "    with warnings.catch_warnings():  # slicing a flattened dim: deprecated, "
+                "works to 2.13\n"
+                "        warnings.simplefilter(\"ignore\", UserWarning)\n"
+                "        return mesh[\"dp_cp\", \"dp_shard\"]")
+    else:
+        doc, body = "", "    return mesh[\"dp\", \"cp\"]._flatten(\"dp_cp\")"
+    text = T.CONTEXT_PARALLEL.substitute(doc=doc, body=body)
+    constants = (f"\nCP = {cp}  # each sequence split over cp ranks, head-tail chunks"
+                 f"\nCP_VARIANT = \"{cx.variant}\"  # how attention reaches the other "
+                 f"ranks' keys\nSEQ_LEN = {cx.seq_len}  # tokens per sequence"
+                 f"\nSEQUENCE_DIMS = {list(cx.inputs)}  # the sequence dim of each input, "
+                 f"then of the targets")
+    return text, constants
 
 
 def _save_ops() -> str:
@@ -331,10 +361,13 @@ _IMPORTS = MappingProxyType({  # name used in the program -> the import that pro
     "argparse": "import argparse", "functools": "import functools",
     "importlib": "import importlib.util", "os": "import os", "time": "import time",
     "Path": "from pathlib import Path", "Any": "from typing import Any",
+    "Callable": "from typing import Callable",
     "torch": "import torch", "dist": "import torch.distributed as dist",
     "dcp": "import torch.distributed.checkpoint as dcp", "F": "import torch.nn.functional as F",
     "nn": "from torch import nn", "fx": "from torch import fx", "contextlib": "import contextlib",
-    "re": "import re", "operator": "import operator",
+    "re": "import re", "operator": "import operator", "sys": "import sys",
+    "warnings": "import warnings",
+    "fc": "import torch.distributed._functional_collectives as fc",
 })
 _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "Iterator": "collections.abc", "Mapping": "collections.abc",
@@ -350,6 +383,7 @@ _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "Partial": "torch.distributed.tensor", "distribute_tensor": "torch.distributed.tensor",
     "register_sharding": "torch.distributed.tensor.experimental",
     "TorchDispatchMode": "torch.utils._python_dispatch",
+    "TorchFunctionMode": "torch.overrides",
     "tree_flatten": "torch.utils._pytree", "tree_map": "torch.utils._pytree",
     "ColwiseParallel": "torch.distributed.tensor.parallel",
     "ParallelStyle": "torch.distributed.tensor.parallel",
@@ -497,6 +531,17 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     if plan.data_parallel > 1:
         dp_mean = (f'    dist.all_reduce(total, group=mesh.get_group("dp"))\n'
                    f"    total /= {plan.data_parallel}  # the mean over dp\n")
+    cp = plan.degree("cp")
+    if cp > 1:
+        if pipelined:
+            raise LoweringError("the emitted program does not run context parallelism with a "
+                                "pipeline yet; apply this plan with autopar.parallelize, or "
+                                "plan with pp=1 for a program")
+        cp_text, cp_constants = _cp_section(plan)
+        sections.insert(2, cp_text)
+        extra = cp_constants + extra
+        dp_mean += (f'    dist.all_reduce(total, group=mesh.get_group("cp"))\n'
+                    f"    total /= {cp}  # the mean over the shares of each sequence\n")
     what = "token ids" if facts.input_is_tokens else "features"
     optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
     loss_text, loss_constants = _loss_section(plan, loss_spec, loss_file)
@@ -517,8 +562,13 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         if fsdp_mesh and plan.zero < 3 and plan.num_microbatches > 1:
             sync = ("        model.set_requires_gradient_sync(i == NUM_MICROBATCHES - 1)  "
                     "# reduce once\n")
-        fb = T.FORWARD_BACKWARD_TP if plan.degree("tp") > 1 else T.FORWARD_BACKWARD
-        sections.append(T.TRAIN_STEP.substitute(sync=sync, after=after, forward_backward=fb))
+        tp = plan.degree("tp") > 1
+        fb = (T.FORWARD_BACKWARD_CP_TP if tp else T.FORWARD_BACKWARD_CP) if cp > 1 else \
+            T.FORWARD_BACKWARD_TP if tp else T.FORWARD_BACKWARD
+        before = ("    inputs, targets = split_sequences(inputs, targets, mesh)  "
+                  "# this rank's tokens\n") if cp > 1 else ""
+        sections.append(T.TRAIN_STEP.substitute(sync=sync, after=after, forward_backward=fb,
+                                                before=before))
         build = T.BUILD.substitute(layout="".join(f"    {line}\n" for line in layout))
         step_args = "model, mesh, inputs, targets, device"
     # a pipelined rank's optimizer groups name its own stages: a key per pp rank,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import inspect
 from string import Template
 
+from autopar.runtime import context_mode as _cm
+from autopar.runtime import context_parallel as _cp
 from autopar.runtime import dtensor_layout as _layout
 from autopar.runtime import experts as _experts
 from autopar.runtime import materialize as _materialize
@@ -23,9 +25,11 @@ from autopar.runtime import tensor_parallel as _tp
 
 __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "PIECEWISE",
            "APPLY_TP", "SELECTIVE_POLICY", "APPLY_AC", "APPLY_FSDP", "FSDP_BLOCKS", "FSDP_EXPERTS",
-           "EXPERT_MESH", "EXPERT_PARALLEL", "CONSTANTS",
+           "EXPERT_MESH", "EXPERT_PARALLEL", "CONTEXT_PARALLEL", "CONSTANTS",
            "MATERIALIZE", "PARTIAL_GRADS", "DATA", "LOSS", "USER_LOSS", "TRAIN_STEP",
-           "FORWARD_BACKWARD", "FORWARD_BACKWARD_TP", "CHECKPOINT", "BUILD", "MAIN"]
+           "FORWARD_BACKWARD", "FORWARD_BACKWARD_TP", "FORWARD_BACKWARD_CP", "FORWARD_BACKWARD_CP_TP",
+           "CHECKPOINT",
+           "BUILD", "MAIN"]
 
 PROGRAM = Template('''\
 $header
@@ -93,6 +97,53 @@ def build_model(seed: int) -> tuple[nn.Module, bool]:
 """Import the user's factory by file path and build the model: on ``meta`` when the
 runtime's own check (:func:`autopar.runtime.materialize.without_reset_parameters`, copied
 in) finds every module able to initialize itself there, else on the CPU."""
+
+CONTEXT_PARALLEL = Template('''\
+class LoweringError(RuntimeError):
+    """What context parallelism cannot run."""
+
+
+''' + "\n\n".join(inspect.getsource(f) for f in (
+    _cp.head_tail, _cp.shard_sequence, _cp._pieces, _cp._natural, _cp._repeat_heads,
+    _cp.gather_sequence, _cp._lower_right, _cp.allgather_attention, _cp._heads_to_sequence,
+    _cp._sequence_to_heads, _cp.ulysses_attention, _cp._RingPass, _cp._shift, _cp._block,
+    _cp.ring_attention, _cm._one_sequence)) + '''
+
+
+VARIANT_FUNCTIONS = {
+    "allgather": allgather_attention, "ring": ring_attention, "ulysses": ulysses_attention}
+"""The attention function of each context-parallel variant."""
+
+_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+         torch.ops.aten.scaled_dot_product_attention.default)
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+               "enable_gqa")
+_ARANGE = (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+           torch.ops.aten.arange.start_step)
+
+
+''' + inspect.getsource(_cm.SequenceShards) + '''
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 runs on: dp and cp flattened (cp's ranks hold the same parameters
+    and average their gradients)$doc."""
+$body
+
+
+def split_sequences(inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+                    mesh: DeviceMesh) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """This cp rank's head-tail share of every sequence (SEQUENCE_DIMS: the sequence
+    dim of each input, then of the targets; None: no sequence)."""
+    rank = mesh.get_local_rank("cp")
+    dims = SEQUENCE_DIMS[:len(inputs)]
+    inputs = tuple(x if d is None else shard_sequence(x, d, CP, rank)
+                   for x, d in zip(inputs, dims))
+    d = SEQUENCE_DIMS[len(inputs)] if len(SEQUENCE_DIMS) > len(inputs) else None
+    return inputs, targets if d is None else shard_sequence(targets, d, CP, rank)''')
+"""Context parallelism: the runtime's attention variants and function mode
+(:mod:`autopar.runtime.context_parallel`, :mod:`autopar.runtime.context_mode`), copied
+into the program, and the cut of each rank's sequences."""
 
 BUILD_MESH = Template('''\
 def build_mesh(device_type: str) -> DeviceMesh:
@@ -274,7 +325,7 @@ def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, .
     rank takes its dp slice (tp ranks of a dp group take the same one) in
     NUM_MICROBATCHES micro-batches and accumulates their gradients."""
     start = mesh.get_local_rank("dp") * NUM_MICROBATCHES * MICROBATCH_SIZE
-    total = torch.zeros((), device=device)
+$before    total = torch.zeros((), device=device)
     for i in range(NUM_MICROBATCHES):
 $sync        part = slice(start + i * MICROBATCH_SIZE, start + (i + 1) * MICROBATCH_SIZE)
 $forward_backward        total += loss.detach().float()
@@ -295,6 +346,25 @@ FORWARD_BACKWARD_TP = '''\
             loss.backward()
 '''
 """A micro-batch's forward and backward under tensor parallelism."""
+
+FORWARD_BACKWARD_CP = '''\
+        # this rank's share of every sequence: attention over the cp group, its positions
+        with SequenceShards(mesh.get_group("cp"), CP_VARIANT, SEQ_LEN):
+            output = model(*(x[part] for x in inputs))
+        loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
+        loss.backward()
+'''
+"""A micro-batch's forward and backward under context parallelism."""
+
+FORWARD_BACKWARD_CP_TP = '''\
+        with plain_as_replicated():  # tensors the forward makes meet DTensors as replicated
+            # this rank's share of every sequence: attention over the cp group, its positions
+            with SequenceShards(mesh.get_group("cp"), CP_VARIANT, SEQ_LEN):
+                output = model(*(x[part] for x in inputs))
+            loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
+            loss.backward()
+'''
+"""A micro-batch's forward and backward under context and tensor parallelism."""
 
 CHECKPOINT = Template('''\
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,

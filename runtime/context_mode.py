@@ -35,7 +35,10 @@ VARIANT_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "allgather": allgather_attention, "ring": ring_attention, "ulysses": ulysses_attention}
 """The attention function of each context-parallel variant."""
 
-_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+         torch.ops.aten.scaled_dot_product_attention.default)  # the last in exported stages
+_ARANGE = (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+           torch.ops.aten.arange.start_step)
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                "enable_gqa")
 
@@ -105,7 +108,7 @@ class SequenceShards(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _SDPA:
             return self._attention(*args, **kwargs)
-        if func is torch.arange:
+        if func in _ARANGE:
             found = self._positions(args, kwargs)
             if found is not None:
                 return found

@@ -15,6 +15,7 @@ The steps in detail and the rule for tied parameters: docs/runtime.md, section
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -35,6 +36,7 @@ from autopar.plans import Plan
 from autopar.runtime.data_parallel import apply_data_parallel
 from autopar.runtime.experts import apply_expert_parallel, shard_plan_experts
 from autopar.runtime.dtensor_layout import tp_context
+from autopar.runtime.context_mode import SequenceShards, split_batch
 from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
 from autopar.runtime.pipeline_split import StageCut, StageGraph, split_stages
@@ -270,11 +272,17 @@ class PipelineRuntime:
         n, mb, dp = plan.num_microbatches, plan.microbatch_size, plan.data_parallel
         start = self.meshes.mesh.get_local_rank("dp") * n * mb
         part = slice(start, start + n * mb)
+        xs, targets = tuple(x[part] for x in xs), targets[part]
+        sequences: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.meshes.cp is not None and plan.context is not None:  # this rank's tokens
+            xs, targets = split_batch(plan, xs, targets, self.meshes.cp.get_local_rank())
+            sequences = SequenceShards(self.meshes.cp.get_group(), plan.context.variant,
+                                       plan.context.seq_len)
         self._check_shapes(xs)
-        kwargs = {name: x[part].to(self.device) for name, x in zip(self.input_names, xs)}
+        kwargs = {name: x.to(self.device) for name, x in zip(self.input_names, xs)}
         losses: list[torch.Tensor] = []
-        with tp_context(plan.degree("tp")):  # tensors a stage makes meet DTensors
-            self.schedule.step(target=targets[part].to(self.device), losses=losses, **kwargs)
+        with tp_context(plan.degree("tp")), sequences:  # tensors a stage makes meet DTensors
+            self.schedule.step(target=targets.to(self.device), losses=losses, **kwargs)
         for m in self.modules:
             if not isinstance(m, FSDPModule):
                 reduce_partial_gradients(m)
@@ -284,9 +292,10 @@ class PipelineRuntime:
             total += torch.stack([loss.detach().float() for loss in losses]).mean()
         assert self.meshes.pp is not None
         dist.all_reduce(total, group=self.meshes.pp.get_group())
-        if dp > 1:
-            dist.all_reduce(total, group=self.meshes.mesh.get_group("dp"))
-            total /= dp
+        for axis, size in (("dp", dp), ("cp", plan.degree("cp"))):
+            if size > 1:  # the mean over the ranks' samples (and shares of sequences)
+                dist.all_reduce(total, group=self.meshes.mesh.get_group(axis))
+                total /= size
         return total
 
 
@@ -363,8 +372,9 @@ def microbatch_inputs(plan: Plan, example_inputs: Any) -> tuple[torch.Tensor, ..
     none are given: the shapes the stages are exported for and run."""
     if example_inputs is None:
         try:
-            return tuple(torch.zeros((plan.microbatch_size, *spec["shape"][1:]),
-                                     dtype=getattr(torch, spec["dtype"])) for spec in plan.inputs)
+            return local_sequences(plan, tuple(
+                torch.zeros((plan.microbatch_size, *spec["shape"][1:]),
+                            dtype=getattr(torch, spec["dtype"])) for spec in plan.inputs))
         except (KeyError, TypeError, AttributeError) as e:
             raise LoweringError(f"the plan's inputs {plan.inputs!r} are malformed ({e}); pass "
                                 "example_inputs, or re-plan") from None
@@ -373,7 +383,18 @@ def microbatch_inputs(plan: Plan, example_inputs: Any) -> tuple[torch.Tensor, ..
     if not xs or not all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in xs):
         raise LoweringError("cutting a model into pipeline stages needs example inputs: a "
                             "tensor or a tuple of tensors, batch first")
-    return tuple(x.new_zeros((plan.microbatch_size, *x.shape[1:])) for x in xs)
+    return local_sequences(plan, tuple(x.new_zeros((plan.microbatch_size, *x.shape[1:]))
+                                       for x in xs))
+
+
+def local_sequences(plan: Plan, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``xs`` with every sequence cut to one cp rank's share (the first tokens: only
+    the shapes count), the shapes a stage runs on under context parallelism."""
+    cx, cp = plan.context, plan.degree("cp")
+    if cx is None or cp == 1:
+        return xs
+    return tuple(x if d is None else x.narrow(d, 0, x.shape[d] // cp)
+                 for x, d in zip(xs, list(cx.inputs) + [None] * len(xs)))
 
 
 def split_for_plan(model: nn.Module, plan: Plan, example_inputs: Any,

@@ -88,6 +88,7 @@ class SearchResult:
     pipeline: PipelineOutcome | None = None
     runners_up: list["Scored"] = field(default_factory=list)
     passed_over: list[str] = field(default_factory=list)  # why each earlier tier had none
+    step_time_s: float = 0.0  # the best plan's
 
 
 def divisors(n: int) -> list[int]:
@@ -109,7 +110,7 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                heads: int | None = None, ep: int | None = None,
                experts: int = 0, expert_imbalance: float = 1.0, cp: int | None = None,
                seq_len: int = 0, cp_variants: tuple[str, ...] = (),
-               cp_variant: str | None = None) -> list[Candidate]:
+               cp_variant: str | None = None, cp_with_pp: bool = True) -> list[Candidate]:
     """Every candidate allowed by the fixed degrees (None = free). ``num_units`` (the
     model's pipeline units) bounds the pipeline: each stage needs one unit. A free
     ``tp`` must divide ``heads`` (the attention heads; None = any), since attention
@@ -120,7 +121,8 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
     the load imbalance its pricing assumes for routed experts. A free ``cp`` is each
     degree whose head-tail chunks divide ``seq_len`` (2·cp of them), each with every
     variant of ``cp_variants`` that can split the heads left by tp (or ``cp_variant``
-    alone); no ``cp_variants`` (a model context parallelism cannot split): cp is 1."""
+    alone); no ``cp_variants`` (a model context parallelism cannot split): cp is 1;
+    ``cp_with_pp`` False: not both cp and pp above 1."""
     out = []
     for p in divisors(world):
         if (pp is not None and p != pp) or (pp is None and p > 1 and p * 2 > num_units):
@@ -129,6 +131,8 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                                             cp_variant):
             d = world // p // t // c
             if (tp is not None and t != tp) or (dp is not None and d != dp):
+                continue
+            if p > 1 and c > 1 and not cp_with_pp:
                 continue
             if global_batch % d:
                 continue
@@ -224,10 +228,10 @@ def tiers(cands: list[Candidate], gpus_per_node: int,
           offload: bool | None) -> list[list[Candidate]]:
     """``cands`` in the order the search tries them, each list only when none of the
     earlier ones has a plan that fits: tensor and expert parallelism within a node
-    first (all of ``cands`` when none is), without context parallelism, then with it
-    (splitting sequences is for when they do not fit otherwise), then the rest;
-    ``offload=True``: only the offload variants (:func:`offload_candidates`), in the
-    same order; None: the offload variants join the last list."""
+    without context parallelism first (all of ``cands`` when none is), then the rest:
+    context parallelism, tensor parallelism wider than a node and (``offload`` None)
+    CPU offload together, each a way to fit at a price in time. ``offload=True``: only
+    the offload variants (:func:`offload_candidates`), in the same order."""
     local = [c for c in cands if c.tp * c.ep <= gpus_per_node]
     wide = [c for c in cands if c.tp * c.ep > gpus_per_node]
     if not local:  # every candidate is wider than a node: the caller asked for that tp
@@ -237,9 +241,9 @@ def tiers(cands: list[Candidate], gpus_per_node: int,
     if offload:
         out = [offload_candidates(first + split), offload_candidates(wide)]
     elif offload is None:
-        out = [first, split, wide + offload_candidates(cands)]
+        out = [first, split + wide + offload_candidates(cands)]
     else:
-        out = [first, split, wide]
+        out = [first, split + wide]
     return [t for t in out if t]
 
 
@@ -266,17 +270,43 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
               recompute=recompute, time_limit_s=time_limit_s, top_k=top_k, progress=progress)
     failed: NoFeasiblePlanError | None = None
     passed: list[str] = []
-    for tier in tiers(cands, gpus_per_node, offload) or [[]]:
+    order = tiers(cands, gpus_per_node, offload) or [[]]
+    for k, tier in enumerate(order):
         try:
             res = _search(an, tier, **kw)
             res.passed_over = passed
-            return res
+            return _or_split_sequences(an, res, order[k + 1] if k + 1 < len(order) else [], kw)
         except NoFeasiblePlanError as e:  # name the smaller of the minima
             passed.append(str(e))
             if failed is None or getattr(e, "least_bytes", 0.0) < \
                     getattr(failed, "least_bytes", 0.0):
                 failed = e
     raise failed
+
+
+def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Candidate],
+                        kw: dict) -> SearchResult:
+    """``res``, or the best plan of ``following`` when it is faster and ``res`` (found
+    without context parallelism) saves memory at the price of time — recomputation,
+    ZeRO-3 or offload — where splitting the sequences may save it for less."""
+    c = res.candidate
+    if c is None or c.cp > 1 or not any(f.cp > 1 for f in following):
+        return res
+    modes = res.solution.modes or [0] * len(res.built.problem.recompute)
+    recomputes = any(grp.modes[r] != "none" for grp, r in zip(res.built.problem.recompute, modes))
+    if not (recomputes or c.zero == 3 or c.offload):
+        return res
+    try:
+        other = _search(an, [f for f in following if f.cp > 1], **kw)
+    except NoFeasiblePlanError:
+        return res
+    if other.step_time_s >= res.step_time_s * (1 - 1e-9):
+        return res
+    other.outcomes = res.outcomes + other.outcomes
+    other.passed_over = res.passed_over + [
+        f"the fastest plan that fits takes {res.step_time_s * 1e3:.4g} ms ({c.label()}, "
+        f"saving memory by {'recomputation' if recomputes else 'offload' if c.offload else 'ZeRO-3'})"]
+    return other
 
 
 @dataclass
@@ -341,7 +371,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                           virtual_stages=c.virtual_stages) or best.pipeline
         best = Scored(po.step_time_s, best.built, po.solution, c, po)
     res = SearchResult(best.built, best.solution, outcomes, time.perf_counter() - t0,
-                       best.candidate, best.pipeline, kept[1:])
+                       best.candidate, best.pipeline, kept[1:], step_time_s=best.step_time_s)
     res.solution.stats["candidates"] = len(outcomes)
     res.solution.stats["search_s"] = res.time_s
     if gap_bound is not None:

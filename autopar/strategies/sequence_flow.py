@@ -41,6 +41,9 @@ class SequenceSplit:
         attention: the attention ops, each with whether it is causal.
         inputs: graph input -> its sequence dim (the inputs the runtime splits).
         refusal: why the model cannot be split along its sequence ("" when it can).
+        masked: whether an attention op reads a mask (one the capture found causal: a
+            traced Hugging Face model's), which a pipeline stage, run from the exported
+            program, would compute from the rank's positions.
     """
 
     length: int
@@ -49,6 +52,8 @@ class SequenceSplit:
     attention: dict[str, bool] = field(default_factory=dict)
     inputs: dict[str, int] = field(default_factory=dict)
     refusal: str = ""
+
+    masked: bool = False  # an attention op reads a mask (found causal by the capture)
 
     @property
     def splittable(self) -> bool:
@@ -150,4 +155,5 @@ def sequence_split(graph: Graph, rules: dict[str, OpRule], constants: set[str]) 
         else:
             rule, label = flow.rules[n.name], flow.label.get(n.name)
             ins[n.name] = tuple(place_of(labs, label) for labs in rule.ins)
-    return SequenceSplit(seq, place, ins, dict(flow.attention), inputs)
+    masked = any(len(graph.node(name).inputs) > 3 for name in flow.attention)
+    return SequenceSplit(seq, place, ins, dict(flow.attention), inputs, masked=masked)
