@@ -154,8 +154,9 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                                                  cp=c, cp_variant=variant))
     if not out:
         raise ConfigError(
-            f"no pipeline x data x tensor parallel layout of {world} devices divides the "
-            f"global batch of {global_batch} under the requested degrees (pp={pp}, dp={dp}, "
+            f"no pipeline x data x{' context x' if cp_variants else ''} tensor parallel "
+            f"layout of {world} devices divides the global batch of {global_batch} under the "
+            f"requested degrees (pp={pp}, dp={dp}, {f'cp={cp}, ' if cp_variants else ''}"
             f"tp={tp}, microbatch={microbatch_size}); choose a global batch divisible by "
             f"the data-parallel degree, or fewer pipeline stages than the model has blocks")
     return out
@@ -287,14 +288,14 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
 def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Candidate],
                         kw: dict) -> SearchResult:
     """``res``, or the best plan of ``following`` when it is faster and ``res`` (found
-    without context parallelism) saves memory at the price of time — recomputation,
-    ZeRO-3 or offload — where splitting the sequences may save it for less."""
+    without context parallelism) pays much time for memory — full recomputation of a
+    block, or offload — where splitting the sequences may save it for less."""
     c = res.candidate
     if c is None or c.cp > 1 or not any(f.cp > 1 for f in following):
         return res
     modes = res.solution.modes or [0] * len(res.built.problem.recompute)
-    recomputes = any(grp.modes[r] != "none" for grp, r in zip(res.built.problem.recompute, modes))
-    if not (recomputes or c.zero == 3 or c.offload):
+    recomputes = any(grp.modes[r] == "full" for grp, r in zip(res.built.problem.recompute, modes))
+    if not (recomputes or c.offload):
         return res
     try:
         other = _search(an, [f for f in following if f.cp > 1], **kw)
@@ -304,8 +305,8 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
         return res
     other.outcomes = res.outcomes + other.outcomes
     other.passed_over = res.passed_over + [
-        f"the fastest plan that fits takes {res.step_time_s * 1e3:.4g} ms ({c.label()}, "
-        f"saving memory by {'recomputation' if recomputes else 'offload' if c.offload else 'ZeRO-3'})"]
+        f"the fastest plan that fits takes {res.step_time_s:.4g} s ({c.label()}, "
+        f"saving memory by {'full recomputation' if recomputes else 'offload'})"]
     return other
 
 

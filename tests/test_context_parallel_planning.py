@@ -81,3 +81,17 @@ def test_planned_attention_costs_what_the_variant_does(gpt2, variant: str) -> No
     assert plan.context.variant == variant
     assert plan.context.attention_s == pytest.approx(12 * (one.compute_s + one.exposed_s),
                                                      rel=1e-9)
+
+
+def test_the_cli_plans_long_sequences_with_cp_and_says_why(capsys) -> None:
+    from autopar.cli import main
+
+    common = ["plan", "gpt2-small", "--seq-len", str(SEQ), "--gpu", "h100-sxm",
+              "--gpus-per-node", "4", "--memory-budget", "12GB"]
+    assert main(common) == 0
+    out = capsys.readouterr().out
+    assert "\ncontext p. cp=" in out and "\nnote      context parallelism, because" in out
+    assert main([*common, "--cp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: error: no plan fits in 12.00 GB per device")
+    assert "Context parallelism (leave cp out, or cp > 1)" in err
