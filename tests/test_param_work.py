@@ -83,5 +83,9 @@ def test_fsdp_copy_is_counted_wherever_the_runtime_applies_fsdp() -> None:
     for (precision, dp, offload), gathered in cases.items():
         zero = 3 if offload else 0
         assert param_bytes(precision, "adamw", zero, dp, offload).gathered == gathered
-        plan = SimpleNamespace(precision=precision, offload=offload, data_parallel=dp)
+        plan = SimpleNamespace(precision=precision, offload=offload, data_parallel=dp,
+                               degree=lambda axis: 1)
         assert needs_fsdp(plan) == (gathered > 0)
+    # context parallelism's ranks hold replicas too: FSDP2 runs on dp x cp
+    assert needs_fsdp(SimpleNamespace(precision="fp32", offload=False, data_parallel=1,
+                                      degree=lambda axis: 2 if axis == "cp" else 1))
