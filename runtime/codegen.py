@@ -533,10 +533,6 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
                    f"    total /= {plan.data_parallel}  # the mean over dp\n")
     cp = plan.degree("cp")
     if cp > 1:
-        if pipelined:
-            raise LoweringError("the emitted program does not run context parallelism with a "
-                                "pipeline yet; apply this plan with autopar.parallelize, or "
-                                "plan with pp=1 for a program")
         cp_text, cp_constants = _cp_section(plan)
         sections.insert(2, cp_text)
         extra = cp_constants + extra

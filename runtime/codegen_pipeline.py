@@ -112,7 +112,11 @@ def pipeline_text(plan: Plan, facts: ModelFacts, layout: list[str], partial_grad
     tied = [list(group.names) for group in copies]
     tp = plan.degree("tp") > 1
     own = tp and plan.pipeline is not None and plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES
-    sections = [PT.LOCAL_MODULES.template, PT.SPLIT_STAGES.template]
+    split = PT.SPLIT_STAGES.template
+    if plan.degree("cp") > 1:  # exported at a cp rank's share of each sequence
+        at = split.index("    blocks = [block for stage")
+        split = split[:at] + PT.CP_STAGE_SHAPES + split[at:]
+    sections = [PT.LOCAL_MODULES.template, split]
     if tied:
         sections.append(PT.TIED.template)
     if own:
@@ -125,8 +129,13 @@ def pipeline_text(plan: Plan, facts: ModelFacts, layout: list[str], partial_grad
     if tied:
         after += "    sync_tied(stages, tied, grads=True)  # copies get the sum of their grads\n"
     tied_arg = "\n" + " " * 15 + "tied: list[dist.ProcessGroup | None]," if tied else ""
+    call = PT.STEP_CALL_TP if tp else PT.STEP_CALL
+    if plan.degree("cp") > 1:
+        call = PT.STEP_CALL_CP.substitute(
+            wrap="    with plain_as_replicated():  # tensors a stage makes meet DTensors\n"
+            if tp else "", indent="    " if tp else "")
     step = PT.PIPELINE_STEP.substitute(tied_arg=tied_arg, after=after, dp_mean=dp_mean,
-                                       step_call=PT.STEP_CALL_TP if tp else PT.STEP_CALL)
+                                       step_call=call)
     build = PT.BUILD.substitute(
         untie="    untie_across_stages(graphs)\n" if tied else "",
         layout="".join(f"            {line}\n" for line in layout),

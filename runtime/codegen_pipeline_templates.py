@@ -19,7 +19,8 @@ from autopar.runtime import pipeline_export as _export
 from autopar.runtime import pipeline_split as _split
 
 __all__ = ["LOCAL_MODULES", "SPLIT_STAGES", "TIED", "MATERIALIZE_STAGE", "SCHEDULE",
-           "PIPELINE_STEP", "STEP_CALL", "STEP_CALL_TP", "OWN_OUTPUTS", "BUILD"]
+           "PIPELINE_STEP", "STEP_CALL", "STEP_CALL_TP", "STEP_CALL_CP", "CP_STAGE_SHAPES",
+           "OWN_OUTPUTS", "BUILD"]
 
 LOCAL_MODULES = Template('''\
 def local_modules(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
@@ -158,6 +159,22 @@ $dp_mean    return total''')
 
 STEP_CALL = "    schedule.step(target=targets[part], losses=losses, **batch)\n"
 """The schedule's step."""
+
+STEP_CALL_CP = Template('''\
+    xs, target = split_sequences(tuple(batch.values()), targets[part], mesh)
+    batch = dict(zip(batch, xs))  # this rank's share of every sequence
+$wrap    with SequenceShards(mesh.get_group("cp"), CP_VARIANT, SEQ_LEN):
+$indent        schedule.step(target=target, losses=losses, **batch)
+''')
+"""The schedule's step under context parallelism (``$wrap``: the tensor-parallel mode
+around it)."""
+
+CP_STAGE_SHAPES = '''\
+    example = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // CP)  # a cp rank's share
+                    for x, d in zip(example, SEQUENCE_DIMS))
+'''
+"""The stages of a context-parallel plan are exported for one rank's share of each
+sequence."""
 
 STEP_CALL_TP = (
     "    with plain_as_replicated():  # tensors a stage makes meet DTensors as replicated\n"

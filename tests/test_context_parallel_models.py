@@ -115,37 +115,56 @@ def test_cp_training_equals_one_process(rank_pool: RankPool, planned) -> None:
         assert losses == pytest.approx(refs[name], abs=1e-5), (name, mesh, variant)
 
 
-def _meta_losses(text: str, data: str) -> list[float]:
-    """On each rank: the losses of ``apply_plan`` on a meta tiny Llama materialized
-    under seed 0, as the emitted program builds it."""
-    from autopar.runtime import apply_plan
+REFERENCE = """
+import sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {root!r})
+from autopar.demo import sgd_losses
+from autopar.plans import Plan
+from autopar.runtime import apply_plan
+from tests import codegen_models
 
-    batch = torch.load(data)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = codegen_models.tiny_llama()
-    pm = apply_plan(model, Plan.from_json(text))
-    return sgd_losses(pm.parameters(), lambda: pm.step(batch["inputs"], batch["targets"]),
-                      STEPS, LR)
+dist.init_process_group("gloo")
+batch = torch.load({data!r})
+torch.manual_seed(0)
+with torch.device("meta"):
+    model = codegen_models.tiny_llama()
+pm = apply_plan(model, Plan.from_json(open({plan!r}).read()), example_inputs=batch["inputs"])
+losses = sgd_losses(pm.parameters(), lambda: pm.step(batch["inputs"], batch["targets"]),
+                    {steps}, {lr})
+if dist.get_rank() == 0:
+    print("\\n".join(f"step {{k}} loss {{v:.8f}}" for k, v in enumerate(losses, 1)))
+dist.destroy_process_group()
+"""
+"""``apply_plan`` on a meta tiny Llama materialized under seed 0, as the emitted
+program builds it, printing its losses as the program does."""
 
 
 @pytest.mark.multirank
-def test_the_emitted_program_runs_cp_as_the_runtime(rank_pool: RankPool, planned,
-                                                    tmp_path) -> None:
-    """Llama under cp2 x tp2 with ring attention: the program under torchrun prints the
-    losses ``apply_plan`` gives."""
+@pytest.mark.parametrize("mesh", ["cp2xtp2", "pp2xcp2"])
+def test_the_emitted_program_runs_cp_as_the_runtime(planned, tmp_path, mesh: str) -> None:
+    """Llama under cp2 x tp2 and pp2 x cp2 with ring attention: each program under
+    torchrun prints the losses ``apply_plan`` gives under torchrun."""
+    from pathlib import Path
+
     from autopar.runtime.codegen import emit_program
     from tests.test_codegen import torchrun
 
-    plan = planned[("llama", "cp2xtp2", "ring")]
+    plan = planned[("llama", mesh, "ring")]
     x, y = foreign_models.example_batch()
-    data = tmp_path / "batch.pt"
+    data, saved = tmp_path / "batch.pt", tmp_path / "plan.json"
     torch.save({"inputs": x, "targets": y}, data)
+    saved.write_text(plan.to_json())
     program = tmp_path / "train_cp.py"
     program.write_text(emit_program(plan, f"{codegen_models.__file__}:tiny_llama"))
     text = program.read_text()
     assert 'CP_VARIANT = "ring"' in text and "SEQUENCE_DIMS = [1, 1]" in text
-    expected = rank_pool.run(4, _meta_losses, plan.to_json(), str(data))[0]
+    reference = tmp_path / "reference.py"
+    reference.write_text(REFERENCE.format(root=str(Path(__file__).parent.parent),
+                                          data=str(data), plan=str(saved), steps=STEPS,
+                                          lr=LR))
+    expected = torchrun(reference)
     got = torchrun(program, "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR),
                    "--data", str(data), "--seed", "0")
-    assert got == pytest.approx(expected, abs=1e-5)
+    assert len(got) == STEPS and got == pytest.approx(expected, abs=1e-5)
