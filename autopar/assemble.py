@@ -143,7 +143,7 @@ def context_plan(an: GraphAnalysis, st, per_node: dict[str, float]) -> ContextPl
     """The plan's :class:`ContextPlan` under settings ``st`` (None without a ``cp``
     axis), its attention time from ``per_node`` (seconds per micro-batch by node)."""
     mesh = st.mesh
-    if "cp" not in mesh.names or mesh.sizes[mesh.names.index("cp")] == 1:
+    if mesh.degree("cp") == 1:
         return None
     seq = an.sequence
     inputs = [seq.inputs.get(name) for name in an.graph.inputs]
@@ -155,7 +155,7 @@ def context_plan(an: GraphAnalysis, st, per_node: dict[str, float]) -> ContextPl
 def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
                  mesh) -> dict[str, ExpertPlan]:
     """The expert modules whose experts the chosen strategies split over ``ep``."""
-    if "ep" not in mesh.names or mesh.sizes[mesh.names.index("ep")] == 1:
+    if mesh.degree("ep") == 1:
         return {}
     a = mesh.names.index("ep")
     out = {}

@@ -69,6 +69,10 @@ class Mesh:
         """Index of the axis called ``name``."""
         return self.names.index(name)
 
+    def degree(self, name: str) -> int:
+        """Size of the axis called ``name`` (1 when the mesh has no such axis)."""
+        return self.sizes[self.names.index(name)] if name in self.names else 1
+
     def stride(self, axis: int) -> int:
         """Rank distance between neighbours along ``axis`` (row-major layout)."""
         st = 1
@@ -93,8 +97,7 @@ def data_parallel_degree(mesh: Mesh) -> int:
 def replica_degree(mesh: Mesh) -> int:
     """How many ranks hold a replica of a (non-expert) parameter: the data axes' and
     the context-parallel axis's (``cp`` runs the same parameters on other tokens)."""
-    cp = mesh.sizes[mesh.names.index("cp")] if "cp" in mesh.names else 1
-    return data_parallel_degree(mesh) * cp
+    return data_parallel_degree(mesh) * mesh.degree("cp")
 
 
 def shard_placement(dim: int, pieces: int = 1) -> str:

@@ -79,7 +79,7 @@ class ParamPricer:
         self.ep_axis = space.ep_axis
         # the ranks holding a replica of a parameter: data parallelism's, times the
         # context-parallel ranks, which run the same parameters on other tokens
-        self.cp = self.mesh.sizes[space.cp_axis] if space.cp_axis is not None else 1
+        self.cp = self.mesh.degree("cp")
         self.replicas = self.dp * self.cp
         self._groups = {False: self._group(self.dp), True: self._group(self.dp // self._ep())}
         self._terms: dict[tuple, ParamTerms] = {}

@@ -129,8 +129,7 @@ class StrategySpace:
         self.dp_axis = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
         self.ep_axis = self.mesh.names.index("ep") if "ep" in self.mesh.names else None
         # the context-parallel axis: every activation split along its sequence
-        self.cp_axis = self.mesh.names.index("cp") if "cp" in self.mesh.names and \
-            self.mesh.sizes[self.mesh.names.index("cp")] > 1 else None
+        self.cp_axis = self.mesh.axis("cp") if self.mesh.degree("cp") > 1 else None
         # the data-parallel axes: dp, and ep, which splits the batch outside the experts
         self.data_axes = tuple(a for a in (self.dp_axis, self.ep_axis) if a is not None)
         self.dp = data_parallel_degree(self.mesh)

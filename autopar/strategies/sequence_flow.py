@@ -52,8 +52,7 @@ class SequenceSplit:
     attention: dict[str, bool] = field(default_factory=dict)
     inputs: dict[str, int] = field(default_factory=dict)
     refusal: str = ""
-
-    masked: bool = False  # an attention op reads a mask (found causal by the capture)
+    masked: bool = False
 
     @property
     def splittable(self) -> bool:
@@ -61,12 +60,14 @@ class SequenceSplit:
         return not self.refusal and bool(self.attention)
 
 
+@dataclass
 class _SequenceFlow(BatchFlow):
-    """:class:`BatchFlow` over the sequence dim: attention keeps its queries' split,
-    and an op whose split inputs carry the sequence at different labels of its rule
-    (positions combined with positions) is refused rather than followed by size."""
+    """:class:`BatchFlow` over the sequence dim: attention keeps its queries' split
+    (``attention``: each attention op, whether causal), and an op whose split inputs
+    carry the sequence at different labels of its rule (positions combined with
+    positions) is refused rather than followed by size."""
 
-    attention: dict[str, bool]
+    attention: dict[str, bool] = field(default_factory=dict)
 
     def visit(self, n: OpNode) -> None:
         """Place op ``n`` (attention by :meth:`_attend`)."""
@@ -117,7 +118,6 @@ def sequence_split(graph: Graph, rules: dict[str, OpRule], constants: set[str]) 
     if seq < 2:
         return SequenceSplit(seq, refusal="the model's inputs have no sequence dim")
     flow = _SequenceFlow(graph, dict(rules), extent=seq)
-    flow.attention = {}
     inputs: dict[str, int] = {}
     current: OpNode | None = None
     try:
