@@ -12,8 +12,9 @@ and run it with PyTorch's own distributed stack::
 from autopar.api import detect_cluster, estimate, parallelize, plan
 from autopar.cluster import Cluster
 from autopar.compare import Comparison, compare
-from autopar.errors import (AutoparError, CaptureError, ConfigError, LoweringError,
-                            NoFeasiblePlanError, PlanFormatError, UnsupportedOpError)
+from autopar.errors import (AutoparError, CaptureError, CheckpointError, ConfigError,
+                            LoweringError, NoFeasiblePlanError, PlanFormatError, RankError,
+                            UnsupportedOpError)
 from autopar.plans import ModulePlan, Plan
 from autopar.spec import Spec
 
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 __all__ = ["Cluster", "Plan", "ModulePlan", "Spec", "Comparison", "plan", "estimate", "compare",
            "parallelize", "detect_cluster", "AutoparError", "CaptureError", "ConfigError",
            "LoweringError", "NoFeasiblePlanError", "PlanFormatError", "UnsupportedOpError",
-           "ParallelModel"]
+           "CheckpointError", "RankError", "ParallelModel", "save", "load", "Checkpointer"]
 
 
 def __getattr__(name: str):
@@ -30,4 +31,8 @@ def __getattr__(name: str):
         from autopar.runtime import ParallelModel
 
         return ParallelModel
+    if name in ("save", "load", "Checkpointer"):
+        from autopar.runtime import checkpoint
+
+        return getattr(checkpoint, name)
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cluster import Cluster
-from autopar.errors import AutoparError, ConfigError, NoFeasiblePlanError
+from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.spec import Spec, check_choice, split_space
 
 if TYPE_CHECKING:
@@ -25,11 +25,34 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
 def _budget(memory_budget: float | None, hw) -> float:
+    """The memory budget per device in bytes: ``memory_budget``, or the GPU's memory
+    less the profile's reserve when it is None."""
     if memory_budget is None:
         return float(hw.usable_memory_bytes)
-    if not isinstance(memory_budget, (int, float)) or memory_budget <= 0:
-        raise ConfigError(f"memory_budget={memory_budget!r}: expected a positive number of bytes")
+    if not _positive_number(memory_budget):
+        raise ConfigError(f"memory_budget={memory_budget!r}: expected a positive number of "
+                          f"bytes per device, e.g. 40e9 (None: the GPU's memory less the "
+                          f"profile's reserve)")
     return float(memory_budget)
+
+
+def _positive_number(value: Any) -> bool:
+    """Whether ``value`` is a finite number above 0 (not a bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value > 0
+
+
+def _check_search_options(time_limit_s: Any, loss_fn: Any) -> None:
+    """``time_limit_s`` is None or a finite number of seconds, 0 or more (0: the first
+    plan found); ``loss_fn`` is None or callable."""
+    if time_limit_s is not None and not (_positive_number(time_limit_s) or (
+            type(time_limit_s) in (int, float) and time_limit_s == 0)):
+        raise ConfigError(f"time_limit_s={time_limit_s!r}: expected a number of seconds, 0 or "
+                          f"more (None: search until the best plan is proven)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(f"loss_fn={loss_fn!r}: expected a function loss_fn(output, targets) "
+                          f"returning a scalar tensor (None: cross-entropy over the output's "
+                          f"last dim)")
 
 
 def detect_cluster() -> Cluster:
@@ -67,18 +90,24 @@ def profile_for_gpu(device_name: str) -> str:
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _join_torchrun_job() -> None:
+def _join_torchrun_job(collective_timeout_s: float | None = None) -> None:
     """Initialize the default process group from torchrun's environment when none exists.
 
     torchrun sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; the
     backend is NCCL when CUDA is available (each rank on the GPU ``LOCAL_RANK``), gloo
-    otherwise. An existing process group is kept as it is.
+    otherwise. Its collectives wait for a peer
+    :func:`~autopar.runtime.agree.collective_timeout` (``collective_timeout_s``, else
+    ``AUTOPAR_COLLECTIVE_TIMEOUT_S``, else 300 s) before they fail, so a dead or stuck
+    rank is reported instead of waited on. An existing process group is kept as it is.
 
     Raises:
-        ConfigError: no process group exists and the process was not started by torchrun.
+        ConfigError: no process group exists and the process was not started by torchrun,
+            or the timeout is not a positive number of seconds.
     """
     import torch
     import torch.distributed as dist
+
+    from autopar.runtime.agree import collective_timeout
 
     if not dist.is_available():
         raise ConfigError("this build of torch has no torch.distributed; install one that has "
@@ -92,20 +121,53 @@ def _join_torchrun_job() -> None:
                           f"{'is' if len(missing) == 1 else 'are'} not set: start the script "
                           f"with torchrun (e.g. torchrun --nproc-per-node 4 train.py), or call "
                           f"torch.distributed.init_process_group first")
-    if torch.cuda.is_available():
+    timeout = collective_timeout(collective_timeout_s)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def _attempt_store(rank: int, world: int, timeout: Any) -> Any:
+    """torchrun's store, with this attempt's keys apart from earlier attempts'.
+
+    Under ``torchrun --max-restarts``, every attempt's workers meet in the agent's
+    store, which outlives them; with torch's own ``env://`` set-up the restarted
+    group reads the peer addresses the killed attempt left there and gloo fails to
+    connect (torch 2.13, seen here). A prefix per attempt
+    (``TORCHELASTIC_RESTART_COUNT``) keeps each attempt's keys its own."""
+    import torch.distributed as dist
+
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else the agent's
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=hosted and rank == 0, timeout=timeout)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return dist.PrefixStore(f"autopar/attempt_{attempt}", store)
 
 
 def _batch_of(example_inputs: Any) -> int:
+    """The batch size of ``example_inputs``: dim 0 of its first tensor."""
     import torch
 
+    if isinstance(example_inputs, dict):
+        raise ConfigError(f"example_inputs is a dict ({', '.join(map(str, example_inputs))}): "
+                          f"keyword inputs are not captured; pass the forward's inputs "
+                          f"positionally, as a tuple in its order, or wrap the model in a "
+                          f"module whose forward takes them positionally")
+    if isinstance(example_inputs, (tuple, list)) and not example_inputs:
+        raise ConfigError("example_inputs is empty; pass one global batch of the forward's "
+                          "positional inputs, e.g. (token_ids,)")
     first = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        raise ConfigError("example_inputs must be a tensor or a tuple of tensors whose first "
-                          "dim is the batch")
+        got = "a 0-d tensor" if isinstance(first, torch.Tensor) else type(first).__name__
+        raise ConfigError(f"example_inputs must be a tensor or a tuple of tensors whose first "
+                          f"dim is the batch, but its first input is {got}; pass one global "
+                          f"batch of the forward's positional inputs, e.g. (token_ids,)")
     return int(first.shape[0])
 
 
@@ -123,6 +185,24 @@ def _heads(graph) -> int | None:
               if n.target.startswith("aten.scaled_dot_product_attention") and n.out is not None
               and len(n.out.shape) >= 3]
     return math.gcd(*counts) if counts else None
+
+
+def _whole_vocabularies(model, plan: "Plan") -> list[str]:
+    """Notes for the embeddings of ``model`` that the plan's ``tp`` does not divide: their
+    weights (and a head tied to them) stay whole on every tp rank, as the plan's
+    placements say, where a padded vocabulary would be split."""
+    from torch import nn
+
+    tp = plan.degree("tp")
+    if tp <= 1 or "tp" not in plan.stage_mesh:
+        return []
+    axis = list(plan.stage_mesh).index("tp")
+    return [f"tp={tp} does not divide the {m.num_embeddings} rows of embedding '{path}': "
+            f"its weight stays whole on every tp rank; pad the vocabulary to a multiple of "
+            f"{tp} (as Megatron-LM does) to split it"
+            for path, m in model.named_modules()
+            if isinstance(m, nn.Embedding) and m.num_embeddings % tp
+            and plan.params.get(f"{path}.weight", ["R"] * (axis + 1))[axis] == "R"]
 
 
 def _check_heads(graph, tp: int) -> None:
@@ -253,6 +333,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                 name: str | None = None, example_targets: torch.Tensor | None = None):
     """Search the configurations ``spec`` leaves open (its fields, already checked by
     :class:`Spec`) for the fastest plan that fits; (plan, the search's result)."""
+    from autopar import plans
     from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
     from autopar.solvers.outer_search import SearchResult, candidates, search
@@ -261,6 +342,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     check_choice("precision", precision, PRECISIONS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
     _check_imbalance(expert_imbalance)
+    _check_search_options(time_limit_s, loss_fn)
     if not isinstance(cluster, Cluster):
         raise ConfigError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     hw = cluster.hardware()
@@ -332,6 +414,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                        for r in res.runners_up]
     plan.solver["memory_budget_bytes"] = budget
     plan.inputs = _input_specs(example_inputs, gb)
+    plan.model_hash = plans.model_fingerprint(model)
+    plan.notes.extend(_whole_vocabularies(model, plan))
     if pp_note:
         plan.notes.append(pp_note)
     if plan.context is not None and spec.cp is None and res.passed_over:
@@ -407,6 +491,8 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
     if not isinstance(spec, Spec):
         raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
     cluster = cluster or detect_cluster()
+    if not isinstance(cluster, Cluster):
+        raise ConfigError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     gb = _global_batch(global_batch, example_inputs)
     scored = spec.for_estimate(cluster.world_size, gb)
     p, _ = _run_search(model, example_inputs, cluster=cluster, global_batch=gb, loss_fn=loss_fn,
@@ -419,39 +505,46 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
 
 def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
                 cluster: Cluster | None = None, loss_fn: Callable | None = None,
-                example_targets: torch.Tensor | None = None, **plan_kwargs) -> "ParallelModel":
+                example_targets: torch.Tensor | None = None,
+                collective_timeout_s: float | None = None, **plan_kwargs) -> "ParallelModel":
     """Plan (unless ``plan`` is given) and apply the plan inside a running job.
 
     Must run on every rank of a job started by torchrun (the default process group is
     then initialized from torchrun's environment when none exists: NCCL on GPUs, gloo
-    on CPUs) or by ``init_process_group``. Rank 0 plans and broadcasts the plan, so
-    every rank applies the same one; an error in planning is raised on every rank.
-    ``loss_fn``, ``example_targets`` and ``plan_kwargs`` are those of :func:`plan`.
+    on CPUs, its collectives failing after ``collective_timeout_s``, by default
+    ``AUTOPAR_COLLECTIVE_TIMEOUT_S`` or 300 s) or by ``init_process_group``. Rank 0
+    plans and broadcasts the plan, so every rank applies the same one. An exception on
+    any rank, in planning or in applying the plan, is raised on every rank alike (same
+    type and message, with a note naming the rank that raised it; see
+    :func:`autopar.runtime.agree.agreed`), so no rank waits for a peer that has given
+    up. ``loss_fn``, ``example_targets`` and ``plan_kwargs`` are those of :func:`plan`.
     """
     import torch.distributed as dist
 
     from autopar.plans import Plan
     from autopar.runtime import apply_plan
+    from autopar.runtime.agree import agreed
 
-    _join_torchrun_job()
+    _join_torchrun_job(collective_timeout_s)
+    text: str | None = None
+    with agreed("planning in autopar.parallelize"):
+        if plan is None:
+            if example_inputs is None:
+                raise ConfigError("parallelize() needs example_inputs (one global batch) or "
+                                  "a plan")
+            if dist.get_rank() == 0:
+                text = make_plan(model, example_inputs, cluster=cluster or detect_cluster(),
+                                 loss_fn=loss_fn, example_targets=example_targets,
+                                 **plan_kwargs).to_json()
+        elif not isinstance(plan, Plan):
+            raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
     if plan is None:
-        if example_inputs is None:
-            raise ConfigError("parallelize() needs example_inputs (one global batch) or a plan")
-        cluster = cluster or detect_cluster()
-        text: list = [None]
-        if dist.get_rank() == 0:
-            try:
-                text[0] = make_plan(model, example_inputs, cluster=cluster, loss_fn=loss_fn,
-                                    example_targets=example_targets, **plan_kwargs).to_json()
-            except AutoparError as e:  # sent on, so no rank waits for a plan that never comes
-                text[0] = e
-        dist.broadcast_object_list(text, src=0)
-        if isinstance(text[0], AutoparError):
-            raise text[0]
-        plan = Plan.from_json(text[0])
-    elif not isinstance(plan, Plan):
-        raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
-    if math.prod(plan.mesh.values()) != dist.get_world_size():
-        raise ConfigError(f"the plan is for {math.prod(plan.mesh.values())} devices but the job "
-                          f"has {dist.get_world_size()}; plan for this world size")
-    return apply_plan(model, plan, loss_fn=loss_fn, example_inputs=example_inputs)
+        shared = [text]
+        dist.broadcast_object_list(shared, src=0)
+        plan = Plan.from_json(shared[0])
+    with agreed("applying the plan in autopar.parallelize"):
+        if math.prod(plan.mesh.values()) != dist.get_world_size():
+            raise ConfigError(f"the plan is for {math.prod(plan.mesh.values())} devices but the "
+                              f"job has {dist.get_world_size()}; plan for this world size")
+        parallel = apply_plan(model, plan, loss_fn=loss_fn, example_inputs=example_inputs)
+    return parallel

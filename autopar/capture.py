@@ -22,6 +22,7 @@ import linecache
 import logging
 import operator
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -264,8 +265,10 @@ def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         kinds = ", ".join(type(t).__name__ for t in inputs) or "nothing"
         raise CaptureError(f"example_inputs must be a tensor or a tuple of tensors, got "
-                           f"({kinds}); pass the forward's positional inputs, e.g. "
-                           "(token_ids,), and wrap the model to take keyword inputs")
+                           f"({kinds}); pass only the forward's tensor inputs, positionally, "
+                           f"e.g. (token_ids,), and fix its other arguments (numbers, flags, "
+                           f"keyword inputs) in a wrapper module whose forward takes only "
+                           f"those tensors")
     if inputs[0].dim() == 0:
         raise CaptureError("the first example input is a 0-d tensor; capture reads the batch "
                            "size from its dim 0, so pass a batched input")
@@ -420,7 +423,10 @@ def _hint(e: BaseException, model: nn.Module) -> str:
     if isinstance(e, TypeError) and any(k in t for k in ("argument", "positional")):
         try:
             import inspect
-            sig = str(inspect.signature(model.forward))
+            full = inspect.signature(model.forward)  # shown without its annotations
+            sig = str(full.replace(
+                parameters=[p.replace(annotation=p.empty) for p in full.parameters.values()],
+                return_annotation=full.empty))
         except (TypeError, ValueError):
             sig = "(...)"
         return (f"example_inputs do not match forward{sig}; pass one tensor per positional "
@@ -565,7 +571,12 @@ def _call(b: _Builder, gm: Any, fx: Any, env: dict, grad: bool) -> None:
         env[fx] = env[fx.args[0]][fx.args[1]]
         return
     val = fx.meta.get("val")
-    metas = [_meta(v) for v in (val if isinstance(val, (list, tuple)) else [val])]
+    try:
+        metas = [_meta(v) for v in (val if isinstance(val, (list, tuple)) else [val])]
+    except RuntimeError as e:  # a shape only known at run time: torch's GuardOn... error
+        if "DataDependent" not in type(e).__name__:
+            raise
+        raise _dynamic_shape(fx, e) from None
     outs = [m for m in metas if m is not None]
     if not outs:
         env[fx] = _scalar(val)
@@ -592,6 +603,25 @@ def _call(b: _Builder, gm: Any, fx: Any, env: dict, grad: bool) -> None:
     node.flops, node.bytes = flops_and_bytes(node, [s.out for s in srcs],
                                              aliases_input=_storage(first) in keys)
     env[fx] = b.add(node, first)
+
+
+def _dynamic_shape(fx: Any, e: RuntimeError) -> CaptureError:
+    """The error for an exported op whose output shape depends on tensor values (boolean
+    indexing, ``nonzero``, ``unique``, ...), naming the module and the user's line."""
+    path, mtype = _module_of(fx)
+    what = f"module '{path or '<root>'}' ({mtype})" if mtype else "the model"
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)',
+                        fx.meta.get("stack_trace") or "")
+    line = ""
+    if frames:
+        fname, lineno, code = frames[-1]
+        line = f" at {os.path.basename(fname)}:{lineno} (`{code.strip()}`)"
+    target = str(fx.target).removeprefix("aten.")
+    return CaptureError(f"cannot capture {what}{line}: {target} gives a tensor whose shape "
+                        f"depends on tensor values ({type(e).__name__}: {_first_line(e)}). "
+                        f"Hint: autopar plans tensors of fixed shapes; compute with a mask "
+                        f"(torch.where, or multiplying by the condition) instead of boolean "
+                        f"indexing, nonzero or unique.")
 
 
 def _inline(b: _Builder, fx: Any, env: dict, grad: bool) -> Any:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from autopar.cli_checkpoint import add_checkpoint_parser, cmd_checkpoint
 from autopar.errors import AutoparError, ConfigError
 
 if TYPE_CHECKING:
@@ -23,13 +24,27 @@ if TYPE_CHECKING:
 
 def parse_bytes(text: str) -> float:
     """``"40GB"`` -> 4e10, ``"80GiB"`` -> 80·2^30, a plain number is bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
     if not m:
         raise ConfigError(f"memory size {text!r} is not like '40GB', '80GiB' or a byte count")
     value, unit = float(m.group(1)), (m.group(2) or "B").upper()
     scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     return value * scale
+
+
+def _option_value(parse: Callable[[str], float]) -> Callable[[str], float]:
+    """``parse`` for an argparse ``type=``: its ConfigError becomes argparse's own error
+    line (``argument --memory-budget: memory size '40XB' is not like ...``)."""
+
+    def parsed(text: str) -> float:
+        try:
+            return parse(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parsed.__name__ = parse.__name__
+    return parsed
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +66,7 @@ def _add_workload_args(p: argparse._ActionsContainer) -> None:
                         "(default: %(default)s)")
     p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw", "sgd"],
                    help="the optimizer whose state is kept and stepped (default: %(default)s)")
-    p.add_argument("--memory-budget", type=parse_bytes,
+    p.add_argument("--memory-budget", type=_option_value(parse_bytes),
                    help="per device, e.g. 40GB (default: the GPU's memory less the "
                         "profile's reserve)")
     p.add_argument("--expert-imbalance", type=float, default=1.0,
@@ -151,6 +166,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     profile_parser(sub.add_parser("profile", help="measure this machine's GPU (or CPU) "
                                   "and write a profile JSON"))
+    add_checkpoint_parser(sub)
     return ap
 
 
@@ -171,6 +187,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     cluster = _cluster_from_args(args)
+    if args.json:
+        _check_writable(args.json, "the plan")
     model, inputs, targets = _load_model(args.model, args.seq_len)
     plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
                         precision=args.precision, optimizer=args.optimizer,
@@ -185,10 +203,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.summary())
     print(f"\nplanned in {time.perf_counter() - t0:.1f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(plan.to_json())
+        _write(args.json, plan.to_json(), "the plan")
         print(f"plan written to {args.json}")
     return 0
+
+
+def _check_writable(path: str, what: str) -> None:
+    """ConfigError, before any work, when ``path``'s folder does not exist or
+    ``path`` is a folder."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        why = "is a folder" if os.path.isdir(path) else f"its folder {folder!r} does not exist"
+        raise ConfigError(f"cannot write {what} to {path!r}: {why}; pass a file path in an "
+                          f"existing folder")
+
+
+def _write(path: str, text: str, what: str) -> None:
+    """Write ``text`` to ``path``; ConfigError naming ``what`` when the OS refuses."""
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise ConfigError(f"cannot write {what} to {path!r}: {e.strerror}") from None
+
+
+def _check_spec(option: str, spec: str | None, what: str) -> None:
+    """``spec`` (when given) is ``path/to/file.py:name``."""
+    if spec is not None and not re.fullmatch(r".+\.py:[A-Za-z_]\w*", spec):
+        raise ConfigError(f"{option} {spec!r} is not of the form path/to/file.py:{what}")
 
 
 def _progress_line(stream) -> Callable[[int, int, float | None], None] | None:
@@ -246,6 +290,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """``autopar demo``: a small GPT trained under its plan beside a single process."""
     from autopar.demo import run_demo
 
+    for name in ("ranks", "steps"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} {getattr(args, name)}: expected a positive integer")
     run_demo(ranks=args.ranks, steps=args.steps)
     return 0
 
@@ -257,8 +304,11 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     from autopar.plans import Plan
     from autopar.runtime.codegen import emit_program
 
+    _check_spec("--model", args.model, "factory")
+    _check_spec("--loss", args.loss, "function")
+    _check_writable(args.output, "the program")
     try:
-        with open(args.plan) as f:
+        with open(args.plan, "rb") as f:
             plan = Plan.from_json(f.read())
     except OSError as e:
         raise ConfigError(f"cannot read the plan {args.plan!r}: {e.strerror}") from None
@@ -270,8 +320,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     text = emit_program(plan, args.model, model_file=os.path.relpath(path, out_dir),
                         program_name=os.path.basename(args.output), loss_spec=args.loss,
                         loss_file=loss_file)
-    with open(args.output, "w") as f:
-        f.write(text)
+    _write(args.output, text, "the program")
     print(f"wrote {args.output}: torchrun --nproc-per-node {plan.world_size} {args.output}")
     return 0
 
@@ -289,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handler = {"plan": cmd_plan, "models": cmd_models, "demo": cmd_demo,
                "profile": cmd_profile, "codegen": cmd_codegen,
-               "compare": cmd_compare}[args.command]
+               "compare": cmd_compare, "checkpoint": cmd_checkpoint}[args.command]
     try:
         return handler(args)
     except AutoparError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +43,11 @@ class Cluster:
                 raise ConfigError(f"Cluster({name}={v!r}): expected a positive integer")
         for name in ("intra_node_bandwidth", "inter_node_bandwidth", "memory_gb"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
-                raise ConfigError(f"Cluster({name}={v!r}): expected a positive number (GB/s or GB)")
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
+                                  or not math.isfinite(v) or v <= 0):
+                unit = "GB of device memory" if name == "memory_gb" else "GB/s per GPU"
+                raise ConfigError(f"Cluster({name}={v!r}): expected a positive, finite number "
+                                  f"({unit}), or None for the profile's own figure")
         self.hardware()  # validates the GPU name / profile path early, with a clear message
 
     @property

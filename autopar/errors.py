@@ -30,3 +30,14 @@ class PlanFormatError(AutoparError, ValueError):
 
 class LoweringError(AutoparError):
     """A plan cannot be applied to the live model."""
+
+
+class CheckpointError(AutoparError, ValueError):
+    """A checkpoint cannot be saved or loaded: missing, half written, damaged, or of
+    another model."""
+
+
+class RankError(AutoparError):
+    """A rank of a distributed job raised an exception that cannot travel to the other
+    ranks as it is (it does not survive pickling), or a rank stopped answering. Names
+    the rank and, for the first, what it raised; raised on every rank alike."""

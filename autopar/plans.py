@@ -15,18 +15,26 @@ modes, FSDP units) are :mod:`autopar.memory_choices`'s, re-exported here.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+import warnings
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from autopar.cost_models.memory import OPTIMIZERS, PRECISIONS
 from autopar.errors import PlanFormatError
 from autopar.memory_choices import RECOMPUTE, SELECTIVE_SAVE_OPS, fsdp_unit
+from autopar.schema import build, strict_loads
 
 __all__ = ["PLAN_FORMAT_VERSION", "READABLE_VERSIONS", "TP_STYLES", "SCHEDULES", "RECOMPUTE",
-           "SELECTIVE_SAVE_OPS", "fsdp_unit", "ModulePlan", "ExpertPlan", "ContextPlan", "StagePlan", "PipelinePlan", "Plan"]
+           "SELECTIVE_SAVE_OPS", "fsdp_unit", "model_fingerprint", "ModulePlan", "ExpertPlan",
+           "ContextPlan", "StagePlan", "PipelinePlan", "Plan"]
 
-PLAN_FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1 plans (no pipeline) read as version 2 with pipeline=None
+PLAN_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+"""Versions :meth:`Plan.from_json` reads: 1 (no pipeline section: read with
+pipeline=None) and 2 (no ``model_hash``: read with a warning that the plan cannot be
+checked against the model it is applied to) as version 3."""
 
 TP_STYLES = ("replicate", "colwise", "rowwise", "sequence_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
@@ -168,7 +176,12 @@ class Plan:
 
     Attributes:
         model: the model's name (class name or zoo name).
-        graph_hash: fingerprint of the captured graph the plan was made for.
+        graph_hash: fingerprint of the captured graph the plan was made for (its ops,
+            shapes and parameters, for the example inputs it was captured with).
+        model_hash: fingerprint of the model's parameters, their names and shapes
+            (:func:`model_fingerprint`): the lowering refuses a plan whose model_hash
+            differs from the model it is applied to; empty in plans written before
+            format version 3 (and in plans written by hand), which are not checked.
         cluster: the cluster description (gpu, nodes, gpus_per_node, bandwidths).
         mesh: ordered mesh axes and their sizes, e.g. ``{"dp": 4, "tp": 2}``, or
             ``{"pp": 4, "dp": 2, "tp": 8}`` with pipelining (``pp`` outermost).
@@ -253,6 +266,7 @@ class Plan:
     loss_reduction: str = "mean"
     experts: dict[str, ExpertPlan] = field(default_factory=dict)
     context: ContextPlan | None = None
+    model_hash: str = ""
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -289,47 +303,37 @@ class Plan:
         return json.dumps(data, indent=indent, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        """Parse a plan written by :meth:`to_json`; raises PlanFormatError if malformed."""
+    def from_json(cls, text: str | bytes) -> "Plan":
+        """Parse a plan written by :meth:`to_json`: JSON only (never a pickle), every
+        field checked against its type (:mod:`autopar.schema`) and the whole for
+        consistency. Raises PlanFormatError naming what is wrong; a plan of format
+        version 1 or 2 loads with a warning that it carries no model fingerprint."""
         try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
+            data = strict_loads(text)
+        except (ValueError, TypeError) as e:
+            what = "not JSON text (a pickle or other binary file?)" if isinstance(
+                e, UnicodeDecodeError) else f"not valid JSON ({e})"
             raise PlanFormatError(
-                f"the plan is not valid JSON ({e}); pass the text written by Plan.to_json() "
-                "or `autopar plan --json`") from None
+                f"the plan is {what}; pass the text written by Plan.to_json() or "
+                "`autopar plan --json`") from None
         if not isinstance(data, dict):
             raise PlanFormatError("the plan JSON must be an object with the fields of autopar.Plan")
         version = data.get("version")
-        if version not in READABLE_VERSIONS:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
+            newer = isinstance(version, int) and version > PLAN_FORMAT_VERSION
             raise PlanFormatError(
                 f"plan format version {version!r} is not supported (this autopar reads versions "
-                f"{READABLE_VERSIONS[0]} to {PLAN_FORMAT_VERSION}); re-run `autopar plan` to write a "
-                "current plan")
-        known = {f.name for f in fields(cls)}
-        required = {f.name for f in fields(cls)
-                    if f.default is MISSING and f.default_factory is MISSING}
-        missing = sorted(required - data.keys())
-        if missing:
-            raise PlanFormatError(f"the plan is missing the field(s) {', '.join(missing)}; "
-                                  "re-run `autopar plan` to write a complete plan")
-        unknown = sorted(data.keys() - known)
-        if unknown:
-            raise PlanFormatError(f"the plan has unknown field(s) {', '.join(unknown)}")
-        try:
-            data["modules"] = {k: ModulePlan(**v) for k, v in data.get("modules", {}).items()}
-            data["experts"] = {k: ExpertPlan(**v) for k, v in data.get("experts", {}).items()}
-            if data.get("context") is not None:
-                data["context"] = ContextPlan(**data["context"])
-            pipe = data.get("pipeline")
-            if pipe is not None:
-                pipe = dict(pipe)
-                pipe["stages"] = [StagePlan(**st) for st in pipe.get("stages", [])]
-                data["pipeline"] = PipelinePlan(**pipe)
-            data["version"] = PLAN_FORMAT_VERSION
-            plan = cls(**data)
-        except TypeError as e:
-            raise PlanFormatError(f"the plan has a malformed field: {e}") from None
+                f"{READABLE_VERSIONS[0]} to {PLAN_FORMAT_VERSION}); "
+                + ("the plan was written by a newer autopar: upgrade autopar, or re-run "
+                   "`autopar plan` with this one" if newer
+                   else "re-run `autopar plan` to write a current plan"))
+        plan = build(cls, {**data, "version": PLAN_FORMAT_VERSION})
         _check_plan(plan)
+        if version < 3:
+            warnings.warn(f"the plan was written in format version {version}, without a "
+                          f"model fingerprint: autopar cannot check that it is applied to "
+                          f"the model it was made for; re-run `autopar plan` to write a "
+                          f"version {PLAN_FORMAT_VERSION} plan", stacklevel=2)
         return plan
 
     def summary(self) -> str:
@@ -339,17 +343,47 @@ class Plan:
         return plan_summary(self)
 
 
+def model_fingerprint(model: Any) -> str:
+    """A stable hash (16 hex digits) of a module's parameters: each name (as
+    ``named_parameters()`` gives it, a tied parameter once) and shape, in order. Dtypes
+    and devices are left out, so the same model in bf16 or on ``meta`` has the same
+    fingerprint; a parameter added, renamed or resized changes it."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        try:
+            shape = ",".join(str(int(d)) for d in p.shape)
+        except (RuntimeError, ValueError, TypeError):  # an uninitialized (lazy) parameter
+            shape = "?"
+        h.update(f"{name}:{shape};".encode())
+    return h.hexdigest()[:16]
+
+
 def _check_plan(plan: Plan) -> None:
-    """Validate the types and consistency of a parsed plan."""
+    """Validate the consistency of a parsed plan (its types are checked by
+    :func:`autopar.schema.build`)."""
     from autopar.sharding import check_placement
 
-    if not isinstance(plan.mesh, dict) or not plan.mesh or not all(
-            isinstance(v, int) and v >= 1 for v in plan.mesh.values()):
-        raise PlanFormatError("the plan's mesh must map axis names to positive integers")
+    if not plan.mesh or not all(v >= 1 for v in plan.mesh.values()):
+        raise PlanFormatError(f"the plan's mesh {plan.mesh} must map axis names to positive "
+                              f"integers")
+    if plan.precision not in PRECISIONS or plan.optimizer not in OPTIMIZERS:
+        raise PlanFormatError(f"the plan's precision {plan.precision!r} or optimizer "
+                              f"{plan.optimizer!r} is unknown; expected one of "
+                              f"{', '.join(PRECISIONS)} and one of {', '.join(OPTIMIZERS)}")
+    if min(plan.global_batch, plan.microbatch_size, plan.num_microbatches) < 1:
+        raise PlanFormatError(f"the plan's global_batch {plan.global_batch}, microbatch_size "
+                              f"{plan.microbatch_size} and num_microbatches "
+                              f"{plan.num_microbatches} must be positive")
+    if plan.global_batch != plan.microbatch_size * plan.num_microbatches * plan.data_parallel:
+        raise PlanFormatError(
+            f"the plan's global_batch {plan.global_batch} is not microbatch_size "
+            f"{plan.microbatch_size} x num_microbatches {plan.num_microbatches} x dp "
+            f"{plan.data_parallel}; was it edited? Re-run `autopar plan` with --global-batch "
+            f"{plan.global_batch}")
     naxes = len(plan.stage_mesh)
     for what, table in (("parameter", plan.params), ("activation", plan.activations)):
         for name, pls in table.items():
-            if not isinstance(pls, list) or len(pls) != naxes:
+            if len(pls) != naxes:
                 raise PlanFormatError(
                     f"{what} {name!r} has placements {pls!r}; expected one per mesh axis "
                     f"({', '.join(plan.stage_mesh)})")
@@ -369,8 +403,6 @@ def _check_plan(plan: Plan) -> None:
         raise PlanFormatError("offload needs zero=3 (FSDP2 offloads sharded parameters)")
     if plan.zero not in (0, 1, 2, 3):
         raise PlanFormatError(f"zero stage {plan.zero!r} is not one of 0, 1, 2, 3")
-    if plan.microbatch_size < 1 or plan.num_microbatches < 1:
-        raise PlanFormatError("microbatch_size and num_microbatches must be positive")
     _check_pipeline(plan)
     if (plan.degree("cp") > 1) != (plan.context is not None):
         raise PlanFormatError(f"the mesh has cp={plan.degree('cp')} but the plan "

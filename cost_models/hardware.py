@@ -14,7 +14,8 @@ section ``autopar.cost_models.hardware``.
 
 from __future__ import annotations
 
-import json
+import math
+import warnings
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 from autopar.cost_models.tables import ComputeTables, tables_from_profile
 from autopar.errors import ConfigError, PlanFormatError
+from autopar.schema import strict_loads
 
 MEASURED_FORMAT = "autopar-profile/1"
 """The format tag of profiles written by ``autopar profile``."""
@@ -226,7 +228,13 @@ def load_profile(name_or_path: str, base: str | None = None) -> HardwareProfile:
         path = Path(name_or_path)
         if not path.is_file():
             raise ConfigError(f"hardware profile file {name_or_path!r} does not exist")
-        text, origin, folder = path.read_text(), str(path), path.parent
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise PlanFormatError(f"hardware profile {name_or_path} is not JSON text (a pickle "
+                                  f"or other binary file?); profiles are JSON only, as "
+                                  f"`autopar profile` writes them") from None
+        origin, folder = str(path), path.parent
     else:
         key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
         known = available_profiles()
@@ -236,19 +244,72 @@ def load_profile(name_or_path: str, base: str | None = None) -> HardwareProfile:
         folder = _shipped_folder()
         text, origin = (folder / f"{key}.json").read_text(), f"{key}.json"
     data = _json_object(text, origin)
+    _check_format(data, origin)
     if data.get("format") == MEASURED_FORMAT:
         kind = (data.get("provenance") or {}).get("device_type") if isinstance(
             data.get("provenance"), dict) else None
         base_hw = load_profile("cpu" if kind == "cpu" else (base or "h100-sxm"))
+        warn_other_torch(data, origin)
         return profile_from_measured(data, base_hw, origin)
     return parse_profile(text, origin, folder=folder)
 
 
+def _check_format(data: dict, origin: str) -> None:
+    """A ``format`` tag, where a profile has one, must be :data:`MEASURED_FORMAT` (a
+    later version of it was written by a newer autopar); and a plan is not a profile."""
+    tag = data.get("format")
+    if "graph_hash" in data and "mesh" in data:
+        raise PlanFormatError(f"{origin} is a plan (written by `autopar plan --json`), not a "
+                              f"hardware profile; pass a shipped profile name or a file "
+                              f"written by `autopar profile`")
+    if tag is None or tag == MEASURED_FORMAT:
+        return
+    family = MEASURED_FORMAT.rsplit("/", 1)[0] + "/"
+    if isinstance(tag, str) and tag.startswith(family):
+        raise PlanFormatError(f"hardware profile {origin} has format {tag!r}, written by a "
+                              f"newer autopar (this one reads {MEASURED_FORMAT!r}); upgrade "
+                              f"autopar, or re-run `autopar profile` with this one")
+    raise PlanFormatError(f"hardware profile {origin} has an unknown format {tag!r}; a "
+                          f"measured profile has format {MEASURED_FORMAT!r} (written by "
+                          f"`autopar profile`), a hand-written one no format field")
+
+
+def _release(version: str) -> str:
+    """``"2.11.0+cu130"`` -> ``"2.11"``: the torch release (major.minor) of a version."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def warn_other_torch(doc: dict, origin: str) -> None:
+    """Warn when a measured profile was written under another torch release than the
+    running one.
+
+    A warning, not an error: the profile's rows are kernel times, and another torch
+    release may pick other kernels (or fuse, dispatch and synchronize differently), so
+    its figures may be off by some percent; but they remain measurements of this
+    device, closer than datasheet figures, and the plans made with them are as runnable
+    as any. Refusing the file would stop planning for a cluster the user cannot
+    re-measure now (the planner CLI's use). The warning names both releases and the
+    fix: re-run ``autopar profile`` under the running torch. Patch releases and local
+    build tags (``+cu130``) are not compared."""
+    import torch
+
+    prov = doc.get("provenance") if isinstance(doc.get("provenance"), dict) else {}
+    measured = prov.get("torch")
+    if not isinstance(measured, str) or _release(measured) == _release(torch.__version__):
+        return
+    warnings.warn(f"hardware profile {origin} was measured with torch {measured}, and this "
+                  f"is torch {torch.__version__}: kernel times may differ between releases, "
+                  f"so the plan's predicted times may be off; re-run `autopar profile` under "
+                  f"this torch to measure it again", stacklevel=4)
+
+
 def _json_object(text: str, origin: str) -> dict:
+    """The JSON object of a profile's text (NaN and Infinity refused)."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanFormatError(f"hardware profile {origin} is not valid JSON: {e}") from None
+        data = strict_loads(text)
+    except ValueError as e:
+        raise PlanFormatError(f"hardware profile {origin} is not valid JSON: {e}; regenerate "
+                              f"it with `autopar profile`, or fix the file") from None
     if not isinstance(data, dict):
         raise PlanFormatError(f"hardware profile {origin} must be a JSON object")
     return data
@@ -306,8 +367,10 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
     flops = dict(base.matmul_flops)
     eff = dict(base.matmul_efficiency)
     for dt, best in (summary.get("gemm_peak_flop_per_s") or {}).items():
-        if isinstance(best, dict) and isinstance(best.get("flop_per_s"), (int, float)):
-            flops[dt], eff[dt] = float(best["flop_per_s"]), 1.0
+        if isinstance(best, dict) and best.get("flop_per_s") is not None:
+            flops[dt] = _rate(best["flop_per_s"], origin,
+                              f"summary.gemm_peak_flop_per_s.{dt}.flop_per_s")
+            eff[dt] = 1.0
             src[f"matmul_flops.{dt}"] = f"{how}: best {dt} GEMM rate, shape {best.get('shape')}"
             src[f"matmul_efficiency.{dt}"] = "1: the peak above is itself a measured rate"
     hw = replace(base, name=f"{base.name} (measured: {origin})",
@@ -315,8 +378,10 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
                  matmul_flops=flops, matmul_efficiency=eff, tables=tables,
                  provenance={**prov, "base_profile": base.name})
     copy = summary.get("copy_bytes_per_s")
-    if isinstance(copy, dict) and isinstance(copy.get("bytes_per_s"), (int, float)):
-        hw = replace(hw, memory_bandwidth=float(copy["bytes_per_s"]), memory_efficiency=1.0)
+    if isinstance(copy, dict) and copy.get("bytes_per_s") is not None:
+        hw = replace(hw, memory_bandwidth=_rate(copy["bytes_per_s"], origin,
+                                                "summary.copy_bytes_per_s"),
+                     memory_efficiency=1.0)
         src["memory_bandwidth"] = f"{how}: copy of {copy.get('bytes')} bytes, read + write"
         src["memory_efficiency"] = "1: the bandwidth above is itself a measured rate"
     if tables.launch_s is not None:
@@ -327,15 +392,20 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
         hw = replace(hw, host_overhead_s={k: float(v) for k, v in host.items()
                                           if isinstance(v, (int, float)) and v >= 0})
         src["host_overhead_s"] = f"{how}: host seconds per op, hook and parameter"
-    if isinstance(prov.get("memory_bytes"), (int, float)):
-        hw = replace(hw, memory_bytes=float(prov["memory_bytes"]))
+    if prov.get("memory_bytes") is not None:
+        hw = replace(hw, memory_bytes=_rate(prov["memory_bytes"], origin,
+                                            "provenance.memory_bytes"))
         src["memory_bytes"] = f"{how}: device memory reported by torch"
-    fits = (doc.get("fits") or {}).get("collectives") or {}
+    fits = doc.get("fits") if isinstance(doc.get("fits"), dict) else {}
+    fits = fits.get("collectives") if isinstance(fits.get("collectives"), dict) else {}
     ar = [f for f in fits.values() if isinstance(f, dict) and f.get("op") == "all_reduce"]
     if ar:
-        best = max(ar, key=lambda f: f.get("world", 0))
-        link = LinkSpec(float(best["bus_bandwidth_bytes_per_s"]), float(best["alpha_per_step_s"]))
-        note = f"{how}: all-reduce over {best['world']} processes, α-β fit"
+        best = max(ar, key=lambda f: f.get("world") if isinstance(f.get("world"), int) else 0)
+        link = LinkSpec(_rate(best.get("bus_bandwidth_bytes_per_s"), origin,
+                              "fits.collectives.bus_bandwidth_bytes_per_s"),
+                        _rate(best.get("alpha_per_step_s"), origin,
+                              "fits.collectives.alpha_per_step_s", zero=True))
+        note = f"{how}: all-reduce over {best.get('world', '?')} processes, α-β fit"
         hw = replace(hw, intra_node=link)
         src["intra_node.bandwidth"] = src["intra_node.latency"] = note
         if prov.get("device_type") == "cpu":
@@ -343,6 +413,18 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
             src["inter_node.bandwidth"] = src["inter_node.latency"] = note + " (one machine)"
     src["tables"] = tables.source
     return replace(hw, sources=src, per_process=_unmeasured(base.per_process, hw, base))
+
+
+def _rate(value: Any, origin: str, where: str, zero: bool = False) -> float:
+    """A measured figure of a profile written by ``autopar profile``: a finite number
+    above 0 (or at least 0 with ``zero``); PlanFormatError naming it otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and (value >= 0 if zero else value > 0)
+    if not ok:
+        raise PlanFormatError(f"measured profile {origin}: '{where}' must be a "
+                              f"{'non-negative' if zero else 'positive'} number, got "
+                              f"{value!r}; regenerate the file with `autopar profile`")
+    return float(value)
 
 
 def _unmeasured(per_process: dict[int, dict[str, Any]], hw: HardwareProfile,
@@ -374,9 +456,10 @@ def _num(data: dict, key: str, origin: str, sources: dict[str, str], prefix: str
         sources[prefix + key] = str(entry.get("source", ""))
     else:
         value = entry
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+            not math.isfinite(value) or value < 0:
         raise PlanFormatError(f"hardware profile {origin}: field '{prefix}{key}' must be a "
-                              f"non-negative number (as {{\"value\": ..., \"source\": ...}}), "
+                              f"finite, non-negative number (as {{\"value\": ..., \"source\": ...}}), "
                               f"got {entry!r}")
     return float(value)
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from autopar.errors import LoweringError
-from autopar.plans import Plan
+from autopar.plans import Plan, model_fingerprint
 from autopar.runtime.data_parallel import PRECISION_DTYPES, apply_data_parallel, check_tied_units
 from autopar.runtime.experts import apply_expert_parallel, check_experts, shard_plan_experts
 from autopar.runtime.materialize import (check_materializable, is_meta_model, materialize,
@@ -39,7 +39,8 @@ from autopar.runtime.tensor_parallel import (apply_tensor_parallel, check_module
                                              check_param_placement, tied_parameter_groups,
                                              tp_placement)
 
-__all__ = ["check_process_group", "check_plan", "default_device", "lower", "lower_pipeline"]
+__all__ = ["check_process_group", "check_plan", "check_model_hash", "default_device", "lower",
+           "lower_pipeline"]
 
 
 def check_process_group(plan: Plan) -> None:
@@ -49,9 +50,11 @@ def check_process_group(plan: Plan) -> None:
                             "torchrun, or call torch.distributed.init_process_group() first")
     world = dist.get_world_size()
     if plan.world_size != world:
+        ranks = f"{world} rank{'s' if world > 1 else ''}"
         raise LoweringError(f"the plan's mesh {plan.mesh} has {plan.world_size} devices but the "
-                            f"process group has {world} ranks; run with {plan.world_size} "
-                            f"processes, or make a plan for {world} devices")
+                            f"process group has {ranks}; run with {plan.world_size} "
+                            f"processes, or make a plan for {world} "
+                            f"device{'s' if world > 1 else ''}")
 
 
 def default_device() -> torch.device:
@@ -68,6 +71,23 @@ def _module(model: nn.Module, path: str, plan: Plan, where: str) -> nn.Module:
         raise LoweringError(f"{where} names module '{path}', which the model does not have; "
                             f"was the plan made for another model (plan.model = "
                             f"'{plan.model}')? Re-plan for this model") from None
+
+
+def check_model_hash(model: nn.Module, plan: Plan) -> None:
+    """The plan must have been made for ``model``: its ``model_hash`` (the names and
+    shapes of the parameters it was planned for, :func:`~autopar.plans.model_fingerprint`)
+    must be the model's. A plan without one (format version 2 or earlier, or written by
+    hand) is not checked."""
+    if not plan.model_hash:
+        return
+    here = model_fingerprint(model)
+    if here != plan.model_hash:
+        raise LoweringError(
+            f"the plan was made for another model: plan.model = '{plan.model}' with "
+            f"parameters of fingerprint {plan.model_hash}, but this "
+            f"{type(model).__name__}'s parameters (names and shapes) have fingerprint "
+            f"{here}; re-plan for this model (autopar.plan, or `autopar plan` with the same "
+            f"model factory)")
 
 
 def _check_shape(plan: Plan) -> None:
@@ -141,6 +161,7 @@ def _check_params(model: nn.Module, plan: Plan, groups: list[list[str]]) -> None
 def check_plan(model: nn.Module, plan: Plan) -> list[list[str]]:
     """Check that ``plan`` can be lowered onto ``model``; return the tied parameter
     groups. Raises LoweringError naming what is wrong and what to try."""
+    check_model_hash(model, plan)
     _check_shape(plan)
     for path in plan.blocks:
         _module(model, path, plan, "plan.blocks")

@@ -361,7 +361,8 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             kept = _keep(kept, _score(an, cands[j], built_by[mesh_key(cands[j])], bound[j],
                                       _limit(kept, top_k), solved, outcomes, infeasible), top_k)
     if not kept:
-        err = NoFeasiblePlanError(_no_fit_message(an.graph, infeasible, memory_budget, outcomes))
+        err = NoFeasiblePlanError(_no_fit_message(an.graph, infeasible, memory_budget, outcomes,
+                                                  recompute))
         err.least_bytes = min((lower_bound_memory(an.graph, b, c) for c, b in infeasible),
                               default=float("inf"))
         raise err
@@ -586,7 +587,10 @@ def _consumers(built: Built, c: Candidate) -> dict[str, float]:
 
 
 def _no_fit_message(g: Graph, infeasible: list[tuple[Candidate, Built]], budget: float,
-                    outcomes: list[Outcome]) -> str:
+                    outcomes: list[Outcome], recompute: tuple[str, ...] | None = None) -> str:
+    """Why no candidate gave a plan: the least memory any needs (with the most saving
+    recomputation the search may use: every mode, or the one ``recompute`` fixed), its
+    largest consumers, and what to change."""
     if not infeasible:
         reasons = "; ".join(sorted({o.reason for o in outcomes if o.reason}))
         return f"no candidate plan could be built ({reasons})"
@@ -601,7 +605,12 @@ def _no_fit_message(g: Graph, infeasible: list[tuple[Candidate, Built]], budget:
                 f"memory_budget.")
     top = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in
                     sorted(_consumers(best, c).items(), key=lambda kv: -kv[1]) if v > 0)
+    fixed = recompute is not None and len(recompute) == 1
+    how = f"with recompute={recompute[0]!r} as asked" if fixed else \
+        "with the most saving recomputation"
+    more = ", allow more recomputation (recompute='full', or leave it to the solver)" if \
+        fixed and recompute[0] != "full" else ""  # type: ignore[index]
     return (f"no plan fits in {fmt_bytes(budget)} per device: the smallest needs at least "
-            f"{fmt_bytes(need)} ({c.label()}, with the most saving recomputation; largest "
-            f"consumers without recomputation: {top}). Raise memory_budget, use more "
-            f"devices, or a smaller global batch.")
+            f"{fmt_bytes(need)} ({c.label()}, {how}; largest consumers without "
+            f"recomputation: {top}). Raise memory_budget, use more devices{more}, or a "
+            f"smaller global batch.")

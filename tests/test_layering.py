@@ -10,7 +10,7 @@ layer and the layers below, never one above. Imports inside functions and under
 layer name        modules
 ====  ==========  ===========================================================
 0     base        autopar.errors, autopar.graph, autopar.memory_choices,
-                  autopar.units_text
+                  autopar.schema, autopar.units_text
 1     capture     autopar.flops, autopar.layers, autopar.masks, autopar.capture,
                   autopar.loader
 2     strategies  autopar.sharding, autopar.strategies.*
@@ -19,7 +19,7 @@ layer name        modules
 5     plan        autopar.plans, autopar.spec, autopar.summary, autopar.assemble
 6     runtime     autopar.runtime.*
 7     api         autopar (the package's __init__), autopar.api, autopar.compare,
-                  autopar.cli, autopar.demo, autopar.launch
+                  autopar.cli, autopar.cli_checkpoint, autopar.demo, autopar.launch
 8     examples    autopar.examples.*: imported by autopar.cli and autopar.demo alone
 ====  ==========  ===========================================================
 
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and below
     ("base", ("autopar.errors", "autopar.graph", "autopar.memory_choices",
-              "autopar.units_text")),
+              "autopar.schema", "autopar.units_text")),
     ("capture", ("autopar.flops", "autopar.layers", "autopar.masks", "autopar.capture",
                  "autopar.loader")),
     ("strategies", ("autopar.sharding", "autopar.strategies.*")),
@@ -46,8 +46,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and
     ("solve", ("autopar.solvers.*",)),
     ("plan", ("autopar.plans", "autopar.spec", "autopar.summary", "autopar.assemble")),
     ("runtime", ("autopar.runtime.*",)),
-    ("api", ("autopar", "autopar.api", "autopar.compare", "autopar.cli", "autopar.demo",
-             "autopar.launch")),
+    ("api", ("autopar", "autopar.api", "autopar.compare", "autopar.cli", "autopar.cli_checkpoint",
+             "autopar.demo", "autopar.launch")),
     ("examples", ("autopar.examples.*",)),
 ]
 EXAMPLES = len(LAYERS) - 1

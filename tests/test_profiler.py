@@ -22,6 +22,7 @@ from autopar.cost_models.profiling.host_dispatch import DISPATCH_KEYS
 from autopar.cost_models.profiling.host_wrappers import (DTENSOR_OP_KEYS, HOST_KEYS,
                                                          REDISTRIBUTE_KEYS)
 from autopar.cost_models.profiling.run import load_partial, partial_path, run_profile
+from autopar.errors import PlanFormatError
 from tests.dist_utils import RankPool
 
 TINY = Grid(gemm=((32, 32, 32, "fp32", "square"), (64, 16, 32, "fp32", "ffn_col_tp2")),
@@ -170,7 +171,7 @@ def test_resume_skips_finished_points(tmp_path: Path, one_thread):
 def test_resume_refuses_another_device(tmp_path: Path):
     part = tmp_path / "p.json.partial.jsonl"
     part.write_text(json.dumps({"provenance": {"device_name": "NVIDIA H100"}}) + "\n")
-    with pytest.raises(SystemExit, match="NVIDIA H100"):
+    with pytest.raises(PlanFormatError, match="NVIDIA H100"):
         load_partial(part, "some CPU")
 
 

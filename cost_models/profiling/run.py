@@ -32,6 +32,7 @@ from autopar.cost_models.profiling.grid import Grid, cpu_grid, gpu_grid
 from autopar.cost_models.profiling.host_wrappers import measure_host
 from autopar.cost_models.profiling.options import build_parser
 from autopar.cost_models.profiling.timing import Task, Timer, compact_json, provenance
+from autopar.errors import AutoparError, ConfigError, PlanFormatError
 
 FORMAT = "autopar-profile/1"
 """Version tag of the profile JSON written here."""
@@ -75,18 +76,30 @@ def partial_path(out: Path) -> Path:
 
 
 def load_partial(path: Path, device_name: str) -> list[dict[str, Any]]:
-    """Rows of an earlier run of the same device, from its partial file."""
+    """Rows of an earlier run of the same device, from its partial file. A last line cut
+    short (the run was killed while writing it) is dropped; any other line that is not
+    JSON makes the file unusable (PlanFormatError)."""
     rows: list[dict[str, Any]] = []
     with path.open() as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    if not lines or "provenance" not in lines[0]:
-        raise SystemExit(f"autopar profile: {path} is not a partial profile; delete it "
-                         "or run without --resume")
+        texts = [line for line in f if line.strip()]
+    lines: list[Any] = []
+    for k, text in enumerate(texts):
+        try:
+            lines.append(json.loads(text))
+        except ValueError:
+            if k == len(texts) - 1 and k > 0:
+                break
+            raise PlanFormatError(f"{path} is not a partial profile: line {k + 1} is not "
+                                  f"JSON; delete it or run without --resume") from None
+    if not lines or not isinstance(lines[0], dict) or \
+            not isinstance(lines[0].get("provenance"), dict):
+        raise PlanFormatError(f"{path} is not a partial profile; delete it or run without "
+                              f"--resume")
     earlier = lines[0]["provenance"].get("device_name")
     if earlier != device_name:
-        raise SystemExit(f"autopar profile: {path} was measured on {earlier!r}, this is "
-                         f"{device_name!r}; delete it or run without --resume")
-    rows.extend(line for line in lines[1:] if "table" in line)
+        raise PlanFormatError(f"{path} was measured on {earlier!r}, this is {device_name!r}; "
+                              f"delete it or run without --resume")
+    rows.extend(line for line in lines[1:] if isinstance(line, dict) and "table" in line)
     return rows
 
 
@@ -245,11 +258,28 @@ def _collectives(grid: Grid, device: torch.device, rows: list[dict[str, Any]],
     return rows + [{"table": "collectives", **r} for r in new]
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """ConfigError for options that cannot run: ``--device cuda`` without a CUDA
+    device, a time limit that is not a positive number of seconds."""
+    import math
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this machine has no CUDA device that torch can use "
+                          "(torch.cuda.is_available() is False); profile its CPU with "
+                          "--device cpu, or run on the GPU to be measured")
+    limit = args.time_limit_s
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        raise ConfigError(f"--time-limit-s {limit}: expected a positive number of seconds")
+
+
 def main(args: argparse.Namespace | None = None) -> int:
     """Run the profiler from parsed arguments (or sys.argv); 0 when finished, 3 when the
-    time limit left points to measure."""
+    time limit left points to measure. ConfigError or PlanFormatError for options or
+    a ``--resume`` file that cannot be used (printed as one line when run as a
+    script)."""
     if args is None:
         args = build_parser(description=__doc__).parse_args()
+    check_options(args)
     device = torch.device(args.device) if args.device else None
     doc = run_profile(Path(args.out), quick=args.quick, resume=args.resume, device=device,
                       time_limit=args.time_limit_s)
@@ -263,4 +293,8 @@ def main(args: argparse.Namespace | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except AutoparError as err:
+        print(f"autopar profile: error: {err}", file=sys.stderr)
+        sys.exit(2)
