@@ -28,6 +28,7 @@ from torch import nn
 from autopar.errors import ConfigError, LoweringError
 from autopar.loader import load, load_callable
 from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
+from autopar.runtime import codegen_pipeline_templates as PT
 from autopar.runtime import codegen_templates as T
 from autopar.runtime.codegen_pipeline import pipeline_text
 from autopar.units_text import fmt_bytes
@@ -359,6 +360,7 @@ def _save_ops() -> str:
 
 _IMPORTS = MappingProxyType({  # name used in the program -> the import that provides it
     "argparse": "import argparse", "functools": "import functools",
+    "datetime": "import datetime", "json": "import json", "shutil": "import shutil",
     "importlib": "import importlib.util", "os": "import os", "time": "import time",
     "Path": "from pathlib import Path", "Any": "from typing import Any",
     "Callable": "from typing import Callable",
@@ -371,6 +373,7 @@ _IMPORTS = MappingProxyType({  # name used in the program -> the import that pro
 })
 _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "Iterator": "collections.abc", "Mapping": "collections.abc",
+    "Collection": "collections.abc", "Sequence": "collections.abc",
     "get_state_dict": "torch.distributed.checkpoint.state_dict",
     "set_state_dict": "torch.distributed.checkpoint.state_dict",
     "DeviceMesh": "torch.distributed.device_mesh",
@@ -567,10 +570,12 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
                                                 before=before))
         build = T.BUILD.substitute(layout="".join(f"    {line}\n" for line in layout))
         step_args = "model, mesh, inputs, targets, device"
-    # a pipelined rank's optimizer groups name its own stages: a key per pp rank,
-    # named by the stages (the keys of model), or DCP would keep one rank's groups
-    optim_key = 'f"optim{list(model)}"' if pipelined else '"optim"'
-    sections += [T.CHECKPOINT.substitute(optim_key=optim_key),
+    state_modules = PT.STATE_MODULES.substitute(
+        tied="TIED" if "\nTIED = [" in extra else "()") if pipelined else \
+        T.STATE_MODULES.template
+    mesh_literal = "{" + ", ".join(f'"{k}": {v}' for k, v in plan.mesh.items()) + "}"
+    sections += [T.CHECKPOINT.substitute(state_modules=state_modules, mesh=mesh_literal,
+                                         model=plan.model),
                  T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, build=build,
                                    step_args=step_args)]
     body = "\n\n\n".join(sections)

@@ -20,7 +20,7 @@ from autopar.runtime import pipeline_split as _split
 
 __all__ = ["LOCAL_MODULES", "SPLIT_STAGES", "TIED", "MATERIALIZE_STAGE", "SCHEDULE",
            "PIPELINE_STEP", "STEP_CALL", "STEP_CALL_TP", "STEP_CALL_CP", "CP_STAGE_SHAPES",
-           "OWN_OUTPUTS", "BUILD"]
+           "OWN_OUTPUTS", "BUILD", "STATE_MODULES"]
 
 LOCAL_MODULES = Template('''\
 def local_modules(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
@@ -187,6 +187,7 @@ OWN_OUTPUTS = Template(inspect.getsource(_pipeline._own_outputs))
 BUILD = Template('''\
     mesh = build_mesh(device_type)
     model, on_meta = build_model(args.seed)
+    names = state_names(model)  # the plain model's tensor names, for checkpoints
     graphs, input_names = split_stages(model, device)
 $untie    torch.manual_seed(args.seed)  # every rank initializes alike
     stages: dict[int, nn.Module] = {}  # this rank's stages by index
@@ -204,3 +205,15 @@ $sync    model = nn.ModuleDict({str(index): stage for index, stage in stages.ite
 ''')
 """The start of ``main`` for a pipelined plan: split, lay out own stages (materialized if
 the model started on meta), schedule."""
+
+
+STATE_MODULES = Template('''\
+def state_modules(model: nn.ModuleDict) -> tuple[list[nn.Module], set[tuple[int, str]]]:
+    """This rank's stages in pipeline order, and (position among them, name) of each
+    later copy of a TIED weight they hold: a checkpoint saves the first owner's."""
+    order = sorted(model, key=int)
+    at = {int(key): i for i, key in enumerate(order)}
+    later = {(at[index], name) for copies in $tied for index, name in copies[1:]
+             if index in at}
+    return [model[key] for key in order], later''')
+"""Where a checkpoint finds this rank's tensors: its stages."""

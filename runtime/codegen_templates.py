@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from string import Template
 
+from autopar.runtime import checkpoint_state as _ck
 from autopar.runtime import context_mode as _cm
 from autopar.runtime import context_parallel as _cp
 from autopar.runtime import dtensor_layout as _layout
@@ -28,7 +29,7 @@ __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "
            "EXPERT_MESH", "EXPERT_PARALLEL", "CONTEXT_PARALLEL", "CONSTANTS",
            "MATERIALIZE", "PARTIAL_GRADS", "DATA", "LOSS", "USER_LOSS", "TRAIN_STEP",
            "FORWARD_BACKWARD", "FORWARD_BACKWARD_TP", "FORWARD_BACKWARD_CP", "FORWARD_BACKWARD_CP_TP",
-           "CHECKPOINT",
+           "CHECKPOINT", "STATE_MODULES",
            "BUILD", "MAIN"]
 
 PROGRAM = Template('''\
@@ -366,29 +367,37 @@ FORWARD_BACKWARD_CP_TP = '''\
 '''
 """A micro-batch's forward and backward under context and tensor parallelism."""
 
-CHECKPOINT = Template('''\
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    step: int) -> None:
-    """Model, optimizer and step counter with torch.distributed.checkpoint (every rank
-    writes its own shards)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, $optim_key: optim_state, "step": torch.tensor(step)}
-    dcp.save(state, checkpoint_id=path)
+CHECKPOINT = Template("\n\n\n".join(inspect.getsource(f) for f in (
+    _ck.state_names, _ck.checkpoint_record, _ck.optimizer_record, _ck.canonical_tensors,
+    _ck.init_optimizer_state, _ck.flat_state, _ck._copy_into, _ck.read_commit, _ck.commit,
+    _ck.save_state, _ck._check_shapes, _ck.load_state)).replace("$", "$$") + '''
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore what save_checkpoint wrote, resharded onto this plan; return the step."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, $optim_key: optim_state, "step": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state[$optim_key])
-    return int(state["step"])''')
+$state_modules
+
+
+def save_checkpoint(path: str, model: nn.Module, names: tuple[dict[str, str], frozenset[str]],
+                    optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Model, optimizer, step and random generators with torch.distributed.checkpoint
+    under the plain model's names (every rank writes its own shards): this program
+    under any plan, or autopar.load, resumes from it."""
+    modules, later = state_modules(model)
+    record = checkpoint_record(step, {}, $mesh, "$model", names[0], optimizer)
+    save_state(path, canonical_tensors(modules, *names, later), optimizer, record)
+
+
+def load_checkpoint(path: str, model: nn.Module, names: tuple[dict[str, str], frozenset[str]],
+                    optimizer: torch.optim.Optimizer) -> int:
+    """Restore what save_checkpoint (or autopar.save) wrote under any plan, resharded
+    onto this one; return the step it was saved after."""
+    modules, _ = state_modules(model)
+    return int(load_state(path, canonical_tensors(modules, *names), optimizer)["step"])''')
 """Saving and resuming with torch.distributed.checkpoint."""
 
 BUILD = Template('''\
     mesh = build_mesh(device_type)
     model, on_meta = build_model(args.seed)
+    names = state_names(model)  # the plain model's tensor names, for checkpoints
     if not on_meta:
         model.to(device)  # laid out from its own weights
 $layout    if on_meta:
@@ -427,7 +436,7 @@ $build    if args.optimizer == "adamw":
                                       fused=device_type == "cuda")
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    first = load_checkpoint(args.load, model, optimizer) if args.load else 0
+    first = load_checkpoint(args.load, model, names, optimizer) if args.load else 0
     inputs, targets = load_batch(args.data, args.seed)
     # copied to the device once: a pageable copy inside the step would stall the host
     # until the device has run everything queued before it
@@ -445,10 +454,18 @@ $build    if args.optimizer == "adamw":
             print(f"step {step} loss {loss:.8f} time {elapsed * 1e3:.2f} ms "
                   f"(predicted {PREDICTED_STEP_S * 1e3:.2f} ms)", flush=True)
     if args.save:
-        save_checkpoint(args.save, model, optimizer, first + args.steps)
+        save_checkpoint(args.save, model, names, optimizer, first + args.steps)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()''')
 """The command line and the main function."""
+
+
+STATE_MODULES = Template('''\
+def state_modules(model: nn.Module) -> tuple[list[nn.Module], set[tuple[int, str]]]:
+    """The modules holding this rank's tensors (the whole model), and the later
+    copies of tied weights among them (none: one model holds each weight once)."""
+    return [model], set()''')
+"""Where a checkpoint finds this rank's tensors, without a pipeline."""

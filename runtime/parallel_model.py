@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from autopar.capture import cache_configs, default_loss, first_tensor
 from autopar.errors import ConfigError
 from autopar.plans import Plan
+from autopar.runtime.checkpoint_state import state_names
 from autopar.runtime.context_mode import SequenceShards, split_batch
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
@@ -55,11 +56,15 @@ class ParallelModel(nn.Module):
             dim of the output's logits.
         device: this rank's device.
         pipeline: the pipeline stages and schedule, or None without pipelining.
+        names: the plain model's names of its tensors (:func:`state_names`): each
+            later name of a tied weight -> its first, and its state dict's names;
+            checkpoints use them (:mod:`autopar.runtime.checkpoint`).
     """
 
     def __init__(self, module: nn.Module, plan: Plan, mesh: DeviceMesh, *,
                  loss_fn: LossFn | None = None, device: torch.device | None = None,
-                 pipeline: PipelineRuntime | None = None) -> None:
+                 pipeline: PipelineRuntime | None = None,
+                 names: tuple[dict[str, str], frozenset[str]] | None = None) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
@@ -67,6 +72,18 @@ class ParallelModel(nn.Module):
         self.loss_fn = loss_fn
         self.device = device or torch.device("cpu")
         self.pipeline = pipeline
+        self.names = names if names is not None else state_names(module)
+
+    def state_modules(self) -> tuple[list[nn.Module], set[tuple[int, str]]]:
+        """The modules holding this rank's tensors (the model, or this rank's stages
+        in stage order), and the (module index, name) of each later copy of a tied
+        weight a stage holds (a checkpoint saves the first owner's only)."""
+        if self.pipeline is None:
+            return [self.module], set()
+        index = {st.stage_index: i for i, st in enumerate(self.pipeline.stages)}
+        later = {(index[s], name) for group, _ in self.pipeline.tied
+                 for s, name in group.names[1:] if s in index}
+        return list(self.pipeline.modules), later
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the parallelized module on this rank's local inputs."""
@@ -184,14 +201,15 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     check_process_group(plan)
     no_kv_cache(model)
     dev = torch.device(device) if device is not None else default_device()
+    names = state_names(model)  # the plain model's, for checkpoints
     if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
         runtime = lower_pipeline(model, plan, dev,
                                  functools.partial(_loss, loss_fn, scale=loss_scale(plan)),
                                  example_inputs)
         return ParallelModel(nn.ModuleList(runtime.modules), plan, runtime.meshes.mesh,
-                             loss_fn=loss_fn, device=dev, pipeline=runtime)
+                             loss_fn=loss_fn, device=dev, pipeline=runtime, names=names)
     meshes = lower(model, plan, dev)
-    return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev)
+    return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev, names=names)
 
 
 def no_kv_cache(model: nn.Module) -> None:

@@ -27,6 +27,11 @@ def tiny_llama() -> Llama:
 
 
 
+def tiny_llama_f64() -> Llama:
+    """:func:`tiny_llama` in float64 (for comparisons to 1e-6 across plans)."""
+    return tiny_llama().double()
+
+
 def tiny_moe() -> MoETransformer:
     """The mixture of experts of :data:`MOE_CONFIG`."""
     return MoETransformer(MOE_CONFIG)

@@ -1,8 +1,8 @@
 """The code generator (:mod:`autopar.runtime.codegen`; pipelined plans in
 test_codegen_pipeline.py): emitted programs compile,
 pass pyflakes, match a golden file, and under ``torchrun`` on 4 CPU processes print
-the same losses as ``apply_plan`` with the same plan, seed and data; a run saved with
-``--save`` and resumed with ``--load`` continues the loss curve exactly."""
+the same losses as ``apply_plan`` with the same plan, seed and data (programs that
+save and resume under other plans: test_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def test_golden_text() -> None:
 
 
 def test_emitted_programs_are_clean(tmp_path: Path) -> None:
-    """Programs for many layouts compile and pass pyflakes with no findings."""
+    """Programs for many layouts compile, pass pyflakes with no findings, and import
+    nothing of autopar (its checkpoint format they write under its own name)."""
     variants = [dict(dp=4), dict(dp=4, zero=0, precision="bf16"), dict(tp=4),
                 dict(tp=2, sequence_parallel=True), dict(dp=2, zero=2, num_microbatches=2),
                 dict(dp=2, zero=3, offload=True, recompute="full"), {}]
@@ -145,7 +146,7 @@ def test_emitted_programs_are_clean(tmp_path: Path) -> None:
             path = emit_to(tmp_path, f"{factory}_{k}", make_plan(factory, kwargs), factory)
             compile(path.read_text(), str(path), "exec")
             assert pyflakes(path) == "", (kwargs, pyflakes(path))
-            assert "autopar" not in path.read_text().replace(str(MODELS), "")
+            assert not re.search(r"^\s*(import|from) autopar", path.read_text(), re.M)
 
 
 def test_bad_pipeline_is_refused() -> None:
@@ -170,9 +171,9 @@ def test_cli_codegen(tmp_path: Path) -> None:
 
 
 @pytest.mark.multirank
-def test_programs_match_apply_plan_and_resume(rank_pool: RankPool, tmp_path: Path) -> None:
-    """Under torchrun, each emitted program's losses equal apply_plan's (4 steps); the
-    ZeRO-3 program run 2 steps + --save, then --load + 2 steps, gives the same 4."""
+def test_programs_match_apply_plan(rank_pool: RankPool, tmp_path: Path) -> None:
+    """Under torchrun, each emitted program's losses equal apply_plan's (4 steps).
+    Saving and resuming, across plans: test_checkpoints.py."""
     data = str(write_batch(tmp_path / "batch.pt"))
     specs = [(f, kw, opt, lr, 4) for f, kw, opt, lr in CASES.values()]
     expected = rank_pool.run(4, reference_losses, specs, data)[0]
@@ -182,8 +183,5 @@ def test_programs_match_apply_plan_and_resume(rank_pool: RankPool, tmp_path: Pat
     got = torchrun(program, "--steps", "4", "--optimizer", gpt_opt, "--lr", str(gpt_lr), *common)
     assert got == pytest.approx(expected[0], abs=TOL), gpt_name
     program = emit_to(tmp_path, "llama", make_plan(llama, llama_kw), llama)
-    args = ["--optimizer", opt, "--lr", str(lr), *common]
-    ckpt = str(tmp_path / "ckpt")
-    first = torchrun(program, "--steps", "2", "--save", ckpt, *args)
-    second = torchrun(program, "--steps", "2", "--load", ckpt, *args)
-    assert first + second == pytest.approx(expected[1], abs=TOL)
+    got = torchrun(program, "--steps", "4", "--optimizer", opt, "--lr", str(lr), *common)
+    assert got == pytest.approx(expected[1], abs=TOL), llama

@@ -1,10 +1,10 @@
 """The code generator on pipelined plans: programs for pp x dp and pp x tp compile,
 pass pyflakes, and under ``torchrun`` on 4 CPU processes print the same losses as
-``apply_plan`` with the same plan, seed and data; a pipelined run saved with
-``--save`` and resumed with ``--load`` continues the loss curve."""
+``apply_plan`` with the same plan, seed and data."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -47,13 +47,14 @@ def test_pipelined_programs_are_clean(tmp_path: Path) -> None:
             compile(text, str(path), "exec")
             assert pyflakes(path) == "", (kwargs, pyflakes(path))
             assert max(len(line) for line in text.splitlines()) <= 99, kwargs
-            assert "autopar" not in text and "PipelineStage(" in text
+            assert "PipelineStage(" in text
+            assert not re.search(r"^\s*(import|from) autopar", text, re.M)
 
 
 @pytest.mark.multirank
 def test_pipelined_programs_match_apply_plan(rank_pool: RankPool, tmp_path: Path) -> None:
-    """Under torchrun, each pipelined program's losses equal apply_plan's; the first
-    case's program resumed with --load after --save continues the curve."""
+    """Under torchrun, each pipelined program's losses equal apply_plan's (saving and
+    resuming, across plans: test_checkpoints.py)."""
     data = str(write_batch(tmp_path / "batch.pt"))
     specs = [(f, kw, opt, lr, STEPS) for f, kw, opt, lr in CASES.values()]
     expected = rank_pool.run(4, reference_losses, specs, data)[0]
@@ -61,10 +62,5 @@ def test_pipelined_programs_match_apply_plan(rank_pool: RankPool, tmp_path: Path
     for k, (name, (factory, kwargs, opt, lr)) in enumerate(CASES.items()):
         program = emit_to(tmp_path, f"case{k}", make_plan(factory, kwargs), factory)
         args = ["--optimizer", opt, "--lr", str(lr), *common]
-        if k == 0:
-            ckpt = str(tmp_path / "ckpt")
-            got = torchrun(program, "--steps", "2", "--save", ckpt, *args)
-            got += torchrun(program, "--steps", str(STEPS - 2), "--load", ckpt, *args)
-        else:
-            got = torchrun(program, "--steps", str(STEPS), *args)
+        got = torchrun(program, "--steps", str(STEPS), *args)
         assert got == pytest.approx(expected[k], abs=TOL), name

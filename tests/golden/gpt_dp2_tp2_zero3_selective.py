@@ -10,12 +10,15 @@ Predicted by the plan (h100-sxm, 1 node(s) x 4): 12.5 ms per step, 8.39 MB per d
 
 import argparse
 import contextlib
+import datetime
 import functools
 import importlib.util
+import json
 import os
 import re
+import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
@@ -445,23 +447,277 @@ def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, .
     return total
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    step: int) -> None:
-    """Model, optimizer and step counter with torch.distributed.checkpoint (every rank
-    writes its own shards)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}
-    dcp.save(state, checkpoint_id=path)
+def state_names(model: nn.Module) -> tuple[dict[str, str], frozenset[str]]:
+    """What :func:`canonical_tensors` needs from the whole model (a ``meta`` one will
+    do), before it is laid out or cut: each later name of a tensor held under several
+    names -> its first, and the first names of its state dict's tensors."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + \
+        list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        owner = first.setdefault(id(t), name)
+        if owner != name:
+            aliases[name] = owner
+    return aliases, frozenset(aliases.get(k, k) for k in model.state_dict())
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore what save_checkpoint wrote, resharded onto this plan; return the step."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    return int(state["step"])
+
+def checkpoint_record(step: int, extra: Mapping[str, Any], mesh: Mapping[str, int],
+                      model: str, aliases: Mapping[str, str],
+                      optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The record ``autopar.json`` holds (JSON): the step and the caller's ``extra``,
+    where it was saved (world size, mesh, model), the tied names, the optimizer's
+    class and hyperparameters."""
+    return {"format": "autopar-checkpoint", "version": 1, "step": step, "extra": dict(extra),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "mesh": dict(mesh), "model": model, "aliases": dict(aliases),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "param_groups": optimizer_record(optimizer),
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+
+
+
+def optimizer_record(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
+    """The hyperparameters of each parameter group (learning rate, betas, ...) as
+    JSON values; tensors become numbers, what JSON cannot hold is left out."""
+    groups = []
+    for group in optimizer.param_groups if optimizer is not None else []:
+        hyper: dict[str, Any] = {}
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, tuple):
+                value = list(value)
+            if key != "params" and (value is None or isinstance(value, (bool, int, float, str))
+                                    or (isinstance(value, list) and all(
+                                        isinstance(v, (int, float)) for v in value))):
+                hyper[key] = value
+        groups.append(hyper)
+    return groups
+
+
+
+def canonical_tensors(modules: Sequence[nn.Module], aliases: Mapping[str, str],
+                      keys: Collection[str], skip: Collection[tuple[int, str]] = (),
+                      ) -> dict[str, list[torch.Tensor]]:
+    """The model's name -> this rank's tensors of it (parameters and persistent
+    buffers of ``modules``; several where a rank holds copies of a tied weight).
+
+    ``aliases`` maps each later name of a tied tensor to its first; ``keys`` are the
+    names of the model's state dict (what is not among them, such as a graph's
+    constants, is left out); ``skip`` are (module index, name) pairs to leave out (a
+    pipeline stage's later copy of a tied weight, when saving)."""
+    wrappers = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+    out: dict[str, list[torch.Tensor]] = {}
+    for index, module in enumerate(modules):
+        named = list(module.named_parameters(remove_duplicate=False)) + \
+            list(module.named_buffers(remove_duplicate=False))
+        for name, t in named:
+            if (index, name) in skip:
+                continue
+            for w in wrappers:
+                name = name.replace(w, "")
+            name = aliases.get(name, name)
+            held = out.setdefault(name, []) if name in keys else []
+            if name in keys and not any(x is t for x in held):
+                held.append(t)
+    return out
+
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of ``optimizer`` its state (torch makes it at the first
+    step), so that a load has tensors to fill: one step on zero gradients at learning
+    rate 0, which changes no parameter; the gradients are then cleared."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+
+def flat_state(tensors: Mapping[str, Sequence[torch.Tensor]],
+               optimizer: torch.optim.Optimizer | None, rank: int) -> dict[str, torch.Tensor]:
+    """DCP's flat state dict: ``model.<name>`` for each tensor, ``optim.<name>.<key>``
+    for each tensor of its optimizer state, ``rng.<rank>.cpu`` (and ``.cuda``) for this
+    rank's random generators."""
+    state: dict[str, torch.Tensor] = {}
+    for name, held in tensors.items():
+        state[f"model.{name}"] = held[0].detach()
+        own = optimizer.state.get(held[0], {}) if optimizer is not None else {}
+        for key, value in own.items():
+            if isinstance(value, torch.Tensor):
+                state[f"optim.{name}.{key}"] = value
+    state[f"rng.{rank}.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[f"rng.{rank}.cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` for two tensors on this rank (DTensors redistributed to
+    ``dst``'s placements)."""
+    with torch.no_grad():
+        if isinstance(src, DTensor) and isinstance(dst, DTensor):
+            if (src.device_mesh, src.placements) != (dst.device_mesh, dst.placements):
+                src = src.redistribute(dst.device_mesh, dst.placements)
+            dst.to_local().copy_(src.to_local())
+        else:
+            dst.copy_(src)
+
+
+
+def read_commit(path: str | os.PathLike) -> dict[str, Any]:
+    """The record ``autopar.json`` of a committed checkpoint folder; ValueError saying
+    what is wrong for a folder that is missing, half written or not autopar's."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"no checkpoint at {folder}: not a folder")
+    record = folder / "autopar.json"
+    if not record.is_file():
+        raise ValueError(f"{folder} is not a complete autopar checkpoint (no autopar.json: it "
+                         "was half written when its job stopped, or not written by autopar); "
+                         "load an earlier one")
+    try:
+        meta = json.loads(record.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{record} is not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(meta, dict) or meta.get("format") != "autopar-checkpoint":
+        raise ValueError(f"{record} is not an autopar checkpoint record")
+    if meta.get("version") != 1:
+        raise ValueError(f"{folder} has checkpoint format version {meta.get('version')}; this "
+                         "autopar reads version 1: upgrade autopar")
+    return meta
+
+
+
+def commit(tmp: Path, final: Path, meta: Mapping[str, Any]) -> None:
+    """Write the record into the finished folder ``tmp`` and rename it to ``final``
+    (an older ``final`` is removed only after)."""
+    with open(tmp / "autopar.json", "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+
+def save_state(path: str | os.PathLike, tensors: Mapping[str, Sequence[torch.Tensor]],
+               optimizer: torch.optim.Optimizer | None, meta: Mapping[str, Any]) -> None:
+    """Save on every rank into folder ``path``, committed with the record ``meta``
+    (JSON: step, hyperparameters, what the caller keeps): the shards go to
+    ``path.partial``, which becomes ``path`` once every rank has written."""
+    final = Path(path)
+    tmp = final.with_name(final.name + ".partial")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save(flat_state(tensors, optimizer, rank), checkpoint_id=str(tmp))
+    if rank == 0:  # dcp.save returns once every rank's shards and the metadata are written
+        commit(tmp, final, meta)
+    dist.barrier()
+
+
+
+def _check_shapes(state: Mapping[str, torch.Tensor], saved: Mapping[str, Any],
+                  folder: Path) -> None:
+    """Every tensor asked for is in the checkpoint with the same global shape."""
+    for key, t in state.items():
+        if key.startswith("model.") and key not in saved:
+            raise ValueError(f"the checkpoint {folder} has no '{key[6:]}'; was it saved from "
+                             "another model?")
+        size = getattr(saved.get(key), "size", None)
+        if size is not None and tuple(size) != tuple(t.shape):
+            raise ValueError(f"'{key.partition('.')[2]}' has shape {tuple(t.shape)} here but "
+                             f"{tuple(size)} in the checkpoint {folder}; was it saved from "
+                             "another model?")
+
+
+
+def load_state(path: str | os.PathLike, tensors: Mapping[str, Sequence[torch.Tensor]],
+               optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Fill ``tensors`` (every copy) and the optimizer's state from the committed
+    checkpoint ``path``, resharded onto this rank's layout; restore this rank's
+    random generators where the checkpoint has them, and the optimizer's
+    hyperparameters. Returns the checkpoint's record, with ``optimizer_restored`` and
+    ``rng_restored`` added."""
+    folder = Path(path)
+    meta = read_commit(folder)
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    has_optim = any(k.startswith("optim.") for k in saved)
+    if optimizer is not None and has_optim:
+        init_optimizer_state(optimizer)
+    rank = dist.get_rank()
+    state = flat_state(tensors, optimizer if has_optim else None, rank)
+    rng = {k: state.pop(k) for k in list(state) if k.startswith("rng.")}
+    state.update({k: v.clone() for k, v in rng.items() if k in saved})
+    _check_shapes(state, saved, folder)
+    state = {k: v for k, v in state.items() if k in saved}
+    dcp.load(state, checkpoint_id=str(folder))
+    for name, held in tensors.items():  # a rank's later copies of a tied weight
+        for t in held[1:]:
+            _copy_into(t.detach(), held[0].detach())
+            if optimizer is not None and has_optim:
+                for key, value in optimizer.state.get(held[0], {}).items():
+                    if isinstance(value, torch.Tensor):
+                        _copy_into(optimizer.state[t][key], value)
+    if f"rng.{rank}.cpu" in state:
+        torch.set_rng_state(state[f"rng.{rank}.cpu"])
+    if f"rng.{rank}.cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state[f"rng.{rank}.cuda"])
+    groups = meta.get("param_groups") or []
+    if optimizer is not None and has_optim and len(groups) == len(optimizer.param_groups):
+        for group, hyper in zip(optimizer.param_groups, groups):
+            for key, value in hyper.items():
+                old = group.get(key)
+                if isinstance(old, torch.Tensor):
+                    old.fill_(value)
+                else:
+                    group[key] = tuple(value) if isinstance(old, tuple) else value
+    return dict(meta, optimizer_restored=optimizer is not None and has_optim,
+                rng_restored=f"rng.{rank}.cpu" in state)
+
+
+
+def state_modules(model: nn.Module) -> tuple[list[nn.Module], set[tuple[int, str]]]:
+    """The modules holding this rank's tensors (the whole model), and the later
+    copies of tied weights among them (none: one model holds each weight once)."""
+    return [model], set()
+
+
+def save_checkpoint(path: str, model: nn.Module, names: tuple[dict[str, str], frozenset[str]],
+                    optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Model, optimizer, step and random generators with torch.distributed.checkpoint
+    under the plain model's names (every rank writes its own shards): this program
+    under any plan, or autopar.load, resumes from it."""
+    modules, later = state_modules(model)
+    record = checkpoint_record(step, {}, {"dp": 2, "tp": 2}, "GPT", names[0], optimizer)
+    save_state(path, canonical_tensors(modules, *names, later), optimizer, record)
+
+
+def load_checkpoint(path: str, model: nn.Module, names: tuple[dict[str, str], frozenset[str]],
+                    optimizer: torch.optim.Optimizer) -> int:
+    """Restore what save_checkpoint (or autopar.save) wrote under any plan, resharded
+    onto this one; return the step it was saved after."""
+    modules, _ = state_modules(model)
+    return int(load_state(path, canonical_tensors(modules, *names), optimizer)["step"])
 
 
 def parse_args() -> argparse.Namespace:
@@ -488,6 +744,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     mesh = build_mesh(device_type)
     model, on_meta = build_model(args.seed)
+    names = state_names(model)  # the plain model's tensor names, for checkpoints
     if not on_meta:
         model.to(device)  # laid out from its own weights
     apply_tp(model, mesh["tp"])
@@ -502,7 +759,7 @@ def main() -> None:
                                       fused=device_type == "cuda")
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    first = load_checkpoint(args.load, model, optimizer) if args.load else 0
+    first = load_checkpoint(args.load, model, names, optimizer) if args.load else 0
     inputs, targets = load_batch(args.data, args.seed)
     # copied to the device once: a pageable copy inside the step would stall the host
     # until the device has run everything queued before it
@@ -520,7 +777,7 @@ def main() -> None:
             print(f"step {step} loss {loss:.8f} time {elapsed * 1e3:.2f} ms "
                   f"(predicted {PREDICTED_STEP_S * 1e3:.2f} ms)", flush=True)
     if args.save:
-        save_checkpoint(args.save, model, optimizer, first + args.steps)
+        save_checkpoint(args.save, model, names, optimizer, first + args.steps)
     dist.destroy_process_group()
 
 
