@@ -188,46 +188,40 @@ def _pool_save(folder: str) -> list[float]:
                  False)["losses"]
 
 
+def _pool_resume(folder: str) -> list[float]:
+    """Load ``folder`` into the float64 Llama under dp2 x tp2, then 1 AdamW step."""
+    x, y = foreign_models.example_batch()
+    pm = autopar.parallelize(make("llama"), plan=megatron_plan(make("llama"), dp=2, tp=2))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    assert autopar.load(folder, pm, opt).step == 2 * STEPS
+    return [float(pm.step(x, y))]
+
+
 @pytest.mark.multirank
 def test_emitted_programs_resume_under_other_plans(rank_pool: RankPool, tmp_path: Path) -> None:
-    """autopar.save under dp2 x tp2 (4 ranks) -> the emitted pp2 program (2 ranks)
-    loads it, trains 2 steps and saves -> the emitted ZeRO-3 dp4 program (4 ranks)
-    loads that and trains 1: the 6 losses are one uninterrupted run's to 1e-6."""
+    """autopar.save after 3 steps under dp2 x tp2 (4 ranks); the emitted pp2 program
+    (2 ranks) and the emitted ZeRO-3 dp4 program (4 ranks) each load it and train 3
+    steps, the first saving after; autopar.load under dp2 x tp2 resumes that for a
+    7th step. Every loss equals one uninterrupted run's to 1e-6."""
     from tests.test_codegen import emit_to, torchrun
 
-    ref_losses, _ = uninterrupted("llama")
+    ref_losses, _ = uninterrupted("llama", steps=2 * STEPS + 1)
     data = tmp_path / "batch.pt"
     x, y = foreign_models.example_batch()
     torch.save({"inputs": x, "targets": y}, data)
-    first = str(tmp_path / "first")
-    got = rank_pool.run(4, _pool_save, first)[0]
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    saved = rank_pool.run(4, _pool_save, first)[0]
+    assert saved == pytest.approx(ref_losses[:STEPS], abs=TOL)
     model = make("llama")
     piped = emit_to(tmp_path, "pp2", pipeline_plan(model, pp=2), "tiny_llama_f64")
     zero3 = emit_to(tmp_path, "zero3", megatron_plan(model, dp=4, zero=3), "tiny_llama_f64")
-    args = ["--data", str(data), "--optimizer", "adamw", "--lr", str(LR)]
-    second = str(tmp_path / "second")
-    got += torchrun(piped, "--steps", "2", "--load", first, "--save", second, *args, nproc=2)
-    got += torchrun(zero3, "--steps", "1", "--load", second, *args)
-    assert got == pytest.approx(ref_losses, abs=TOL)
-
-
-def test_cli_converts_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from autopar.cli import main
-
-    model = make("gpt")
-    torch.save(model.state_dict(), tmp_path / "plain.pt")
-    assert main(["checkpoint", "convert", str(tmp_path / "plain.pt"), str(tmp_path / "ck"),
-                 "--model", "GPT"]) == 0
-    assert main(["checkpoint", "convert", str(tmp_path / "ck"), str(tmp_path / "back.pt")]) == 0
-    out = capsys.readouterr().out
-    n = len(model.state_dict())
-    assert out == (f"wrote {tmp_path / 'ck'}: {n - 1} tensors (autopar.load it under any plan)\n"
-                   f"wrote {tmp_path / 'back.pt'}: {n} tensors (torch.load it, then "
-                   "model.load_state_dict)\n")
-    assert main(["checkpoint", "convert", str(tmp_path / "ck"), str(tmp_path / "ck")]) == 2
-    assert capsys.readouterr().err == (
-        f"autopar: error: {tmp_path / 'ck'} exists and is a folder; converting "
-        f"{tmp_path / 'ck'} writes a file: choose another name\n")
+    args = ["--data", str(data), "--optimizer", "adamw", "--lr", str(LR), "--steps", "3"]
+    got = torchrun(piped, "--load", first, "--save", second, *args, nproc=2)
+    assert got == pytest.approx(ref_losses[STEPS:2 * STEPS], abs=TOL), "pp2 program"
+    got = torchrun(zero3, "--load", first, *args)
+    assert got == pytest.approx(ref_losses[STEPS:2 * STEPS], abs=TOL), "ZeRO-3 program"
+    got = rank_pool.run(4, _pool_resume, second)[0]
+    assert got == pytest.approx(ref_losses[2 * STEPS:], abs=TOL), "back in autopar"
 
 
 @pytest.mark.multirank
