@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -25,11 +26,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.placement_types import Placement
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["place_parameters", "relayout_modules", "distribute_io", "plain_as_replicated",
-           "tp_context",
+           "tp_context", "ReplicatedBeforeAutograd",
            "ReplicateUnsharded",
            "register_cpu_attention_sharding", "any_index", "lookup"]
 
@@ -98,6 +100,33 @@ def tp_context(tp: int) -> contextlib.AbstractContextManager:
     over 837 ops of a two-layer step, benchmarks/results/h100_layers.json), which a plan
     without tensor parallelism need not pay."""
     return plain_as_replicated() if tp > 1 else contextlib.nullcontext()
+
+
+class ReplicatedBeforeAutograd(TorchFunctionMode):
+    """Make a plain tensor that an operator mixes with DTensors a replicated DTensor
+    before autograd records the operator, so that its backward meets DTensors only.
+
+    :func:`plain_as_replicated` reads plain tensors as replicated below autograd,
+    which serves a backward run inside it (:meth:`ParallelModel.step`); a user's own
+    ``loss.backward()`` runs outside, where the plain tensors the forward saved (a
+    rotary table, a mask) would meet DTensor gradients. (DTensor's implicit
+    replication is thread state that autograd restores per node, so it cannot be
+    turned on from a backward hook.) 0-dim tensors stay plain, as DTensor reads them
+    as scalars."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        flat = tree_flatten((args, kwargs))[0]
+        mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
+        if mesh is not None and any(type(x) is torch.Tensor and x.dim() > 0 for x in flat):
+            def lift(x: Any) -> Any:
+                if type(x) is torch.Tensor and x.dim() > 0:
+                    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim,
+                                              run_check=False)
+                return x
+            args, kwargs = tree_map(lift, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 def place_parameters(model: nn.Module, mesh: DeviceMesh,
@@ -207,6 +236,13 @@ def distribute_io(model: nn.Module, mesh: DeviceMesh) -> None:
     def post(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         return _to_local(output)
 
+    # The output leaves as DTensor.to_local()'s view, and FSDP2 (torch 2.13) warns that
+    # an in-place op on a view its root returns would silently drop its pre-backward
+    # hook. A view made by to_local (a custom autograd Function) cannot be changed in
+    # place at all: autograd raises, so the hook is never lost silently. Silenced for
+    # this model's class alone.
+    warnings.filterwarnings("ignore", category=UserWarning, message=(
+        rf"FSDP2-wrapped module \(FSDP{re.escape(type(model).__name__)}\) returned a view"))
     model.register_forward_pre_hook(pre, with_kwargs=True)
     model.register_forward_hook(post, with_kwargs=True)
 

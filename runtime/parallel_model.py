@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,12 +21,35 @@ from autopar.runtime.checkpoint_state import state_names
 from autopar.runtime.context_mode import SequenceShards, split_batch
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
-from autopar.runtime.dtensor_layout import tp_context
-from autopar.runtime.tensor_parallel import reduce_partial_gradients
+from autopar.runtime.dtensor_layout import ReplicatedBeforeAutograd, tp_context
+from autopar.runtime.tensor_parallel import (reduce_partial_gradients,
+                                             reduce_partial_gradients_when_accumulated)
 
-__all__ = ["ParallelModel", "apply_plan"]
+__all__ = ["ParallelModel", "DataShard", "apply_plan"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DataShard:
+    """This rank's share of every global batch, for a loop where each rank loads its
+    own data (``torch.utils.data.DistributedSampler(dataset, **shard.sampler_kwargs())``).
+
+    Attributes:
+        index: which shard this rank trains on: its data-parallel coordinate (the
+            tensor-, context- and pipeline-parallel ranks of one data-parallel group
+            train on the same shard).
+        count: how many shards a global batch is split into (``plan.data_parallel``).
+        batch_size: the samples of one shard (the global batch over ``count``).
+    """
+
+    index: int
+    count: int
+    batch_size: int
+
+    def sampler_kwargs(self) -> dict[str, int]:
+        """``num_replicas`` and ``rank`` for ``DistributedSampler``."""
+        return {"num_replicas": self.count, "rank": self.index}
 
 
 class ParallelModel(nn.Module):
@@ -37,6 +62,14 @@ class ParallelModel(nn.Module):
         opt = torch.optim.SGD(pm.parameters(), lr=0.1)
         for x, y in batches:                # the same global batch on every rank
             loss = pm.step(x, y)            # global mean loss, equal on every rank
+            opt.step(); opt.zero_grad()
+
+    or, without a pipeline or context parallelism, the loop of plain PyTorch on each
+    rank's own shard of the data (:meth:`data_shard`)::
+
+        for x, y in my_shard:               # plan.global_batch // plan.data_parallel
+            loss = my_loss(pm(x), y)        # the mean over this rank's samples
+            loss.backward()                 # gradients averaged over dp, as planned
             opt.step(); opt.zero_grad()
 
     With a pipeline (``plan.pipeline``), ``module`` is an ``nn.ModuleList`` of this
@@ -86,12 +119,50 @@ class ParallelModel(nn.Module):
         return list(self.pipeline.modules), later
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the parallelized module on this rank's local inputs."""
+        """Run the parallelized module on this rank's own inputs (its shard of the
+        global batch, :meth:`data_shard`); ``loss.backward()`` on the output then
+        leaves the gradients the plan's step would (averaged over data-parallel
+        ranks by FSDP2, partial tensor-parallel sums reduced)."""
         if self.pipeline is not None:
             raise ConfigError("a pipelined model runs only through step(inputs, targets); "
-                              "each rank holds only its own stages")
+                              "each rank holds only its own stages (pass this rank's shard "
+                              "with step(x, y, local=True))")
+        if self.plan.context is not None:
+            raise ConfigError("under context parallelism each rank holds a share of every "
+                              "sequence, which step() cuts and reassembles: train with "
+                              "step(x, y), or step(x, y, local=True) for this rank's shard")
+        if self.plan.degree("tp") == 1:
+            return self._forward(*inputs, **kwargs)
+        with ReplicatedBeforeAutograd():  # a plain loss.backward() meets DTensors only
+            return self._forward(*inputs, **kwargs)
+
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with tp_context(self.plan.degree("tp")), self.sequence_shards():
             return self.module(*inputs, **kwargs)
+
+    def data_shard(self) -> DataShard:
+        """Which shard of every global batch this rank trains on, when each rank
+        loads its own data (``step(x, y, local=True)`` or ``pm(x)``)."""
+        dp = self.plan.data_parallel
+        index = self.mesh.get_local_rank("dp") if dp > 1 else 0
+        return DataShard(index=index, count=dp, batch_size=self.plan.global_batch // dp)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over several backwards without reducing them over the
+        data-parallel ranks (FSDP2's ``set_requires_gradient_sync(False)``); the first
+        backward after the block reduces the sum. Divide each micro-batch's loss by
+        their count, as one would without it."""
+        if self.pipeline is not None:
+            raise ConfigError("a pipelined model accumulates its micro-batches inside step()")
+        root = self.module if isinstance(self.module, FSDPModule) else None
+        if root is not None:
+            root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            if root is not None:
+                root.set_requires_gradient_sync(True)
 
     def sequence_shards(self) -> contextlib.AbstractContextManager:
         """Under context parallelism, the mode that runs attention over the ``cp``
@@ -105,14 +176,20 @@ class ParallelModel(nn.Module):
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         return _loss(self.loss_fn, output, targets, loss_scale(self.plan))
 
-    def _check_batch(self, xs: Sequence[Any], targets: torch.Tensor) -> None:
+    def _check_batch(self, xs: Sequence[Any], targets: torch.Tensor, local: bool) -> None:
         gb = self.plan.global_batch
+        want = gb // self.plan.data_parallel if local else gb
         for what, t in [(f"input {i}", x) for i, x in enumerate(xs)] + [("targets", targets)]:
-            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != gb):
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != want):
                 got = "a scalar" if t.dim() == 0 else f"{t.shape[0]} samples"
+                if local:
+                    raise ConfigError(
+                        f"step(local=True) got {got} in {what}, but this rank's shard of the "
+                        f"global batch of {gb} has {want} (dp={self.plan.data_parallel}); "
+                        f"pass the shard pm.data_shard() names")
                 raise ConfigError(f"step() got {got} in {what}, but the plan is for a global "
                                   f"batch of {gb}; pass the whole global batch, the same on "
-                                  f"every rank")
+                                  f"every rank (or this rank's shard with local=True)")
         tp = self.plan.degree("tp")
         splits_sequence = self.plan.sequence_parallel or any(
             "S(1)" in (m.input_layout, m.desired_input_layout, m.output_layout)
@@ -124,7 +201,7 @@ class ParallelModel(nn.Module):
                               f"sequence length {x.shape[1]}; pass a sequence length divisible "
                               f"by {tp}")
 
-    def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: Any, targets: torch.Tensor, *, local: bool = False) -> torch.Tensor:
         """Forward and backward of one global batch; returns the global batch's loss
         (the mean over its samples, or their sum for a loss that sums: :func:`loss_scale`).
 
@@ -135,15 +212,18 @@ class ParallelModel(nn.Module):
         over ``dp``, so they equal those of the mean loss over the global batch. The
         caller then runs ``optimizer.step()`` and ``optimizer.zero_grad()``. The rank's
         slice goes to the device once, at the start (:func:`to_device`).
+
+        With ``local``, each rank passes only its own shard (:meth:`data_shard`: the
+        usual ``DistributedSampler`` loop), which the step uses as it is.
         """
         xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        self._check_batch(xs, targets)
+        self._check_batch(xs, targets, local)
         if self.pipeline is not None:
-            return self.pipeline.step(xs, targets)
+            return self.pipeline.step(xs, targets, local=local)
         plan = self.plan
         n, mb, dp = plan.num_microbatches, plan.microbatch_size, plan.data_parallel
         tp = self.plan.degree("tp")
-        rank = self.mesh.get_local_rank("dp")
+        rank = 0 if local else self.mesh.get_local_rank("dp")
         mine = slice(rank * n * mb, (rank + 1) * n * mb)
         xs = tuple(to_device(x[mine], self.device) if isinstance(x, torch.Tensor) else x
                    for x in xs)
@@ -159,7 +239,7 @@ class ParallelModel(nn.Module):
             part = slice(i * mb, (i + 1) * mb)
             local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
             with tp_context(tp):  # plain tensors the forward makes meet DTensors
-                loss = self._loss(self(*local), targets[part]) / n
+                loss = self._loss(self._forward(*local), targets[part]) / n
                 loss.backward()
             total += loss.detach().float()
         if not fsdp:
@@ -209,6 +289,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
         return ParallelModel(nn.ModuleList(runtime.modules), plan, runtime.meshes.mesh,
                              loss_fn=loss_fn, device=dev, pipeline=runtime, names=names)
     meshes = lower(model, plan, dev)
+    if not isinstance(model, FSDPModule):  # else FSDP2 reduces them in backward
+        reduce_partial_gradients_when_accumulated(model)
     return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev, names=names)
 
 

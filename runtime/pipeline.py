@@ -265,12 +265,14 @@ class PipelineRuntime:
                 f"the pipeline's stages were cut for inputs of per-sample shapes {want}, but "
                 f"step() got {got}; pass example_inputs of the shapes you train on")
 
-    def step(self, xs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
-        """Run the schedule on this rank's data-parallel slice of the global batch;
-        return the global mean loss (on every rank)."""
+    def step(self, xs: tuple[torch.Tensor, ...], targets: torch.Tensor, *,
+             local: bool = False) -> torch.Tensor:
+        """Run the schedule on this rank's data-parallel slice of the global batch (or,
+        ``local``, on ``xs`` and ``targets`` as they are: this rank's shard); return the
+        global mean loss (on every rank)."""
         plan = self.plan
         n, mb, dp = plan.num_microbatches, plan.microbatch_size, plan.data_parallel
-        start = self.meshes.mesh.get_local_rank("dp") * n * mb
+        start = 0 if local else self.meshes.mesh.get_local_rank("dp") * n * mb
         part = slice(start, start + n * mb)
         xs, targets = tuple(x[part] for x in xs), targets[part]
         sequences: contextlib.AbstractContextManager = contextlib.nullcontext()

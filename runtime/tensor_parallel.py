@@ -27,7 +27,8 @@ from autopar.runtime.piecewise import (piecewise_pieces, piecewise_shard,
 from autopar.sharding import check_placement, shard_dim, shard_pieces, shard_placement
 
 __all__ = ["TPLayout", "tp_layout", "check_module_plan", "tied_parameter_groups",
-           "apply_tensor_parallel", "reduce_partial_gradients", "tp_placement", "piecewise",
+           "apply_tensor_parallel", "reduce_partial_gradients",
+           "reduce_partial_gradients_when_accumulated", "tp_placement", "piecewise",
            "parse_placement", "format_placement", "to_torch"]
 
 
@@ -181,6 +182,20 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> 
     relayout_modules(model, _placements(layout.inputs), _placements(layout.outputs))
     distribute_io(model, tp_mesh)
     return layout
+
+
+def reduce_partial_gradients_when_accumulated(module: nn.Module) -> None:
+    """Do :func:`reduce_partial_gradients`' work for each parameter as soon as a
+    backward has accumulated its gradient (a post-accumulate-grad hook), so that a
+    plain ``loss.backward()`` leaves finished gradients. A parameter whose gradient
+    is already in its placement is left alone."""
+    def finish(p: nn.Parameter) -> None:
+        g = p.grad
+        if isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(placements=p.placements)
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_post_accumulate_grad_hook(finish)
 
 
 def reduce_partial_gradients(module: nn.Module) -> None:

@@ -221,7 +221,7 @@ def test_bf16_zero3_trains_close_to_fp32(ranks) -> None:
 def test_wrong_batch_is_reported(ranks) -> None:
     assert ranks(1)[0]["batch"] == (
         "step() got 6 samples in input 0, but the plan is for a global batch of 8; pass the "
-        "whole global batch, the same on every rank")
+        "whole global batch, the same on every rank (or this rank's shard with local=True)")
 
 
 def test_apply_plan_needs_a_process_group() -> None:
