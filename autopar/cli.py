@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from autopar.cli_checkpoint import add_checkpoint_parser, cmd_checkpoint
+from autopar.cli_train import add_train_parser, cmd_train
 from autopar.errors import AutoparError, ConfigError
 
 if TYPE_CHECKING:
@@ -20,6 +21,11 @@ if TYPE_CHECKING:
 
     from autopar.cluster import Cluster
     from autopar.spec import Spec
+
+
+ZOO_EXAMPLE_BATCH = 2
+"""Samples in the example inputs of a zoo model, and so its global batch where
+``--global-batch`` is left out."""
 
 
 def parse_bytes(text: str) -> float:
@@ -53,14 +59,19 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default: 1)")
     p.add_argument("--gpus-per-node", type=int, default=8,
                    help="devices per node (default: 8)")
-    p.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU inside a node")
-    p.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU across nodes")
+    p.add_argument("--intra-node-bandwidth", type=float,
+                   help="GB/s per GPU inside a node (default: the profile's)")
+    p.add_argument("--inter-node-bandwidth", type=float,
+                   help="GB/s per GPU across nodes (default: the profile's)")
 
 
 def _add_workload_args(p: argparse._ActionsContainer) -> None:
     """Batch, sequence length, precision, optimizer and memory budget options."""
-    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
-    p.add_argument("--seq-len", type=int, help="sequence length (zoo models)")
+    p.add_argument("--global-batch", type=int,
+                   help="samples per optimizer step (default: the example inputs' batch, "
+                        f"{ZOO_EXAMPLE_BATCH} for zoo models)")
+    p.add_argument("--seq-len", type=int,
+                   help="sequence length of zoo models (default: the model's training length)")
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
                    help="training precision; bf16 and fp16 keep fp32 master weights "
                         "(default: %(default)s)")
@@ -83,10 +94,24 @@ def _cluster_from_args(args: argparse.Namespace) -> Cluster:
                            inter_node_bandwidth=args.inter_node_bandwidth)
 
 
-def _add_spec_args(g: argparse._ActionsContainer) -> None:
+ESTIMATE_DEFAULTS = {"dp": "the devices the other degrees leave", "tp": "1", "pp": "1",
+                     "cp": "1", "cp_variant": "allgather", "ep": "1",
+                     "microbatch_size": "the largest that gives pp micro-batches",
+                     "schedule": "1f1b", "virtual_stages": "the solver's choice",
+                     "recompute": "the solver's choice", "zero": "0",
+                     "sequence_parallel": "off", "offload": "off"}
+"""What ``autopar compare`` scores for each configuration option left out
+(:meth:`autopar.Spec.for_estimate`)."""
+
+
+def _add_spec_args(g: argparse._ActionsContainer,
+                   defaults: dict[str, str] | None = None) -> None:
     """One option per field of :class:`autopar.Spec`, by the field's name; each left out
-    is None. The values are checked by Spec itself."""
+    is None, which the help calls ``defaults[field]`` (default: the solver's choice).
+    The values are checked by Spec itself."""
     from autopar.plans import RECOMPUTE, SCHEDULES
+
+    g = _DefaultsNoted(g, defaults or {})
 
     g.add_argument("--dp", type=int, help="data-parallel degree")
     g.add_argument("--tp", type=int, help="tensor-parallel degree")
@@ -112,6 +137,21 @@ def _add_spec_args(g: argparse._ActionsContainer) -> None:
                    "--zero 3)")
 
 
+class _DefaultsNoted:
+    """An argument group whose ``add_argument`` appends ``(default: ...)`` to the help:
+    the text for the option's field in ``defaults``, else the solver's choice."""
+
+    def __init__(self, group: argparse._ActionsContainer, defaults: dict[str, str]) -> None:
+        self.group, self.defaults = group, defaults
+
+    def add_argument(self, *names: str, **kwargs) -> argparse.Action:
+        """``group.add_argument`` with the default named in the help."""
+        field = kwargs.get("dest") or names[0].lstrip("-").replace("-", "_")
+        text = self.defaults.get(field, "the solver's choice")
+        kwargs["help"] = f"{kwargs.get('help', '')} (default: {text})".lstrip()
+        return self.group.add_argument(*names, **kwargs)
+
+
 def _spec_from_args(args: argparse.Namespace) -> Spec:
     """The :class:`autopar.Spec` named by the options of :func:`_add_spec_args`."""
     from dataclasses import fields
@@ -131,7 +171,8 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
     _add_spec_args(p.add_argument_group(
         "hand-written configuration (left out, as autopar.estimate fills it: degrees 1, "
         "except --dp, which fills the world; --zero 0; --schedule 1f1b; the largest "
-        "micro-batch that gives pp micro-batches; recomputation the solver's)"))
+        "micro-batch that gives pp micro-batches; recomputation the solver's)"),
+        ESTIMATE_DEFAULTS)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -145,28 +186,39 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_spec_args(p.add_argument_group(
         "search space (each option fixes one choice; left out, the solver chooses)"))
     p.add_argument("--top-k", "--top", type=int, default=1, metavar="N", dest="top_k",
-                   help="also list the next N-1 fastest configurations and why they lost")
+                   help="also list the next N-1 fastest configurations and why they lost "
+                        "(default: %(default)s, the plan alone)")
     p.add_argument("--time-limit-s", "--time-limit", type=float, metavar="SECONDS",
                    dest="time_limit_s",
-                   help="stop searching after this long with the best plan found and its gap")
-    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+                   help="stop searching after this long with the best plan found and its gap "
+                        "(default: no limit)")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the plan as JSON (default: print the summary only)")
+    p.add_argument("--report", metavar="FILE", help="also write the plan as one self-contained "
+                   "HTML page: mesh, per-rank timeline, memory, runners-up, layouts (default: none)")
+    p.add_argument("--plots", metavar="DIR", help="also write the report's figures as PNG "
+                   "files into DIR (needs matplotlib: pip install \"autopar[plots]\"; default: none)")
     _add_compare_parser(sub)
     sub.add_parser("models", help="list the zoo models")
     d = sub.add_parser("demo", help="train a small GPT on local CPU processes under its plan")
-    d.add_argument("--ranks", type=int, default=4)
-    d.add_argument("--steps", type=int, default=3)
+    d.add_argument("--ranks", type=int, default=4,
+                   help="CPU processes to train on (default: %(default)s)")
+    d.add_argument("--steps", type=int, default=3,
+                   help="SGD steps to train and compare (default: %(default)s)")
     c = sub.add_parser("codegen", help="write a plan as a standalone torchrun training program")
     c.add_argument("plan", help="plan JSON written by `autopar plan --json`")
     c.add_argument("--model", required=True, help="path/to/file.py:factory the plan is for")
     c.add_argument("--loss", metavar="FILE.py:FUNCTION",
                    help="the loss(output, targets) to train with (default: cross-entropy over "
                         "the output's last dim)")
-    c.add_argument("-o", "--output", default="train.py", help="the program to write")
+    c.add_argument("-o", "--output", default="train.py",
+                   help="the program to write (default: %(default)s)")
     from autopar.cost_models.profiling.options import build_parser as profile_parser
 
     profile_parser(sub.add_parser("profile", help="measure this machine's GPU (or CPU) "
                                   "and write a profile JSON"))
     add_checkpoint_parser(sub)
+    add_train_parser(sub)
     return ap
 
 
@@ -178,7 +230,7 @@ def _load_model(spec: str, seq_len: int | None
 
     if ":" in spec and spec.split(":")[0].endswith(".py"):
         return zoo.load_with_targets(spec)
-    return (*zoo.get(spec, batch_size=2, seq_len=seq_len), None)
+    return (*zoo.get(spec, batch_size=ZOO_EXAMPLE_BATCH, seq_len=seq_len), None)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -189,6 +241,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = _cluster_from_args(args)
     if args.json:
         _check_writable(args.json, "the plan")
+    from autopar.report import check_outputs, write_outputs
+
+    check_outputs(args.report, args.plots)
     model, inputs, targets = _load_model(args.model, args.seq_len)
     plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
                         precision=args.precision, optimizer=args.optimizer,
@@ -200,12 +255,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sys.stderr.write("\n")
     if ":" not in args.model:
         plan.model = args.model
+    if args.global_batch is None:
+        plan.notes.append(_example_batch_note(args.model, plan.global_batch))
     print(plan.summary())
     print(f"\nplanned in {time.perf_counter() - t0:.1f} s")
     if args.json:
         _write(args.json, plan.to_json(), "the plan")
         print(f"plan written to {args.json}")
+    for path in write_outputs(plan, args.report, args.plots):
+        print(f"wrote {path}")
     return 0
+
+
+def _example_batch_note(model: str, batch: int) -> str:
+    """Why a plan made without ``--global-batch`` has the batch it has."""
+    where = "the factory's example inputs" if ":" in model else \
+        f"the example inputs autopar builds for zoo models ({ZOO_EXAMPLE_BATCH} samples)"
+    return (f"global batch {batch} is the batch of {where}; pass --global-batch with the "
+            f"samples per optimizer step you train with")
 
 
 def _check_writable(path: str, what: str) -> None:
@@ -271,7 +338,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                              example_targets=targets, expert_imbalance=args.expert_imbalance)
     name = args.model if ":" not in args.model else result.planned.model
     print(f"autopar compare for {name} on {cluster.nodes} node(s) x {cluster.gpus_per_node} "
-          f"{args.gpu}, global batch {result.planned.global_batch}\n")
+          f"{args.gpu}, global batch {result.planned.global_batch}")
+    if args.global_batch is None:
+        print(_example_batch_note(args.model, result.planned.global_batch))
+    print()
     print(result.table())
     print(f"\ncompared in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -338,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handler = {"plan": cmd_plan, "models": cmd_models, "demo": cmd_demo,
                "profile": cmd_profile, "codegen": cmd_codegen,
-               "compare": cmd_compare, "checkpoint": cmd_checkpoint}[args.command]
+               "compare": cmd_compare, "checkpoint": cmd_checkpoint,
+               "train": cmd_train}[args.command]
     try:
         return handler(args)
     except AutoparError as e:

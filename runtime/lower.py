@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from autopar.errors import LoweringError
 from autopar.plans import Plan, model_fingerprint
+from autopar.runtime.applied import log_applied
 from autopar.runtime.data_parallel import PRECISION_DTYPES, apply_data_parallel, check_tied_units
 from autopar.runtime.experts import apply_expert_parallel, check_experts, shard_plan_experts
 from autopar.runtime.materialize import (check_materializable, is_meta_model, materialize,
@@ -198,6 +199,7 @@ def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
         apply_data_parallel(model, plan, meshes.fsdp, meshes.expert_fsdp)
     if meta:
         materialize(model, device)
+    log_applied(model, plan, device.type, meshes.fsdp is not None)
     return meshes
 
 
@@ -237,4 +239,6 @@ def lower_pipeline(model: nn.Module, plan: Plan, device: torch.device, loss_fn: 
         input_names=cut.input_names, tied=list(zip(tied, groups)),
         device=device, input_shapes=cut.input_shapes)
     runtime.sync_tied(grads=False)  # copies start equal (a meta model's are initialized apart)
+    log_applied(nn.ModuleList([g.module for g in local]), plan, device.type,
+                meshes.fsdp is not None, stages=[g.index for g in local])
     return runtime

@@ -1,0 +1,171 @@
+"""What ``autopar train`` runs on each rank (:mod:`autopar.cli_train` is its command
+line): plan the model for the job, then train it on your text (or a token tensor, or
+the built-in arithmetic text), each rank reading its own shard, logging loss,
+tokens/s, MFU and memory per step and checkpointing every k steps, as torchtitan's
+trainer does."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from autopar.cli_train import TrainArgs
+from autopar.errors import ConfigError
+
+__all__ = ["builtin_text", "load_tokens", "shard_batch", "build", "train"]
+
+
+def builtin_text(chars: int = 200_000, seed: int = 0) -> str:
+    """The built-in data set: lines of small sums (``"17 + 5 = 22"``), ASCII, made
+    from ``seed`` (the same on every rank). A model can learn them, so its loss falls
+    for a reason other than memorizing one batch."""
+    rng = random.Random(seed)
+    lines: list[str] = []
+    size = 0
+    while size < chars:
+        a, b = rng.randrange(100), rng.randrange(100)
+        line = f"{a} + {b} = {a + b}\n"
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)
+
+
+def load_tokens(data: str, vocab_size: int) -> torch.Tensor:
+    """The training tokens (1-D int64): ``builtin`` (:func:`builtin_text`, bytes), a
+    text file (its bytes), or a ``.pt`` file holding a 1-D integer tensor (or a dict
+    with one under ``"tokens"``). Token ids must be below ``vocab_size``."""
+    if data == "builtin":
+        tokens = torch.tensor(list(builtin_text().encode("ascii")), dtype=torch.long)
+    else:
+        path = Path(data)
+        if not path.is_file():
+            raise ConfigError(f"--data {data}: no such file; give a text file, a .pt file of "
+                              "token ids, or 'builtin'")
+        if path.suffix == ".pt":
+            try:
+                held = torch.load(path, weights_only=True)
+            except Exception as e:  # noqa: BLE001 — torch.load raises many types
+                raise ConfigError(f"--data {data}: not a torch.save'd tensor ({e})") from None
+            tokens = held.get("tokens") if isinstance(held, dict) else held
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or \
+                    tokens.is_floating_point():
+                raise ConfigError(f"--data {data}: expected a 1-D tensor of integer token ids "
+                                  "(or a dict with one under 'tokens')")
+            tokens = tokens.long()
+        else:
+            tokens = torch.tensor(list(path.read_bytes()), dtype=torch.long)
+    top = int(tokens.max()) if tokens.numel() else 0
+    if top >= vocab_size:
+        raise ConfigError(f"--data {data}: token id {top} is not below the model's vocabulary "
+                          f"of {vocab_size}; text is read as bytes, so use a model with at "
+                          "least 256 tokens (128 for ASCII text), or a .pt file of ids")
+    return tokens
+
+
+def shard_batch(tokens: torch.Tensor, step: int, global_batch: int, seq_len: int,
+                index: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets of shard ``index`` of ``count`` of step ``step``'s
+    global batch: sample i of step s starts at ``(s * global_batch + i) * seq_len``
+    (wrapping), so every step reads new text and the shards never overlap."""
+    span = tokens.numel() - seq_len - 1
+    if span < 1:
+        raise ConfigError(f"the data has {tokens.numel()} tokens, fewer than one sequence of "
+                          f"{seq_len} + 1")
+    per = global_batch // count
+    starts = [((step * global_batch + i) * seq_len) % span
+              for i in range(index * per, (index + 1) * per)]
+    rows = torch.stack([tokens[s:s + seq_len + 1] for s in starts])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def build(args: TrainArgs, device: str = "cpu") -> tuple[torch.nn.Module, int, int]:
+    """The model (built on ``device`` from ``args.seed``), its vocabulary and sequence
+    length; ConfigError for a model that does not take token ids."""
+    from autopar.examples import zoo
+
+    torch.manual_seed(args.seed)
+    if ":" in args.model and args.model.split(":")[0].endswith(".py"):
+        with torch.device(device):
+            model, (x,), _ = zoo.load_with_targets(args.model)
+    else:
+        model, (x,) = zoo.get(args.model, seq_len=args.seq_len, device=device)
+    if x.is_floating_point():
+        raise ConfigError(f"{args.model} takes features, not tokens: autopar train trains "
+                          "language models (token ids in, logits out)")
+    vocab = next((m.num_embeddings for m in model.modules()
+                  if isinstance(m, torch.nn.Embedding)), None)
+    if vocab is None:
+        raise ConfigError(f"{args.model} has no token embedding; autopar train trains "
+                          "language models")
+    return model, vocab, args.seq_len or int(x.shape[1])
+
+
+def _memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: the allocator's on a GPU, the process's on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def train(args: TrainArgs) -> list[float]:
+    """Train under torchrun (every rank calls it); return the losses of the steps run."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.units_text import fmt_bytes
+
+    if int(os.environ.get("RANK", "0")) == 0:  # what the runtime applied, as torchtitan logs
+        logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stdout)
+        logging.getLogger("autopar.runtime").setLevel(logging.INFO)
+    model, vocab, seq = build(args)
+    tokens = load_tokens(args.data, vocab)
+    example = shard_batch(tokens, 0, args.global_batch, seq, 0, 1)
+    pm = autopar.parallelize(model, (example[0],), example_targets=example[1],
+                             global_batch=args.global_batch, precision=args.precision)
+    rank = dist.get_rank()
+    if rank == 0:
+        print(pm.plan.summary(), flush=True)
+    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+    ckpt = autopar.Checkpointer(args.checkpoint_dir, pm, opt, every=args.checkpoint_every,
+                                keep=args.keep) if args.checkpoint_dir else None
+    resumed = ckpt.resume() if ckpt is not None else None
+    first = resumed.step if resumed is not None else 0
+    if rank == 0 and resumed is not None:
+        print(f"resumed from step {first} ({args.checkpoint_dir})", flush=True)
+    shard, plan = pm.data_shard(), pm.plan
+    flops_s = plan.mfu * plan.step_time_s  # model FLOPs / (world x peak), in seconds
+    losses = []
+    for step in range(first + 1, args.steps + 1):
+        x, y = shard_batch(tokens, step, args.global_batch, seq, shard.index, shard.count)
+        start = time.perf_counter()
+        loss = float(pm.step(x, y, local=True))
+        opt.step()
+        opt.zero_grad()
+        if pm.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        losses.append(loss)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+            tps = args.global_batch * seq / elapsed / dist.get_world_size()
+            print(f"step {step:>5}  loss {loss:8.4f}  tokens/s/rank {tps:10,.0f}  "
+                  f"mfu {flops_s / elapsed:6.1%}  memory {fmt_bytes(_memory_bytes(pm.device))}"
+                  f"  time {elapsed * 1e3:8.1f} ms (predicted {plan.step_time_s * 1e3:.1f} ms)",
+                  flush=True)
+        if ckpt is not None:
+            ckpt.step(step, extra={"tokens_seen": step * args.global_batch * seq})
+    if ckpt is not None:
+        ckpt.close()
+    return losses
+
+
+if __name__ == "__main__":  # what each torchrun rank runs
+    from autopar.cli_train import main
+
+    sys.exit(main())

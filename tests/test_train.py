@@ -1,0 +1,87 @@
+"""``autopar train`` as the README runs it: the built-in tiny GPT on 4 CPU processes
+started by the command itself, each rank reading its own shard of the built-in
+text; 3 steps checkpointed, then resumed to step 6: every logged loss (fp32) equals
+one process training on the same batches, and the data helpers shard without overlap."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.capture import default_loss
+from autopar.errors import ConfigError
+from autopar.cli_train import TrainArgs
+from autopar.train import builtin_text, load_tokens, shard_batch
+
+
+def test_shards_split_each_global_batch_without_overlap() -> None:
+    tokens = load_tokens("builtin", 128)
+    assert builtin_text()[:200] == builtin_text()[:200] and tokens.max() < 128
+    whole = shard_batch(tokens, 5, 8, 16, 0, 1)
+    parts = [shard_batch(tokens, 5, 8, 16, i, 4) for i in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), whole[0])
+    assert torch.equal(whole[0][:, 1:], whole[1][:, :-1])  # targets are the next tokens
+    assert not torch.equal(shard_batch(tokens, 6, 8, 16, 0, 1)[0], whole[0])
+
+
+def test_bad_data_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="token id 200 is not below the model's vocabulary"):
+        load_tokens(str(_write(tmp_path / "t.txt", bytes([200] * 40))), 128)
+    torch.save(torch.randn(10), tmp_path / "f.pt")
+    with pytest.raises(ConfigError, match="expected a 1-D tensor of integer token ids"):
+        load_tokens(str(tmp_path / "f.pt"), 128)
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def one_process(steps: int) -> list[float]:
+    """The losses of ``steps`` AdamW steps of the tiny GPT in one process."""
+    from autopar.examples import zoo
+
+    args = TrainArgs()
+    torch.manual_seed(args.seed)
+    model, _ = zoo.get("tiny-gpt", device="cpu")
+    tokens = load_tokens("builtin", 128)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = shard_batch(tokens, step, args.global_batch, 16, 0, 1)
+        loss = default_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train(*args: str) -> str:
+    cmd = [sys.executable, "-m", "autopar.cli", "train", "tiny-gpt", "--nproc-per-node", "4",
+           "--precision", "fp32", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.mark.multirank
+def test_train_runs_resumes_and_matches_one_process(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    first = _train("--steps", "3", "--checkpoint-dir", ckpt, "--checkpoint-every", "3")
+    second = _train("--steps", "6", "--checkpoint-dir", ckpt, "--checkpoint-every", "3")
+    assert "resumed from step 3" in second
+    assert re.search(r"^Built the device mesh .+ on cpu$", first, re.M)  # the runtime's log
+    assert re.search(r"^Applied (FSDP2|tensor parallelism|pipeline stage) ", first, re.M)
+    logged = [(int(s), float(v)) for s, v in
+              re.findall(r"^step +(\d+) +loss +(\S+) +tokens/s/rank", first + second, re.M)]
+    assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in logged] == pytest.approx(one_process(6), abs=1e-4)
+    assert sorted(p.name for p in Path(ckpt).iterdir()) == ["step-00000003", "step-00000006"]
