@@ -116,6 +116,15 @@ class StagePlan:
         forward_s / backward_s: predicted seconds per micro-batch.
         memory_bytes: predicted peak bytes per device of the rank for this stage
             (parameters, gradients, optimizer state and in-flight activations).
+        backward_weight_s: the weight-gradient part of ``backward_s``, which the
+            zero-bubble schedules run apart (their W operation).
+        recompute_s / comm_s: the parts of ``forward_s + backward_s`` spent on
+            recomputed forwards, and on collectives, resharding and ZeRO-3 parameter
+            traffic, per micro-batch.
+        static_bytes / activation_bytes: the stage's parameters, gradients and
+            optimizer state, and the activations it keeps per micro-batch in flight.
+            With the times above, the schedule simulation
+            (:func:`autopar.solvers.schedule_sim.simulate`) reruns from the plan alone.
     """
 
     index: int
@@ -124,6 +133,11 @@ class StagePlan:
     forward_s: float = 0.0
     backward_s: float = 0.0
     memory_bytes: float = 0.0
+    backward_weight_s: float = 0.0
+    recompute_s: float = 0.0
+    comm_s: float = 0.0
+    static_bytes: float = 0.0
+    activation_bytes: float = 0.0
 
 
 @dataclass
