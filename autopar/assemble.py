@@ -9,6 +9,7 @@ from __future__ import annotations
 from autopar.graph import Graph
 from autopar.plans import ContextPlan, ExpertPlan, ModulePlan, PipelinePlan, Plan, StagePlan
 from autopar.sharding import DATA_AXES, shard_dim
+from autopar.solvers.cost_terms import PieceCost
 from autopar.solvers.intra_op_ilp import Solution
 from autopar.solvers.pipelined_candidate import PipelineOutcome, pipeline_terms
 from autopar.solvers.problem import evaluate
@@ -33,7 +34,8 @@ def _tp(pl: tuple[str, ...] | list[str], axis: int | None) -> str:
 
 def module_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], axis: int | None,
                  params: dict[str, list[str]], times: dict[str, float]) -> dict[str, ModulePlan]:
-    """One ModulePlan per module that owns parameters (its style on the tp axis)."""
+    """One ModulePlan per module that owns parameters (its style on the tp axis), in
+    the order the forward first runs them (a tied head after the blocks)."""
     g = an.graph
     ops_by_module: dict[str, list] = {}
     for n in g.nodes:
@@ -45,7 +47,9 @@ def module_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], axis: int |
         for name in [fqn] + list(info.aliases):
             path, _, local = name.rpartition(".")
             owners.setdefault(path, []).append(local)
-    for path, locals_ in owners.items():
+    first_run = {path: k for k, path in enumerate(ops_by_module)}
+    for path in sorted(owners, key=lambda p: first_run.get(p, len(first_run))):
+        locals_ = owners[path]
         ops = [o for o in ops_by_module.get(path, []) if o.target != "getitem"]
         if not ops:
             continue
@@ -217,9 +221,13 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
     stages = []
     for k, ((a, b), r) in enumerate(zip(po.split.bounds, ranks)):
         units = [m for u in po.units[a:b] for m in u.modules]
-        stages.append(StagePlan(k, r, units, sum(u.forward_s for u in po.units[a:b]),
-                                sum(u.backward_s for u in po.units[a:b]),
-                                po.split.estimate.peak_memory_bytes[r] + extra[r]))
+        c = PieceCost.total(po.units[a:b])
+        stages.append(StagePlan(k, r, units, c.forward_s, c.backward_s,
+                                po.split.estimate.peak_memory_bytes[r] + extra[r],
+                                backward_weight_s=c.backward_weight_s,
+                                recompute_s=c.recompute_s, comm_s=c.comm_s + c.param_comm_s,
+                                static_bytes=c.static_bytes,
+                                activation_bytes=c.activation_bytes))
     est = po.split.estimate
     plan.pipeline = PipelinePlan(schedule, virtual_stages, stages, est.bubble_fraction, po.p2p_s)
     plan.mesh = {"pp": pp, **plan.mesh}

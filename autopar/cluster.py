@@ -67,13 +67,17 @@ class Cluster:
         )
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-friendly description, stored in plans."""
+        """A JSON-friendly description, stored in plans: the options above, the
+        profile's ``accuracy`` record, its ``device_name`` and ``device_type`` (``"cpu"``
+        or ``"gpu"``), which the plan's summary shows."""
+        hw = self.hardware()
         return {
             "gpu": self.gpu, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
             "intra_node_bandwidth": self.intra_node_bandwidth,
             "inter_node_bandwidth": self.inter_node_bandwidth,
             "profile": self.profile, "memory_gb": self.memory_gb,
-            "accuracy": self.hardware().accuracy,
+            "accuracy": hw.accuracy, "device_name": hw.device_name,
+            "device_type": "cpu" if hw.is_cpu else "gpu",
         }
 
     @classmethod

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from pathlib import PurePath
+from types import MappingProxyType
 
-from autopar.cost_models.hardware import accuracy_text
+from autopar.cost_models.hardware import CPU_PROFILE_NOTE, accuracy_text
 from autopar.plans import Plan
 from autopar.solvers.cost_terms import STEP_TERMS
 from autopar.units_text import fmt_bytes
@@ -69,6 +71,12 @@ def fmt_time(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
+def fmt_rate(x: float) -> str:
+    """Samples per second with two decimals, and three significant digits below one:
+    ``945.84``, ``0.0432``, ``4.39e-05`` (a slow device's rate is not ``0.00``)."""
+    return f"{x:,.2f}" if x >= 1 or x == 0 else f"{x:.3g}"
+
+
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
@@ -98,8 +106,10 @@ def _pipeline_lines(plan: Plan) -> list[str]:
         return []
     v = f", {pipe.virtual_stages} virtual stages per rank" if pipe.virtual_stages > 1 else ""
     lines = [f"pipeline  pp={plan.degree('pp')}, schedule {pipe.schedule}{v}, "
-             f"{plan.num_microbatches} micro-batches, predicted bubble "
-             f"{pipe.bubble_fraction * 100:.1f}%, p2p {fmt_time(pipe.p2p_s)} per transfer"]
+             f"{plan.num_microbatches} micro-batches, p2p {fmt_time(pipe.p2p_s)} per transfer",
+             f"          ranks idle {pipe.bubble_fraction * 100:.1f}% of the step on average "
+             f"(fill, drain and transfers; the bubble term above is the busiest rank's "
+             f"idle time)"]
     rows = [[str(st.index), str(st.rank), _units_text(st.units, plan.blocks),
              fmt_time(st.forward_s), fmt_time(st.backward_s), fmt_bytes(st.memory_bytes)]
             for st in pipe.stages]
@@ -135,16 +145,89 @@ def recompute_text(plan: Plan) -> str:
                      for mode, blocks in by_mode.items())
 
 
+EXPOSED_COMM_PARTS = ("comm_s", "exposed_param_comm_s", "exposed_p2p_s")
+"""The breakdown keys that add up to ``exposed_comm_s``
+(:class:`~autopar.solvers.cost_terms.StepTerms`)."""
+
+DETAIL_NOTES = MappingProxyType({
+    "reshard_s": "resharding {}, part of the collectives",
+    "all_to_all_s": "expert all-to-all {}, part of the collectives",
+    "param_comm_s": "parameter traffic {} in all, the rest hidden behind compute",
+    "host_s": "host time {}, beside the device's (only the wait for it counts)",
+    "p2p_s": "{} per stage-to-stage transfer",
+})
+"""How the summary reads the detail keys that are not added to the step again."""
+
+
 def _breakdown_lines(b: dict[str, float]) -> list[str]:
-    """The step time as the sum of its terms, then the other keys that detail them."""
+    """The step time as the sum of its terms; exposed communication as the sum of its
+    parts (where they add up); then the other keys, labelled as not added again."""
     terms = [k for k in STEP_TERMS if k in b and (b[k] or k in ("compute_s", "exposed_comm_s"))]
-    rest = [k for k in b if k not in STEP_TERMS and b[k]]
     lines = []
     if terms:
         lines.append("  = " + " + ".join(f"{term_label(k)} {fmt_time(b[k])}" for k in terms))
+    parts = [k for k in EXPOSED_COMM_PARTS if b.get(k)]
+    total = b.get("exposed_comm_s", 0.0)
+    if parts and total and abs(sum(b[k] for k in parts) - total) <= 1e-6 * total:
+        if len(parts) > 1:
+            lines.append("    exposed communication = " + " + ".join(
+                f"{term_label(k)} {fmt_time(b[k])}" for k in parts))
+    else:
+        parts = []
+    rest = [k for k in b if k not in STEP_TERMS and k not in parts and b[k]]
     if rest:
-        lines.append("  (" + ", ".join(f"{term_label(k)} {fmt_time(b[k])}" for k in rest) + ")")
+        lines.append("    not added again: " + "; ".join(
+            DETAIL_NOTES[k].format(fmt_time(b[k])) if k in DETAIL_NOTES
+            else f"{term_label(k)} {fmt_time(b[k])}" for k in rest))
     return lines
+
+
+LEGEND = ("layouts   R replicated, S(d) split along dim d (S(d)/k: k pieces, each split), "
+          "P partial sums;\n"
+          "          input a->b: received -> computed on; output: handed on; params: one "
+          "placement per mesh axis")
+"""The key to the placement notation of the module table."""
+
+
+def _solver_line(s: dict) -> str:
+    """The solver record in words, a line each: 'ilp-cbc solved the chosen layout to
+    optimality, 2,223 variables and 669 constraints in 61.2 ms', 'the search scored 20
+    configurations in 1.050 s', the memory budget (keys it does not know after)."""
+    known = ("solver", "status", "variables", "constraints", "build_s", "time_s",
+             "candidates", "search_s", "memory_budget_bytes")
+    words = []
+    if "solver" in s or "status" in s:
+        status = str(s.get("status", "?"))
+        how = "to optimality" if status.lower() == "optimal" else f"with status {status}"
+        size = ""
+        if "variables" in s and "constraints" in s:
+            size = f", {s['variables']:,} variables and {s['constraints']:,} constraints"
+        took = f" in {fmt_time(float(s.get('build_s', 0.0)) + float(s['time_s']))}" \
+            if "time_s" in s else ""
+        words.append(f"{s.get('solver', 'the solver')} solved the chosen layout {how}"
+                     f"{size}{took}")
+    if "candidates" in s:
+        took = f" in {fmt_time(float(s['search_s']))}" if "search_s" in s else ""
+        words.append(f"the search scored {s['candidates']:,} configurations{took}")
+    if "memory_budget_bytes" in s:
+        words.append(f"memory budget {fmt_bytes(float(s['memory_budget_bytes']))} per device")
+    other = [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+             for k, v in s.items() if k not in known]
+    return "solver    " + ";\n          ".join(words + other)
+
+
+def _device_text(c: dict) -> str:
+    """The device of a cluster description: the profile's name (``h100-sxm``), or for
+    a profile file the device it measured and the file (``AMD EPYC (CPU, profile
+    my-cpu.json)``)."""
+    gpu, path = str(c.get("gpu")), c.get("profile")
+    if not path and (gpu.endswith(".json") or "/" in gpu):
+        path = gpu
+    if not path:
+        return gpu
+    kind = "CPU, " if c.get("device_type") == "cpu" else ""
+    name = c.get("device_name") or "device"
+    return f"{name} ({kind}profile {PurePath(str(path)).name})"
 
 
 def plan_summary(plan: Plan) -> str:
@@ -156,7 +239,7 @@ def plan_summary(plan: Plan) -> str:
                  f"experts split over ep in {len(plan.experts)} module(s))")
     lines = [
         f"autopar plan for {plan.model}  (graph {plan.graph_hash})",
-        f"cluster   {c.get('nodes')} node(s) x {c.get('gpus_per_node')} {c.get('gpu')}"
+        f"cluster   {c.get('nodes')} node(s) x {c.get('gpus_per_node')} {_device_text(c)}"
         f"  = {plan.world_size} devices",
         f"mesh      {mesh}",
         f"batch     global {plan.global_batch} = dp {plan.data_parallel} x micro-batch "
@@ -172,10 +255,12 @@ def plan_summary(plan: Plan) -> str:
         f"precision {plan.precision}, optimizer {plan.optimizer}",
         "",
         f"predicted step time  {fmt_time(plan.step_time_s)}   throughput "
-        f"{plan.throughput:.2f} samples/s   MFU {plan.mfu * 100:.1f}%",
+        f"{fmt_rate(plan.throughput)} samples/s   MFU {plan.mfu * 100:.1f}%",
     ]
     lines += _breakdown_lines(plan.breakdown)
-    if "accuracy" in c:  # plans made before the record existed have none
+    if c.get("device_type") == "cpu":
+        lines.append(f"  ({CPU_PROFILE_NOTE})")
+    elif "accuracy" in c:  # plans made before the record existed have none
         lines.append(f"  ({accuracy_text(str(c.get('profile') or c.get('gpu')), c['accuracy'])})")
     m = plan.memory
     lines.append(f"memory per device    {fmt_bytes(m.get('total', 0.0))}   ("
@@ -194,12 +279,10 @@ def plan_summary(plan: Plan) -> str:
     if rows:
         lines += _table(rows, ["module", "type", "tp style", "input", "output",
                                "params (" + "/".join(plan.stage_mesh) + ")", "count"])
-        lines.append("")
+        lines += [LEGEND, ""]
     lines += _runners_up_lines(plan)
-    s = plan.solver
-    if s:
-        lines.append("solver    " + ", ".join(
-            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
+    if plan.solver:
+        lines.append(_solver_line(plan.solver))
     for note in plan.notes:
         lines.append(f"note      {note}")
     return "\n".join(lines)

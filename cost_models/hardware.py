@@ -28,6 +28,10 @@ from autopar.schema import strict_loads
 MEASURED_FORMAT = "autopar-profile/1"
 """The format tag of profiles written by ``autopar profile``."""
 
+CPU_PROFILE_NOTE = ("a CPU profile plans CPU runs, gloo processes on CPU cores as in the "
+                    "tests and the demo; it says nothing about a GPU")
+"""What a plan on a CPU profile is good for, said where such a profile is made or used."""
+
 ALIASES = {"h100": "h100-sxm", "h100-80g": "h100-sxm", "a100": "a100-80g",
            "a100-sxm": "a100-80g", "h200-sxm": "h200", "h200-141g": "h200"}
 
@@ -171,6 +175,13 @@ class HardwareProfile:
         if link is not None:
             hw = replace(hw, intra_node=link, inter_node=link)
         return replace(hw, sources=src)
+
+    @property
+    def is_cpu(self) -> bool:
+        """True for a CPU profile (the shipped ``cpu`` one, measured per process count,
+        or one ``autopar profile`` measured on a CPU): it prices gloo processes on this
+        kind of CPU, see :data:`CPU_PROFILE_NOTE`."""
+        return bool(self.per_process) or self.provenance.get("device_type") == "cpu"
 
     @property
     def host_runs_ahead(self) -> bool:

@@ -274,7 +274,11 @@ def _fsdp_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str
     experts = T.FSDP_EXPERTS.substitute(paths=_paths_tuple(sorted(plan.experts)),
                                         reshard=reshard, kwargs=kwargs) if plan.experts else ""
     mem = plan.memory
-    cost = ", ".join(f"{k} {_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer"))
+    parts = [(k, mem.get(k, 0.0)) for k in ("params", "grads", "optimizer")]
+    if not any(v > 0 for _, v in parts):  # a pipelined plan's memory has them as one
+        parts = [("parameters, gradients and optimizer state", mem.get("static", 0.0))]
+    cost = ", ".join(f"{k} {_bytes(v)}" for k, v in parts if v > 0)
+    cost = f" (predicted per device: {cost})" if cost else ""
     title, doc = _zero_doc(plan)
     return T.APPLY_FSDP.substitute(
         zero_title=title, zero_doc=doc, fsdp_cost=cost, policies=policies, block_loop=loop,
@@ -297,6 +301,22 @@ def _ep_sections(plan: Plan) -> list[str]:
             T.EXPERT_PARALLEL.substitute(ep=plan.degree("ep"), table=table, a2a=a2a)]
 
 
+def _comm_text(b: dict[str, float]) -> str:
+    """'predicted communication per step: collectives 3 ms, parameters 2 ms; 1 ms
+    exposed' from a plan's breakdown (activation collectives and resharding, ZeRO
+    parameter traffic), with the parts it has ('' with none)."""
+    parts = [(name, b.get(key) or 0.0) for name, key in (
+        ("collectives", "comm_s"), ("parameters", "param_comm_s"))]
+    parts = [(name, s) for name, s in parts if s > 0]
+    exposed = b.get("exposed_comm_s", 0.0)
+    if not parts:
+        return f"predicted exposed communication {_seconds(exposed)} per step" \
+            if exposed > 0 else ""
+    return ("predicted communication per step: "
+            + ", ".join(f"{name} {_seconds(s)}" for name, s in parts)
+            + (f"; {_seconds(exposed)} exposed" if exposed > 0 else "; all hidden"))
+
+
 def _mesh_section(plan: Plan) -> tuple[str, str]:
     """``build_mesh`` and the expression of the mesh FSDP runs on ('' without FSDP):
     ``data_mesh(mesh)`` with context parallelism (dp and cp flattened)."""
@@ -306,8 +326,7 @@ def _mesh_section(plan: Plan) -> tuple[str, str]:
     mid_names: tuple[str, ...] = ("cp",) if cp > 1 else ()
     b = plan.breakdown
     comment = (f"{f'pp={pp} x ' if pp > 1 else ''}dp={dp} x {f'cp={cp} x ' if cp > 1 else ''}"
-               f"tp={tp}; predicted communication {_seconds(b.get('comm_s', 0.0))} "
-               f"per step, {_seconds(b.get('exposed_comm_s', 0.0))} of it exposed")
+               f"tp={tp}" + (f"\n    # {_comm_text(b)}" if _comm_text(b) else ""))
     if dp * cp > 1 and plan.zero == 0:
         shape, names = (dp, *mid, 1, tp), ("dp", *mid_names, "dp_shard", "tp")
         fsdp = 'mesh["dp", "dp_shard"]'
@@ -577,7 +596,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     sections += [T.CHECKPOINT.substitute(state_modules=state_modules, mesh=mesh_literal,
                                          model=plan.model),
                  T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, build=build,
-                                   step_args=step_args)]
+                                   step_args=step_args, synthetic_what=what)]
     body = "\n\n\n".join(sections)
     constants = T.CONSTANTS.substitute(
         model_file=model_file if model_file is not None else path, factory=factory,

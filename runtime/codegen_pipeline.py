@@ -68,7 +68,7 @@ def _constants(plan: Plan, tied: list[list[tuple[int, str]]]) -> str:
     lines.append(f"PP = {plan.degree('pp')}  # pipeline ranks")
     bubble = plan.pipeline.bubble_fraction
     if bubble > 0:
-        lines[-1] += f"; predicted bubble {bubble:.1%} of a step"
+        lines[-1] += f"; ranks predicted idle {bubble:.1%} of a step on average"
     if tied:
         lines.append("TIED = [  # a parameter several stages use: (stage, name) of each copy")
         lines += ["    [" + ", ".join(f'({i}, "{n}")' for i, n in group) + "],"

@@ -53,6 +53,12 @@ $throughput samples/s, MFU $mfu. Needs torch alone. Run with
     torchrun --nproc-per-node $world $program --steps 10 [--data BATCH.pt] [--save DIR]
 
 (one process per device; $cuda_note).
+
+Without --data each step trains on a fresh synthetic batch, whose loss shows that
+training runs, not that the model learns. The model starts on meta, each rank
+initializing its own shards with the modules' reset_parameters(), unless it has an
+initialization of its own (_init_weights, init_weights): it is then built on the CPU as
+one process builds it (--build).
 """''')
 """The module docstring."""
 
@@ -78,26 +84,42 @@ def call_factory() -> nn.Module:
 
 ''' + inspect.getsource(_materialize.without_reset_parameters) + '''
 
-def build_model(seed: int) -> tuple[nn.Module, bool]:
-    """The user's model and whether it is on the meta device. It starts on meta (no
-    memory; materialize() initializes only this rank's shards after layout) when every
-    module that owns tensors has reset_parameters(); else it is built on the CPU under
-    ``seed``, alike on every rank and as one process builds it, and laid out from those
-    weights."""
+''' + inspect.getsource(_materialize.custom_initialization) + '''
+
+def build_model(seed: int, build: str) -> tuple[nn.Module, bool]:
+    """The user's model and whether it is on the meta device (``build``: --build).
+
+    "auto": it starts on meta (no memory; materialize() gives this rank's shards only
+    each module's reset_parameters() initialization, after layout) when every module
+    that owns tensors has reset_parameters() and none has an initialization of its own
+    (_init_weights, init_weights), which a meta start would not run; else as "cpu".
+    "cpu": built on the CPU under ``seed`` as one process builds it, its own
+    initialization included (a full copy on every rank), and laid out from those
+    weights. "meta": on meta whatever its initialization."""
     with torch.device("meta"):
         model = call_factory()
+    if build == "meta":
+        return model, True
+    why = "--build cpu" if build == "cpu" else None
     missing = without_reset_parameters(model)
-    if missing is None:
+    if why is None and missing is not None:
+        why = (f"module {missing} owns tensors but has no reset_parameters(), which would "
+               "let it start on meta without a full copy on every rank")
+    own = custom_initialization(model) if why is None else None
+    if own is not None:
+        why = (f"module {own}, which a meta start would replace by reset_parameters() "
+               "(--build meta starts on meta anyway)")
+    if why is None:
         return model, True
     if dist.get_rank() == 0:
-        print(f"building the model on the CPU, not on meta: module {missing} owns tensors "
-              "but has no reset_parameters(), which would let it start on meta without a "
-              "full copy on every rank", flush=True)
+        print(f"building the model on the CPU, not on meta: {why}", flush=True)
     torch.manual_seed(seed)
     return call_factory(), False''')
 """Import the user's factory by file path and build the model: on ``meta`` when the
-runtime's own check (:func:`autopar.runtime.materialize.without_reset_parameters`, copied
-in) finds every module able to initialize itself there, else on the CPU."""
+runtime's own checks (:func:`autopar.runtime.materialize.without_reset_parameters`,
+:func:`~autopar.runtime.materialize.custom_initialization`, copied in) find every module
+able to initialize itself there and no initialization of the model's own, else on the
+CPU (``--build`` chooses)."""
 
 CONTEXT_PARALLEL = Template('''\
 class LoweringError(RuntimeError):
@@ -202,7 +224,7 @@ $body''')
 APPLY_FSDP = Template('''\
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh$expert_arg) -> None:
     """$zero_title: fully_shard per $units, then on the root.
-    $zero_doc (predicted per device: $fsdp_cost)."""
+    $zero_doc$fsdp_cost."""
 $policies$expert_loop$block_loop    # the root's parameters (embeddings, head) are needed again first in backward
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False$kwargs)''')
 """FSDP2 per block and on the root with the plan's ZeRO, precision and offload."""
@@ -270,31 +292,39 @@ NUM_CLASSES = $num_classes  # synthetic token ids and targets are drawn below th
 PREDICTED_STEP_S = $step_s$extra''')
 """The plan's values the program reads at run time."""
 
-MATERIALIZE = Template(inspect.getsource(_materialize.tied_aliases) + "\n\n"
-                       + inspect.getsource(_materialize.materialize))
-"""``to_empty`` + ``reset_parameters`` of a laid-out meta model: the runtime's own
-functions (:mod:`autopar.runtime.materialize`), copied into the program."""
+MATERIALIZE = Template("\n\n".join(inspect.getsource(f) for f in (
+    _materialize.tied_aliases, _materialize.full_size_init, _materialize.materialize)))
+"""``to_empty`` + ``reset_parameters`` of a laid-out meta model (at full size on a CPU):
+the runtime's own functions (:mod:`autopar.runtime.materialize`), copied into the
+program."""
 
 PARTIAL_GRADS = Template(inspect.getsource(_tp.reduce_partial_gradients))
 """Only without FSDP under tensor parallelism: the runtime's own function
 (:func:`autopar.runtime.tensor_parallel.reduce_partial_gradients`), copied."""
 
 DATA = Template('''\
-def load_batch(path: str | None, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """One global batch, the same on every rank: the dict {"inputs", "targets"} saved
-    with torch.save at ``path``, or synthetic $synthetic_what."""
-    if path:
-        data = torch.load(path)
-        inputs = data["inputs"]
-        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), data["targets"]
-    g = torch.Generator().manual_seed(seed)
+def load_batch(path: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The global batch saved at ``path``, the dict {"inputs", "targets"} of torch.save:
+    every step trains on it, on every rank."""
+    data = torch.load(path)
+    inputs = data["inputs"]
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), data["targets"]
+
+
+def synthetic_batch(seed: int, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """A fresh global batch of synthetic $synthetic_what and random targets for ``step``,
+    from a generator seeded by ``seed`` and ``step``: the same on every rank, and after a
+    resume. Random targets cannot be learned: the loss shows that training runs, not that
+    the model learns (pass --data for that)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     shape = (GLOBAL_BATCH,) + INPUT_SHAPE
     if INPUT_IS_TOKENS:
         x = torch.randint(0, NUM_CLASSES, shape, generator=g)
         return (x,), torch.randint(0, NUM_CLASSES, shape, generator=g)
     x = torch.randn(shape, generator=g)
     return (x,), torch.randint(0, NUM_CLASSES, shape[:-1], generator=g)''')
-"""The training data: a saved global batch or synthetic data of the planned shape."""
+"""The training data: a saved global batch, or a fresh synthetic one of the planned shape
+each step."""
 
 LOSS = Template('''\
 def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -396,7 +426,7 @@ def load_checkpoint(path: str, model: nn.Module, names: tuple[dict[str, str], fr
 
 BUILD = Template('''\
     mesh = build_mesh(device_type)
-    model, on_meta = build_model(args.seed)
+    model, on_meta = build_model(args.seed, args.build)
     names = state_names(model)  # the plain model's tensor names, for checkpoints
     if not on_meta:
         model.to(device)  # laid out from its own weights
@@ -415,7 +445,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=$lr)
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="$optimizer")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data", help="torch.save'd dict with one global batch")
+    ap.add_argument("--data", help="a torch.save'd dict {inputs, targets}: one global batch "
+                    "to train on every step (default: a fresh synthetic batch each step)")
+    ap.add_argument("--build", choices=["auto", "meta", "cpu"], default="auto",
+                    help="where the model is built: meta (each rank initializes only its "
+                         "shards, by reset_parameters()), cpu (a full copy on each rank, the "
+                         "model's own initialization) or auto (meta unless the model needs "
+                         "cpu for its initialization; default)")
     ap.add_argument("--save", metavar="DIR", help="checkpoint after the last step")
     ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint")
     return ap.parse_args()
@@ -437,11 +473,17 @@ $build    if args.optimizer == "adamw":
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     first = load_checkpoint(args.load, model, names, optimizer) if args.load else 0
-    inputs, targets = load_batch(args.data, args.seed)
-    # copied to the device once: a pageable copy inside the step would stall the host
-    # until the device has run everything queued before it
-    inputs, targets = tuple(x.to(device) for x in inputs), targets.to(device)
+    saved = load_batch(args.data) if args.data else None
+    if dist.get_rank() == 0:
+        print(f"data: the batch in {args.data}, every step" if saved else
+              "data: a fresh synthetic batch each step ($synthetic_what and random targets, "
+              "seeded by --seed and the step, alike on every rank): the loss shows that "
+              "training runs, not that it learns; pass --data BATCH.pt", flush=True)
     for step in range(first + 1, first + args.steps + 1):
+        inputs, targets = saved or synthetic_batch(args.seed, step)
+        # copied before the timed step: a pageable copy inside it would stall the host
+        # until the device has run everything queued before it
+        inputs, targets = tuple(x.to(device) for x in inputs), targets.to(device)
         start = time.perf_counter()
         loss = train_step($step_args)
         optimizer.step()

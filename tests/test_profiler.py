@@ -3,6 +3,7 @@ resume, collectives."""
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import replace
 from importlib import resources
@@ -14,14 +15,15 @@ import pytest
 import torch
 
 from autopar.cost_models.comm import ring_shape
-from autopar.cost_models.hardware import load_profile
+from autopar.cost_models.hardware import CPU_PROFILE_NOTE, load_profile
 from autopar.cost_models.profiling.cpu import SIZES, per_process_entry
 from autopar.cost_models.profiling.fit import fit_alpha_beta, fit_table, ring_link
 from autopar.cost_models.profiling.grid import Grid
 from autopar.cost_models.profiling.host_dispatch import DISPATCH_KEYS
 from autopar.cost_models.profiling.host_wrappers import (DTENSOR_OP_KEYS, HOST_KEYS,
                                                          REDISTRIBUTE_KEYS)
-from autopar.cost_models.profiling.run import load_partial, partial_path, run_profile
+from autopar.cost_models.profiling.run import (load_partial, partial_path, run_profile,
+                                               summary_lines)
 from autopar.errors import PlanFormatError
 from tests.dist_utils import RankPool
 
@@ -111,9 +113,17 @@ def test_fit_table_applies_ring_factor():
 
 def test_tiny_cpu_run_writes_profile(tmp_path: Path, one_thread):
     out = tmp_path / "cpu.profile.json"
+    progress = io.StringIO()
     doc = run_profile(out, grid=replace(TINY, host=True, host_rounds=1),
-                      device=torch.device("cpu"))
+                      device=torch.device("cpu"), stream=progress)
     assert doc is not None and out.exists() and not partial_path(out).exists()
+    said = progress.getvalue().splitlines()  # a line per phase, with the time so far
+    assert said[0].startswith("profile: ") and said[0].endswith(f"; writing {out}")
+    phases = [s for s in said if s.startswith("profile: host overheads: ")]
+    assert len(phases) == 5 and all(s.endswith("s elapsed") for s in phases)
+    assert doc["provenance"]["purpose"] == CPU_PROFILE_NOTE
+    lines = summary_lines(doc)
+    assert lines[0].startswith("device ") and lines[1].startswith("best GEMM fp32 ")
     text = out.read_text()
     assert socket.gethostname() not in text
     d = json.loads(text)

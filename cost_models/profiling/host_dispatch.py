@@ -181,11 +181,16 @@ def optimizer_dispatch(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
     return out
 
 
-def dispatch_overhead(mesh: Any, sync: Callable[[], None]) -> dict[str, float]:
+def dispatch_overhead(mesh: Any, sync: Callable[[], None],
+                      say: Callable[[str], None] | None = None) -> dict[str, float]:
     """Every figure of :data:`DISPATCH_KEYS` on ``mesh``'s device (a mesh of this
-    process alone, for the FSDP2 figure)."""
+    process alone, for the FSDP2 figure); ``say(phase)`` as each phase starts."""
+    say = say or (lambda phase: None)
     dev = torch.device(mesh.device_type)
+    say("dispatch per op")
     out = op_dispatch(dev, sync)
+    say("activation checkpointing per op")
     out.update(checkpoint_dispatch(dev, sync, out["op_pointwise_fwd"]))
+    say("optimizer step per parameter")
     out.update(optimizer_dispatch(mesh, sync))
     return out

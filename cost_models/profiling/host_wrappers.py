@@ -172,34 +172,40 @@ def fsdp_overhead(mesh: Any, sync: Callable[[], None],
     return {"fsdp_param_fwd": fwd / params, "fsdp_param_bwd": bwd / params}
 
 
-def host_overhead(device_type: str, sync: Callable[[], None],
-                  dispatch: bool = False) -> dict[str, float]:
+def host_overhead(device_type: str, sync: Callable[[], None], dispatch: bool = False,
+                  say: Callable[[str], None] | None = None) -> dict[str, float]:
     """Every figure of :data:`HOST_KEYS` and :data:`DTENSOR_OP_KEYS` (:func:`dtensor_overhead`,
     :func:`fsdp_overhead`), non-negative, on a mesh of this process alone; with
     ``dispatch`` also those of
     :data:`~autopar.cost_models.profiling.host_dispatch.DISPATCH_KEYS` (what a GPU profile
     needs: there the host runs beside the device, and the op tables do not see it).
-    On CUDA the FSDP2 figure is taken in bf16, as GPU plans run. Needs an initialized
-    process group: every rank calls it, as the one-process groups are created
-    collectively."""
+    On CUDA the FSDP2 figure is taken in bf16, as GPU plans run. ``say(phase)`` is
+    called as each phase starts (progress for a reader). Needs an initialized process
+    group: every rank calls it, as the one-process groups are created collectively."""
     from torch.distributed.device_mesh import DeviceMesh
 
     group, _ = dist.new_subgroups(group_size=1)
     mesh = DeviceMesh.from_group(group, device_type)
     low = torch.bfloat16 if device_type == "cuda" else None
-    got = {**dtensor_overhead(mesh, sync), **fsdp_overhead(mesh, sync, low)}
+    say = say or (lambda phase: None)
+    say("DTensor modules and redistributions")
+    got = dtensor_overhead(mesh, sync)
+    say("FSDP2 per parameter")
+    got.update(fsdp_overhead(mesh, sync, low))
     if dispatch:
         from autopar.cost_models.profiling.host_dispatch import dispatch_overhead
-        got.update(dispatch_overhead(mesh, sync))
+        got.update(dispatch_overhead(mesh, sync, say))
     return {k: max(0.0, v) for k, v in got.items()}
 
 
-def measure_host(device: torch.device, rounds: int = 1) -> dict[str, float]:
+def measure_host(device: torch.device, rounds: int = 1,
+                 say: Callable[[str], None] | None = None) -> dict[str, float]:
     """:func:`host_overhead` with dispatch figures for ``autopar profile``, in a process
     group of this process alone (created here, over a file store, when none exists):
     each figure the median of ``rounds`` measurements (on one H100 machine three rounds
     of a Linear's backward gave 89, 95 and 123 µs; of selective checkpointing's per-op
-    backward 55, 126 and 167 µs: benchmarks/results/h100_host_figures_repeat.json)."""
+    backward 55, 126 and 167 µs: benchmarks/results/h100_host_figures_repeat.json).
+    ``say(phase)`` is called as each phase of each round starts."""
     import tempfile
 
     own = not dist.is_initialized()
@@ -210,8 +216,12 @@ def measure_host(device: torch.device, rounds: int = 1) -> dict[str, float]:
                                 rank=0, world_size=1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     try:
-        return median_of([host_overhead(device.type, sync, dispatch=True)
-                          for _ in range(max(1, rounds))])
+        n, got = max(1, rounds), []
+        for k in range(n):
+            suffix = f" (round {k + 1} of {n})" if n > 1 else ""
+            tell = (lambda phase, suffix=suffix: say(phase + suffix)) if say else None
+            got.append(host_overhead(device.type, sync, dispatch=True, say=tell))
+        return median_of(got)
     finally:
         if own:
             dist.destroy_process_group()

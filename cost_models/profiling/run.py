@@ -26,6 +26,7 @@ from typing import Any, Callable, TextIO
 
 import torch
 
+from autopar.cost_models.hardware import CPU_PROFILE_NOTE
 from autopar.cost_models.profiling.collectives import init_from_env, measure_collectives
 from autopar.cost_models.profiling.fit import FIT_FORMULA, fit_table
 from autopar.cost_models.profiling.grid import Grid, cpu_grid, gpu_grid
@@ -183,6 +184,8 @@ def run_profile(out: Path, *, quick: bool = False, resume: bool = False,
     if grid is None:
         grid = gpu_grid(quick) if device.type == "cuda" else cpu_grid(quick)
     prov = provenance(device, mode="quick" if quick else "full", world_size=world)
+    if device.type == "cpu":
+        prov["purpose"] = CPU_PROFILE_NOTE
     part = partial_path(out)
     rows: list[dict[str, Any]] = []
     if rank == 0:
@@ -200,6 +203,11 @@ def run_profile(out: Path, *, quick: bool = False, resume: bool = False,
         if rank != 0:
             return None
     tasks = grid.tasks(device)
+    t0 = time.perf_counter()
+    host = f", then host overheads ({grid.host_rounds} x 5 phases)" if grid.host else ""
+    stream.write(f"profile: {prov['device_name']} ({device.type}), "
+                 f"{'quick' if quick else 'full'} grid of {len(tasks)} points{host}; "
+                 f"writing {out}\n")
     done = {(r["table"], r["key"]) for r in rows}
     timer = Timer(device, budget_s=grid.budget_s)
     todo = [t for t in tasks if (t.table, t.key) not in done]
@@ -207,9 +215,11 @@ def run_profile(out: Path, *, quick: bool = False, resume: bool = False,
         return None
     doc = assemble(prov, rows, comm_order + [f"{t.table}/{t.key}" for t in tasks])
     if grid.host:
-        stream.write("profile: host overheads (dispatch, checkpointing, FSDP2, DTensor, "
-                     "optimizer)\n")
-        doc["host_overhead_s"] = measure_host(device, grid.host_rounds)
+        def say(phase: str) -> None:
+            stream.write(f"profile: host overheads: {phase}, "
+                         f"{time.perf_counter() - t0:.0f}s elapsed\n")
+            stream.flush()
+        doc["host_overhead_s"] = measure_host(device, grid.host_rounds, say=say)
     dump(doc, out)
     part.unlink(missing_ok=True)
     return doc
@@ -285,11 +295,43 @@ def main(args: argparse.Namespace | None = None) -> int:
                       time_limit=args.time_limit_s)
     if doc is None:
         return 0 if int(os.environ.get("RANK", "0")) != 0 else 3
-    print(compact_json(doc["summary"]))
+    print(f"profile written to {os.path.abspath(args.out)}")
+    for line in summary_lines(doc):
+        print("  " + line)
     if doc["errors"]:
         print(f"{len(doc['errors'])} points failed; see 'errors' in {args.out}")
-    print(f"profile written to {args.out}")
+    if doc["provenance"].get("device_type") == "cpu":
+        print(f"note: {CPU_PROFILE_NOTE}")
+    print(f"plan with it: autopar plan MODEL --gpu {args.out} [--nodes N --gpus-per-node M]")
     return 0
+
+
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    """The headline figures of a profile (:func:`summarize_tables`), one a line, for a
+    reader: the device, the best GEMM and attention rates, the copy bandwidth and the
+    launch overheads."""
+    prov, s = doc.get("provenance", {}), doc.get("summary", {})
+    lines = [f"device {prov.get('device_name', '?')} ({prov.get('device_type', '?')}), "
+             f"{prov.get('mode', '?')} grid, torch {prov.get('torch', '?')}"]
+    gemm = s.get("gemm_peak_flop_per_s") or {}
+    if gemm:
+        lines.append("best GEMM " + ", ".join(
+            f"{dt} {r['flop_per_s'] / 1e9:,.1f} GFLOP/s at {'x'.join(map(str, r['shape']))}"
+            for dt, r in gemm.items()))
+    att = s.get("attention_peak_flop_per_s") or {}
+    if att:
+        lines.append("best attention " + ", ".join(
+            f"{k} {r['flop_per_s'] / 1e9:,.1f} GFLOP/s" for k, r in att.items()))
+    copy = s.get("copy_bytes_per_s")
+    if copy:
+        lines.append(f"copy {copy['bytes_per_s'] / 1e9:,.2f} GB/s read + write "
+                     f"({copy['bytes']:,.0f} bytes)")
+    launch = s.get("launch_s") or {}
+    if launch:
+        lines.append("launch " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in launch.items()))
+    if doc.get("host_overhead_s"):
+        lines.append(f"host overheads: {len(doc['host_overhead_s'])} figures")
+    return lines
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ Predicted by the plan (h100-sxm, 1 node(s) x 4): 12.5 ms per step, 8.39 MB per d
     torchrun --nproc-per-node 4 train.py --steps 10 [--data BATCH.pt] [--save DIR]
 
 (one process per device; NCCL on GPUs, gloo on CPUs).
+
+Without --data each step trains on a fresh synthetic batch, whose loss shows that
+training runs, not that the model learns. The model starts on meta, each rank
+initializing its own shards with the modules' reset_parameters(), unless it has an
+initialization of its own (_init_weights, init_weights): it is then built on the CPU as
+one process builds it (--build).
 """
 
 import argparse
@@ -18,6 +24,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,28 +93,54 @@ def without_reset_parameters(model: nn.Module) -> str | None:
     return None
 
 
-def build_model(seed: int) -> tuple[nn.Module, bool]:
-    """The user's model and whether it is on the meta device. It starts on meta (no
-    memory; materialize() initializes only this rank's shards after layout) when every
-    module that owns tensors has reset_parameters(); else it is built on the CPU under
-    ``seed``, alike on every rank and as one process builds it, and laid out from those
-    weights."""
+def custom_initialization(model: nn.Module) -> str | None:
+    """The first module, in module order, with an initialization method of its own that
+    :func:`materialize` does not run (``_init_weights`` or ``init_weights``, as
+    nanoGPT, torchtitan and Hugging Face models name theirs), written ``'path' (Class)
+    defines _init_weights()``; None when there is none. A model built on meta starts
+    from its modules' ``reset_parameters()`` instead."""
+    for path, m in model.named_modules():
+        for name in ("_init_weights", "init_weights"):
+            if callable(getattr(m, name, None)):
+                return f"'{path or 'the root module'}' ({type(m).__name__}) defines {name}()"
+    return None
+
+
+def build_model(seed: int, build: str) -> tuple[nn.Module, bool]:
+    """The user's model and whether it is on the meta device (``build``: --build).
+
+    "auto": it starts on meta (no memory; materialize() gives this rank's shards only
+    each module's reset_parameters() initialization, after layout) when every module
+    that owns tensors has reset_parameters() and none has an initialization of its own
+    (_init_weights, init_weights), which a meta start would not run; else as "cpu".
+    "cpu": built on the CPU under ``seed`` as one process builds it, its own
+    initialization included (a full copy on every rank), and laid out from those
+    weights. "meta": on meta whatever its initialization."""
     with torch.device("meta"):
         model = call_factory()
+    if build == "meta":
+        return model, True
+    why = "--build cpu" if build == "cpu" else None
     missing = without_reset_parameters(model)
-    if missing is None:
+    if why is None and missing is not None:
+        why = (f"module {missing} owns tensors but has no reset_parameters(), which would "
+               "let it start on meta without a full copy on every rank")
+    own = custom_initialization(model) if why is None else None
+    if own is not None:
+        why = (f"module {own}, which a meta start would replace by reset_parameters() "
+               "(--build meta starts on meta anyway)")
+    if why is None:
         return model, True
     if dist.get_rank() == 0:
-        print(f"building the model on the CPU, not on meta: module {missing} owns tensors "
-              "but has no reset_parameters(), which would let it start on meta without a "
-              "full copy on every rank", flush=True)
+        print(f"building the model on the CPU, not on meta: {why}", flush=True)
     torch.manual_seed(seed)
     return call_factory(), False
 
 
 def build_mesh(device_type: str) -> DeviceMesh:
     """The device mesh, ranks row-major, tp innermost (a tp group is neighbouring ranks)."""
-    # dp=2 x tp=2; predicted communication 3 ms per step, 1 ms of it exposed
+    # dp=2 x tp=2
+    # predicted communication per step: collectives 3 ms; 1 ms exposed
     return init_device_mesh(device_type, (2, 2), mesh_dim_names=("dp", "tp"))
 
 
@@ -275,6 +308,13 @@ def distribute_io(model: nn.Module, mesh: DeviceMesh) -> None:
     def post(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         return _to_local(output)
 
+    # The output leaves as DTensor.to_local()'s view, and FSDP2 (torch 2.13) warns that
+    # an in-place op on a view its root returns would silently drop its pre-backward
+    # hook. A view made by to_local (a custom autograd Function) cannot be changed in
+    # place at all: autograd raises, so the hook is never lost silently. Silenced for
+    # this model's class alone.
+    warnings.filterwarnings("ignore", category=UserWarning, message=(
+        rf"FSDP2-wrapped module \(FSDP{re.escape(type(model).__name__)}\) returned a view"))
     model.register_forward_pre_hook(pre, with_kwargs=True)
     model.register_forward_hook(post, with_kwargs=True)
 
@@ -385,18 +425,56 @@ def tied_aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]
     return out
 
 
+@contextlib.contextmanager
+def full_size_init(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Inside, every DTensor parameter and buffer of ``model`` is a plain tensor of its
+    full shape on ``device``; on leaving, each rank copies its own slice of it into the
+    DTensor (``distribute_tensor(..., src_data_rank=None)``: no communication) and the
+    DTensors are back. Only where DTensor has no random-number tracker, a CPU mesh
+    (torch 2.13 warns "DTensor random operators may not have complete support on cpu"):
+    a random op on a DTensor there draws each rank's shard from the rank's own
+    generator, so every shard of a parameter would get the same values (rows repeated
+    across tp and dp ranks, units that stay copies of each other as they train). Drawn
+    full size, the weights are the ones one process draws under the same seed. Costs a
+    full copy of the model on each rank while it lasts, as a CPU run can afford."""
+    full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(DTensor) -> (it, full)
+    slots = []
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if isinstance(t, DTensor):
+                    if id(t) not in full:
+                        plain = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        full[id(t)] = (t, nn.Parameter(plain, t.requires_grad)
+                                       if isinstance(t, nn.Parameter) else plain)
+                    slots.append((table, name, t))
+                    table[name] = full[id(t)][1]
+    try:
+        yield
+    finally:
+        for table, name, t in slots:
+            table[name] = t
+    with torch.no_grad():
+        for t, plain in full.values():
+            own = distribute_tensor(plain.detach(), t.device_mesh, t.placements,
+                                    src_data_rank=None)
+            t.to_local().copy_(own.to_local())
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate the local shards of a laid-out meta model on ``device`` and initialize
     them with each module's ``reset_parameters()``, children before parents, so that a
     model's own has the last word over its submodules' defaults. A tied parameter is
     initialized by its first owner in module order and stays tied (``to_empty`` alone
-    would give each module its own copy where no wrapper keeps them as one)."""
+    would give each module its own copy where no wrapper keeps them as one). On a CPU
+    device the initialization runs at full size (:func:`full_size_init`)."""
     ties = tied_aliases(model)
     model.to_empty(device=device)
     for module, name, first, first_name in ties:
         module._parameters[name] = first._parameters[first_name]
     aliases = {(id(module), name) for module, name, _, _ in ties}
-    with torch.no_grad():
+    with torch.no_grad(), (full_size_init(model, device) if device.type == "cpu"
+                           else contextlib.nullcontext()):
         for m in reversed(list(model.modules())):  # every module after its descendants
             reset = getattr(m, "reset_parameters", None)
             own = [name for name, p in m._parameters.items() if p is not None]
@@ -405,14 +483,20 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 
-def load_batch(path: str | None, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """One global batch, the same on every rank: the dict {"inputs", "targets"} saved
-    with torch.save at ``path``, or synthetic token ids."""
-    if path:
-        data = torch.load(path)
-        inputs = data["inputs"]
-        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), data["targets"]
-    g = torch.Generator().manual_seed(seed)
+def load_batch(path: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The global batch saved at ``path``, the dict {"inputs", "targets"} of torch.save:
+    every step trains on it, on every rank."""
+    data = torch.load(path)
+    inputs = data["inputs"]
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), data["targets"]
+
+
+def synthetic_batch(seed: int, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """A fresh global batch of synthetic token ids and random targets for ``step``,
+    from a generator seeded by ``seed`` and ``step``: the same on every rank, and after a
+    resume. Random targets cannot be learned: the loss shows that training runs, not that
+    the model learns (pass --data for that)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     shape = (GLOBAL_BATCH,) + INPUT_SHAPE
     if INPUT_IS_TOKENS:
         x = torch.randint(0, NUM_CLASSES, shape, generator=g)
@@ -727,7 +811,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="sgd")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data", help="torch.save'd dict with one global batch")
+    ap.add_argument("--data", help="a torch.save'd dict {inputs, targets}: one global batch "
+                    "to train on every step (default: a fresh synthetic batch each step)")
+    ap.add_argument("--build", choices=["auto", "meta", "cpu"], default="auto",
+                    help="where the model is built: meta (each rank initializes only its "
+                         "shards, by reset_parameters()), cpu (a full copy on each rank, the "
+                         "model's own initialization) or auto (meta unless the model needs "
+                         "cpu for its initialization; default)")
     ap.add_argument("--save", metavar="DIR", help="checkpoint after the last step")
     ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint")
     return ap.parse_args()
@@ -743,7 +833,7 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     mesh = build_mesh(device_type)
-    model, on_meta = build_model(args.seed)
+    model, on_meta = build_model(args.seed, args.build)
     names = state_names(model)  # the plain model's tensor names, for checkpoints
     if not on_meta:
         model.to(device)  # laid out from its own weights
@@ -760,11 +850,17 @@ def main() -> None:
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     first = load_checkpoint(args.load, model, names, optimizer) if args.load else 0
-    inputs, targets = load_batch(args.data, args.seed)
-    # copied to the device once: a pageable copy inside the step would stall the host
-    # until the device has run everything queued before it
-    inputs, targets = tuple(x.to(device) for x in inputs), targets.to(device)
+    saved = load_batch(args.data) if args.data else None
+    if dist.get_rank() == 0:
+        print(f"data: the batch in {args.data}, every step" if saved else
+              "data: a fresh synthetic batch each step (token ids and random targets, "
+              "seeded by --seed and the step, alike on every rank): the loss shows that "
+              "training runs, not that it learns; pass --data BATCH.pt", flush=True)
     for step in range(first + 1, first + args.steps + 1):
+        inputs, targets = saved or synthetic_batch(args.seed, step)
+        # copied before the timed step: a pageable copy inside it would stall the host
+        # until the device has run everything queued before it
+        inputs, targets = tuple(x.to(device) for x in inputs), targets.to(device)
         start = time.perf_counter()
         loss = train_step(model, mesh, inputs, targets, device)
         optimizer.step()
