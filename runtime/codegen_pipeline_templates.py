@@ -14,6 +14,7 @@ import inspect
 from string import Template
 
 from autopar import capture as _capture
+from autopar.runtime import materialize as _materialize
 from autopar.runtime import pipeline as _pipeline
 from autopar.runtime import pipeline_export as _export
 from autopar.runtime import pipeline_split as _split
@@ -120,12 +121,17 @@ def sync_tied(stages: dict[int, nn.Module], groups: list[dist.ProcessGroup | Non
 """Shared parameters across stages: one copy per stage, gradients summed."""
 
 MATERIALIZE_STAGE = Template('''\
-def materialize_stage(stage: nn.Module, device: torch.device) -> None:
-    """materialize() one pipeline stage, keeping the constants tracing stored on it."""
+def materialize_stage(stage: nn.Module, device: torch.device, root: nn.Module) -> None:
+    """materialize() one pipeline stage, keeping the constants tracing stored on it,
+    then the initialization of the modules of root that enclose it."""
     constants = {name: t for name, t in stage.named_buffers(recurse=False) if not t.is_meta}
     materialize(stage, device)
     for name, t in constants.items():
-        stage.register_buffer(name, t.to(device))''')
+        stage.register_buffer(name, t.to(device))
+    reset_enclosing(root, stage, device)
+
+
+''' + inspect.getsource(_materialize.reset_enclosing).replace("$", "$$"))
 """Materialize only this rank's stages."""
 
 SCHEDULE = Template('''\
@@ -196,7 +202,7 @@ $untie    torch.manual_seed(args.seed)  # every rank initializes alike
             if not on_meta:
                 stage.to(device)  # laid out from its own weights
 $layout            if on_meta:
-                materialize_stage(stage, device)  # only this rank's stages
+                materialize_stage(stage, device, model)  # only this rank's stages
             stages[index] = stage
 $groups    schedule = build_schedule([
         PipelineStage(stage, index, len(STAGE_BLOCKS), device, group=mesh.get_group("pp"))

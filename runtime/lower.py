@@ -228,7 +228,7 @@ def lower_pipeline(model: nn.Module, plan: Plan, device: torch.device, loss_fn: 
             g.module.to(device)
         parallelize_stage(g.module, plan, meshes)
         if meta:
-            materialize_stage(g.module, device)
+            materialize_stage(g.module, device, model)
     groups = tied_process_groups(plan, tied)
     stages = [PipelineStage(g.module, g.index, len(graphs), device, group=meshes.pp.get_group())
               for g in local]

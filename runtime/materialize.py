@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.errors import LoweringError
 
-__all__ = ["is_meta_model", "without_reset_parameters", "custom_initialization",
+__all__ = ["reset_enclosing", "is_meta_model", "without_reset_parameters", "custom_initialization",
            "check_materializable", "tied_aliases", "full_size_init", "materialize",
            "materialize_stage"]
 
@@ -104,7 +104,8 @@ def tied_aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]
 
 
 @contextlib.contextmanager
-def full_size_init(model: nn.Module, device: torch.device) -> Iterator[None]:
+def full_size_init(model: nn.Module, device: torch.device,
+                   keep: bool = False) -> Iterator[None]:
     """Inside, every DTensor parameter and buffer of ``model`` is a plain tensor of its
     full shape on ``device``; on leaving, each rank copies its own slice of it into the
     DTensor (``distribute_tensor(..., src_data_rank=None)``: no communication) and the
@@ -114,7 +115,9 @@ def full_size_init(model: nn.Module, device: torch.device) -> Iterator[None]:
     generator, so every shard of a parameter would get the same values (rows repeated
     across tp and dp ranks, units that stay copies of each other as they train). Drawn
     full size, the weights are the ones one process draws under the same seed. Costs a
-    full copy of the model on each rank while it lasts, as a CPU run can afford."""
+    full copy of the model on each rank while it lasts, as a CPU run can afford. With
+    ``keep`` the full tensors start from the DTensors' values (gathered), for an
+    initialization that touches only some of them."""
     full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(DTensor) -> (it, full)
     slots = []
     for m in model.modules():
@@ -122,7 +125,8 @@ def full_size_init(model: nn.Module, device: torch.device) -> Iterator[None]:
             for name, t in table.items():
                 if isinstance(t, DTensor):
                     if id(t) not in full:
-                        plain = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        plain = t.full_tensor().detach().to(device).clone() if keep \
+                            else torch.empty(t.shape, dtype=t.dtype, device=device)
                         full[id(t)] = (t, nn.Parameter(plain, t.requires_grad)
                                        if isinstance(t, nn.Parameter) else plain)
                     slots.append((table, name, t))
@@ -160,11 +164,39 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                 reset()  # skipped: a module holding only parameters tied to an earlier one
 
 
-def materialize_stage(stage: nn.Module, device: torch.device) -> None:
+def materialize_stage(stage: nn.Module, device: torch.device,
+                      root: nn.Module | None = None) -> None:
     """Materialize one pipeline stage module of a meta model (see
     :mod:`autopar.runtime.pipeline_split`): its unit modules as :func:`materialize`
-    does, keeping the constants that tracing stored on the stage itself."""
+    does, keeping the constants that tracing stored on the stage itself, then the
+    initialization of the modules of ``root`` (the whole model) that enclose them
+    (:func:`reset_enclosing`)."""
     constants = {name: t for name, t in stage.named_buffers(recurse=False) if not t.is_meta}
     materialize(stage, device)
     for name, t in constants.items():
         stage.register_buffer(name, t.to(device))
+    if root is not None:
+        reset_enclosing(root, stage, device)
+
+
+def reset_enclosing(root: nn.Module, stage: nn.Module, device: torch.device) -> None:
+    """Run ``reset_parameters()`` of each module of ``root`` that encloses a module of
+    ``stage`` without being in it (the model itself, mostly), deepest first, once the
+    stage is materialized: a model whose own initialization overrides its submodules'
+    defaults (GPT-2's std-0.02 embeddings over nn.Embedding's N(0, 1)) keeps it on
+    every stage, as :func:`materialize` gives it the last word. Its parameters on
+    other stages are still on ``meta``, where the initialization does nothing; one
+    that cannot run on a part of the model is skipped with a warning."""
+    inside = {id(m) for m in stage.modules()}
+    enclosing = [m for m in root.modules() if id(m) not in inside
+                 and callable(getattr(m, "reset_parameters", None))
+                 and any(id(c) in inside for c in m.modules())]
+    with torch.no_grad(), (full_size_init(stage, device, keep=True) if device.type == "cpu"
+                           else contextlib.nullcontext()):
+        for m in reversed(enclosing):
+            try:
+                m.reset_parameters()
+            except (RuntimeError, NotImplementedError) as e:
+                warnings.warn(f"{type(m).__name__}.reset_parameters() could not run on one "
+                              f"pipeline stage ({e}); the stage keeps its modules' own "
+                              "initialization", stacklevel=2)

@@ -88,3 +88,29 @@ def test_a_model_with_its_own_initialization_is_warned_on_meta() -> None:
     with torch.device("meta"):
         plain = GPT(CONFIG)
     assert custom_initialization(plain) is None
+
+
+def pipelined_embeddings() -> dict[str, float]:
+    """On each rank of pp2: the std of the embedding and head weights of its stage,
+    a meta GPT materialized stage by stage."""
+    from tests.handmade_plans import pipeline_plan
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4))
+    pm = apply_plan(model, pipeline_plan(model, pp=2),
+                    example_inputs=torch.zeros(1, 16, dtype=torch.long))
+    modules, _ = pm.state_modules()
+    return {n: float(p.detach().std()) for m in modules for n, p in m.named_parameters()
+            if n.endswith(("emb.weight", "head.weight"))}
+
+
+@pytest.mark.multirank
+def test_each_pipeline_stage_keeps_the_models_own_initialization(rank_pool: RankPool) -> None:
+    """GPT.reset_parameters() draws its embeddings with std 0.02 over nn.Embedding's
+    N(0, 1); a stage materialized apart from the model runs it too (the tied head on
+    the last stage is a copy of the embedding)."""
+    stds = {n: s for r in rank_pool.run(2, pipelined_embeddings) for n, s in r.items()}
+    assert set(stds) == {"tok_emb.weight", "pos_emb.weight", "head.weight"}
+    for name, std in stds.items():
+        assert 0.015 < std < 0.025, (name, std)
