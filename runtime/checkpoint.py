@@ -110,7 +110,8 @@ class Checkpointer:
     from the last complete one, for jobs that restart after a fault::
 
         ckpt = autopar.Checkpointer("ckpt", pm, opt, every=100, keep=3)
-        first = ckpt.resume()            # 0, or the step of the last checkpoint
+        resumed = ckpt.resume()          # None, or what the last checkpoint held
+        first = resumed.step if resumed is not None else 0
         for step in range(first + 1, steps + 1):
             pm.step(x, y); opt.step(); opt.zero_grad()
             ckpt.step(step)              # saves every 100 steps

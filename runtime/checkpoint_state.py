@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 __all__ = ["state_names", "canonical_tensors", "optimizer_record", "checkpoint_record", "init_optimizer_state",
            "flat_state", "read_commit", "commit", "save_state", "load_state",
@@ -125,18 +125,36 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _chunkable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or, for a DTensor split piecewise (``_StridedShard``: a fused projection's
+    pieces each split over the ranks, whose local rows DCP would take for one
+    contiguous chunk and find overlapping), a copy replicated along those mesh axes."""
+    if isinstance(t, DTensor) and any(type(p).__name__ == "_StridedShard"
+                                      for p in t.placements):
+        return t.redistribute(placements=[Replicate() if type(p).__name__ == "_StridedShard"
+                                          else p for p in t.placements])
+    return t
+
+
 def flat_state(tensors: Mapping[str, Sequence[torch.Tensor]],
-               optimizer: torch.optim.Optimizer | None, rank: int) -> dict[str, torch.Tensor]:
+               optimizer: torch.optim.Optimizer | None, rank: int,
+               originals: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """DCP's flat state dict: ``model.<name>`` for each tensor, ``optim.<name>.<key>``
     for each tensor of its optimizer state, ``rng.<rank>.cpu`` (and ``.cuda``) for this
-    rank's random generators."""
+    rank's random generators. A tensor DCP cannot chunk is replaced by a copy
+    (:func:`_chunkable`), and ``originals`` (if given) maps its key to the tensor."""
     state: dict[str, torch.Tensor] = {}
+    found: dict[str, torch.Tensor] = {}
     for name, held in tensors.items():
-        state[f"model.{name}"] = held[0].detach()
+        found[f"model.{name}"] = held[0].detach()
         own = optimizer.state.get(held[0], {}) if optimizer is not None else {}
         for key, value in own.items():
             if isinstance(value, torch.Tensor):
-                state[f"optim.{name}.{key}"] = value
+                found[f"optim.{name}.{key}"] = value
+    for key, t in found.items():
+        state[key] = _chunkable(t)
+        if originals is not None and state[key] is not t:
+            originals[key] = t
     state[f"rng.{rank}.cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state[f"rng.{rank}.cuda"] = torch.cuda.get_rng_state()
@@ -148,7 +166,10 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     ``dst``'s placements)."""
     with torch.no_grad():
         if isinstance(src, DTensor) and isinstance(dst, DTensor):
-            if (src.device_mesh, src.placements) != (dst.device_mesh, dst.placements):
+            if any(type(p).__name__ == "_StridedShard" for p in dst.placements):
+                src = distribute_tensor(src.full_tensor(), dst.device_mesh, dst.placements,
+                                        src_data_rank=None)  # each rank cuts its pieces
+            elif (src.device_mesh, src.placements) != (dst.device_mesh, dst.placements):
                 src = src.redistribute(dst.device_mesh, dst.placements)
             dst.to_local().copy_(src.to_local())
         else:
@@ -238,12 +259,16 @@ def load_state(path: str | os.PathLike, tensors: Mapping[str, Sequence[torch.Ten
     if optimizer is not None and has_optim:
         init_optimizer_state(optimizer)
     rank = dist.get_rank()
-    state = flat_state(tensors, optimizer if has_optim else None, rank)
+    originals: dict[str, torch.Tensor] = {}
+    state = flat_state(tensors, optimizer if has_optim else None, rank, originals)
     rng = {k: state.pop(k) for k in list(state) if k.startswith("rng.")}
     state.update({k: v.clone() for k, v in rng.items() if k in saved})
     _check_shapes(state, saved, folder)
     state = {k: v for k, v in state.items() if k in saved}
     dcp.load(state, checkpoint_id=str(folder))
+    for key, t in originals.items():  # loaded into a chunkable copy: back into place
+        if key in state:
+            _copy_into(t, state[key])
     for name, held in tensors.items():  # a rank's later copies of a tied weight
         for t in held[1:]:
             _copy_into(t.detach(), held[0].detach())

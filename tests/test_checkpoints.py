@@ -263,3 +263,55 @@ def test_a_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path: Path)
     from autopar.runtime.checkpoint_state import committed_steps
 
     assert committed_steps(tmp_path / "ckpt") == [9, 10]  # keep=2
+
+
+def _nano() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return foreign_models.NanoGPT(vocab_size=128, block_size=16).double()
+
+
+def _nano_train(text: str, folder: str, load: bool) -> list[float]:
+    """3 AdamW steps of nanoGPT (its own loss) under the plan; save after, or load first."""
+    x, y = foreign_models.example_batch()
+    pm = autopar.parallelize(_nano(), plan=Plan.from_json(text),
+                             loss_fn=foreign_models.lm_loss)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    if load:
+        autopar.load(folder, pm, opt)
+    losses = []
+    for _ in range(STEPS):
+        losses.append(float(pm.step(x, y)))
+        opt.step()
+        opt.zero_grad()
+    if not load:
+        autopar.save(folder, pm, opt, step=STEPS)
+    return losses
+
+
+@pytest.mark.multirank
+def test_a_fused_projection_split_piecewise_saves_and_loads(rank_pool: RankPool,
+                                                            tmp_path: Path) -> None:
+    """nanoGPT's fused c_attn split as Megatron does (S(0)/3, DTensor's _StridedShard,
+    whose local rows DCP cannot chunk) under tp4, saved and loaded under dp4: the
+    losses continue one process's to 1e-6."""
+    x, y = foreign_models.example_batch()
+    model = _nano()
+    budget = 2.0 * 8 * sum(p.numel() for p in model.parameters())  # splits the weights
+    cpu = dict(cluster=autopar.Cluster(gpu="cpu", gpus_per_node=4), example_targets=y,
+               loss_fn=foreign_models.lm_loss, precision="fp32")
+    fused = autopar.plan(model, (x,), memory_budget=budget, dp=1, tp=4, **cpu)
+    assert fused.params["h.0.attn.c_attn.weight"][-1] == "S(0)/3"
+    plain = autopar.plan(model, (x,), dp=4, tp=1, **cpu)
+    ref, opt = _nano(), None
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    want = []
+    for _ in range(2 * STEPS):
+        loss = foreign_models.lm_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    folder = str(tmp_path / "ckpt")
+    got = rank_pool.run(4, _nano_train, fused.to_json(), folder, False)[0]
+    got += rank_pool.run(4, _nano_train, plain.to_json(), folder, True)[0]
+    assert got == pytest.approx(want, abs=TOL)
