@@ -308,10 +308,11 @@ def warn_other_torch(doc: dict, origin: str) -> None:
     measured = prov.get("torch")
     if not isinstance(measured, str) or _release(measured) == _release(torch.__version__):
         return
+    # attributed to this module's one call, so Python shows it once a process
     warnings.warn(f"hardware profile {origin} was measured with torch {measured}, and this "
                   f"is torch {torch.__version__}: kernel times may differ between releases, "
                   f"so the plan's predicted times may be off; re-run `autopar profile` under "
-                  f"this torch to measure it again", stacklevel=4)
+                  f"this torch to measure it again", stacklevel=2)
 
 
 def _json_object(text: str, origin: str) -> dict:
