@@ -388,7 +388,8 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
     hw = replace(base, name=f"{base.name} (measured: {origin})",
                  device_name=str(prov.get("device_name", base.device_name)),
                  matmul_flops=flops, matmul_efficiency=eff, tables=tables,
-                 provenance={**prov, "base_profile": base.name})
+                 provenance={**prov, "base_profile": base.name},
+                 accuracy={})  # the base's checks were of its figures, not these
     copy = summary.get("copy_bytes_per_s")
     if isinstance(copy, dict) and copy.get("bytes_per_s") is not None:
         hw = replace(hw, memory_bandwidth=_rate(copy["bytes_per_s"], origin,
@@ -577,6 +578,9 @@ def _accuracy(data: dict, origin: str) -> dict[str, Any]:
 
 def accuracy_text(name: str, accuracy: dict[str, Any]) -> str:
     """One line on how far to trust a plan's figures on profile ``name``."""
+    if not accuracy and "(measured:" in name:
+        return (f"profile {name}: kernel rates measured on its GPU, never checked against "
+                "whole training steps there")
     if not accuracy:
         return (f"profile {name} was never checked against runs on its GPU: its figures "
                 "are datasheet and first-principles estimates")
@@ -597,7 +601,9 @@ def _derived(data: dict, origin: str, seen: tuple[str, ...] = ()) -> dict:
     over it: a field replaces the base's, except a table (no ``value`` of its own:
     ``matmul_efficiency``, a link) whose entries replace the base's one by one; a field
     set to ``null`` is dropped (``"tables": null``: not the base's measurements). The
-    ``tables`` file of a base is read from the shipped folder."""
+    ``tables`` file of a base is read from the shipped folder. A profile with tables of
+    its own (``autopar profile`` writes them) does not take the base's ``accuracy``:
+    those checks were of the base's figures."""
     base = data.get("base")
     if base is None:
         return data
@@ -616,6 +622,8 @@ def _derived(data: dict, origin: str, seen: tuple[str, ...] = ()) -> dict:
             out[k] = {**out[k], **v}
         else:
             out[k] = v
+    if data.get("tables") is not None and "accuracy" not in data:
+        out.pop("accuracy", None)  # the base's checks were of its figures, not these
     ref = out.get("tables")
     if "tables" not in data and isinstance(ref, dict) and isinstance(ref.get("file"), str):
         out["tables"] = {**ref, "file": str(Path(str(_shipped_folder())) / ref["file"])}

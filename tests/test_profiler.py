@@ -212,3 +212,20 @@ def test_host_figures_are_the_median_of_their_rounds(monkeypatch) -> None:
     monkeypatch.setattr(host_wrappers, "host_overhead", lambda *a, **k: next(rounds))
     got = host_wrappers.measure_host(torch.device("cpu"), rounds=3)
     assert got == {"a": 2.0, "b": 8.0}
+
+
+def test_a_measured_profile_does_not_claim_its_bases_accuracy() -> None:
+    """The shipped h100-sxm profile carries how its figures were checked on runs; a
+    file `autopar profile` measured is completed from it but was never checked so."""
+    import warnings
+
+    from autopar.cost_models.hardware import accuracy_text, load_profile
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks/results/h100_quick_profile.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # measured under another torch release
+        measured = load_profile(str(path))
+    assert load_profile("h100-sxm").accuracy and measured.accuracy == {}
+    assert accuracy_text(measured.name, measured.accuracy).endswith(
+        "(measured: " + str(path) + "): kernel rates measured on its GPU, never checked "
+        "against whole training steps there")
