@@ -303,22 +303,29 @@ def _check_spec(option: str, spec: str | None, what: str) -> None:
 
 
 def _progress_line(stream) -> Callable[[int, int, float | None], None] | None:
-    """A progress callback for the search that rewrites one line of ``stream`` (a
-    terminal only: logs get no progress noise)."""
+    """A progress callback for the search that rewrites one line of ``stream``: the
+    configurations scored, the best step so far, the time spent and an estimate of
+    the time left (from the mean time per configuration so far). Shown once the search
+    has run a second, and on a terminal only: logs get no progress noise. (One line of
+    our own rather than rich or tqdm: it needs no dependency.)"""
     if not stream.isatty():
         return None
     from autopar.summary import fmt_time
 
+    start = time.perf_counter()
     last = [0.0]
 
     def show(done: int, total: int, best: float | None) -> None:
         now = time.perf_counter()
-        if now - last[0] < 0.1 and done < total:  # ten updates a second are plenty
+        if now - start < 1.0 or (now - last[0] < 0.1 and done < total):  # 10 a second
             return
         last[0] = now
+        spent = now - start
+        left = spent / done * (total - done) if done else None
         text = f"searching: {done}/{total} configurations" + (
-            f", best {fmt_time(best)} per step" if best is not None else "")
-        stream.write("\r" + text.ljust(60))
+            f", best {fmt_time(best)} per step" if best is not None else "") + \
+            f", {spent:.0f} s" + (f", about {left:.0f} s left" if left is not None else "")
+        stream.write("\r" + text.ljust(79))
         stream.flush()
 
     return show

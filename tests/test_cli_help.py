@@ -59,3 +59,26 @@ def test_every_option_shows_its_default():
                    if a.option_strings and a.dest != "help" and not a.required
                    and "default" not in (a.help or "")]
         assert missing == [], (name, missing)
+
+
+def test_search_progress_shows_time_left_on_a_terminal_only(monkeypatch) -> None:
+    """The search's progress line appears after a second, on a terminal only, with the
+    time spent and an estimate of the time left."""
+    import io
+
+    from autopar import cli
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert cli._progress_line(io.StringIO()) is None  # a log or a pipe: no progress
+    clock = iter([100.0, 100.5, 102.0])
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(clock))
+    out = Tty()
+    show = cli._progress_line(out)
+    show(1, 10, None)  # at 0.5 s: too early to show
+    assert out.getvalue() == ""
+    show(4, 10, 0.0125)  # at 2 s: 0.5 s a configuration, 6 to go
+    assert out.getvalue().strip() == ("searching: 4/10 configurations, best 12.50 ms per "
+                                      "step, 2 s, about 3 s left")
