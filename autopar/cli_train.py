@@ -43,7 +43,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                        "and train it, each rank reading its own shard of the data, logging "
                        "loss, tokens/s, MFU and memory per step, checkpointing every k steps.")
     p.add_argument("model", nargs="?", default=d.model,
-                   help="a zoo name (`autopar models`) or path/to/file.py:factory")
+                   help="a zoo name (`autopar models`), path/to/file.py:factory, or a "
+                        "Hugging Face causal LM id or folder already on this machine")
     p.add_argument("--steps", type=int, default=d.steps, help="the last step to train")
     p.add_argument("--data", default=d.data,
                    help="'builtin' (small sums as text), a text file (read as bytes), or a "

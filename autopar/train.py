@@ -94,8 +94,10 @@ def build(args: TrainArgs, device: str = "cpu") -> tuple[torch.nn.Module, int, i
     if ":" in args.model and args.model.split(":")[0].endswith(".py"):
         with torch.device(device):
             model, (x,), _ = zoo.load_with_targets(args.model)
-    else:
+    elif args.model in zoo.names():
         model, (x,) = zoo.get(args.model, seq_len=args.seq_len, device=device)
+    else:
+        return _hugging_face(args, device)
     if x.is_floating_point():
         raise ConfigError(f"{args.model} takes features, not tokens: autopar train trains "
                           "language models (token ids in, logits out)")
@@ -105,6 +107,32 @@ def build(args: TrainArgs, device: str = "cpu") -> tuple[torch.nn.Module, int, i
         raise ConfigError(f"{args.model} has no token embedding; autopar train trains "
                           "language models")
     return model, vocab, args.seq_len or int(x.shape[1])
+
+
+def _hugging_face(args: TrainArgs, device: str) -> tuple[torch.nn.Module, int, int]:
+    """A Hugging Face causal language model by id or folder, from files already on
+    this machine (``local_files_only``: no download), with its weights (on ``meta``:
+    its config alone); sequences of ``args.seq_len``, else of up to 128 tokens."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"unknown model {args.model!r}: not a zoo name, a file:factory, or "
+                          "(transformers is not installed) a Hugging Face model") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(args.model, local_files_only=True)
+        if device == "meta":
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(config)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.model,
+                                                                      local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"unknown model {args.model!r}: not a zoo name (`autopar models`), "
+                          f"a path/to/file.py:factory, or a Hugging Face causal language "
+                          f"model on this machine ({str(e).splitlines()[0][:200]})") from None
+    longest = getattr(config, "max_position_embeddings", None) or \
+        getattr(config, "n_positions", None) or 128
+    return model, int(config.vocab_size), args.seq_len or min(int(longest), 128)
 
 
 def _memory_bytes(device: torch.device) -> int:

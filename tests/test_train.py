@@ -85,3 +85,33 @@ def test_train_runs_resumes_and_matches_one_process(tmp_path: Path) -> None:
     assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in logged] == pytest.approx(one_process(6), abs=1e-4)
     assert sorted(p.name for p in Path(ckpt).iterdir()) == ["step-00000003", "step-00000006"]
+
+
+@pytest.mark.multirank
+def test_train_a_hugging_face_model_from_its_folder(tmp_path: Path) -> None:
+    """A model saved with save_pretrained trains from its folder (no download) on 2
+    processes; its losses equal one process's on the same batches."""
+    transformers = pytest.importorskip("transformers")
+    from autopar.capture import first_tensor
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                  n_positions=64)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    cmd = [sys.executable, "-m", "autopar.cli", "train", str(tmp_path / "gpt2"), "--steps",
+           "2", "--nproc-per-node", "2", "--precision", "fp32", "--seq-len", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    logged = [float(v) for v in re.findall(r"^step +\d+ +loss +(\S+)", proc.stdout, re.M)]
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=TrainArgs().lr)
+    tokens, want = load_tokens("builtin", 256), []
+    for step in (1, 2):
+        x, y = shard_batch(tokens, step, TrainArgs().global_batch, 32, 0, 1)
+        loss = default_loss(first_tensor(model(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert logged == pytest.approx(want, abs=1e-4)
