@@ -6,6 +6,7 @@ import contextlib
 import gc
 import math
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
@@ -372,13 +373,16 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     if asked:  # a model that cannot be cut is an error
         _unsplittable_for_pipelining(model, example_inputs, graph, spec.pp)
 
+    # the time limit bounds the search as a whole, a second one without pipelines included
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+
     def run(cands: list) -> SearchResult:
         return search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node,
                       precision=precision, optimizer=optimizer, memory_budget=budget,
                       sequence_parallel=spec.sequence_parallel,
                       recompute=(spec.recompute,) if spec.recompute is not None else None,
-                      offload=spec.offload, time_limit_s=time_limit_s, top_k=top_k,
-                      progress=progress)
+                      offload=spec.offload, top_k=top_k, progress=progress,
+                      deadline=deadline)
 
     try:
         res = run(cands)
@@ -424,7 +428,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                           f"parallelism across nodes or offload) {why}")
     if "gap" in plan.solver:
         plan.notes.append(f"the search stopped at its time limit of {time_limit_s} s; "
-                          f"no plan it did not try can be more than "
+                          f"no plan it did not solve to the end can be more than "
                           f"{plan.solver['gap'] * 100:.1f}% faster")
     return plan, res
 

@@ -228,11 +228,15 @@ def compare(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None
                   loss_fn=loss_fn, precision=precision, optimizer=optimizer,
                   memory_budget=memory_budget, example_targets=example_targets,
                   expert_imbalance=expert_imbalance)
+    # the Spec first: its search is small, and a layout that cannot divide the batch
+    # fails before the full search rather than after it
+    try:
+        hand, missing = estimate(model, example_inputs, spec, **common), None
+    except NoFeasiblePlanError as e:
+        hand, missing = None, e
     planned = plan(model, example_inputs, **common, **space)
     budget = float(planned.solver.get("memory_budget_bytes", memory_budget or math.inf))
-    try:
-        hand = estimate(model, example_inputs, spec, **common)
-    except NoFeasiblePlanError as e:
-        return Comparison(planned, spec, None, budget, error=str(e),
-                          needs_bytes=getattr(e, "least_bytes", None))
+    if missing is not None:
+        return Comparison(planned, spec, None, budget, error=str(missing),
+                          needs_bytes=getattr(missing, "least_bytes", None))
     return Comparison(planned, spec, hand, budget)

@@ -48,6 +48,11 @@ def _release_import_frames() -> None:
 _release_import_frames()
 
 
+class SolverTimeout(Exception):
+    """CBC reached the time limit it was given before it found any assignment (the
+    problem may well fit: it was not solved)."""
+
+
 @dataclass
 class Solution:
     """A solver's answer: one strategy index per node and how it was found."""
@@ -288,8 +293,12 @@ class IntraOpILP:
         status = self.model.solve(solver)
         elapsed = time.perf_counter() - t0
         name = pulp.LpStatus[status]
+        if time_limit_s is not None and name == "Not Solved":
+            raise SolverTimeout(f"the intra-op ILP found no assignment in {time_limit_s:.3g} s")
         if name not in ("Optimal",):
             raise NoFeasiblePlanError(f"the intra-op ILP is {name.lower()}")
+        if time_limit_s is not None and self.model.sol_status != pulp.LpSolutionOptimal:
+            name = "Stopped"  # the time limit cut CBC short: an assignment, not proven best
         choice = [max(range(len(xs)), key=lambda i: xs[i].value() or 0.0) for xs in self.x]
         modes = [max(zs, key=lambda r: zs[r].value() or 0.0) for zs in self.z]
         self.stats_extra = {"recompute_variables": sum(len(w) for w in self.w)}
@@ -374,11 +383,22 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
     extra) cannot beat the best found), and the fastest wins; with many groups, one ILP
     with the mode variables decides.
 
+    ``time_limit_s`` bounds each CBC run: one it cuts short returns its best assignment
+    with ``status`` "Stopped" (not proven optimal), and one that found none raises
+    :class:`SolverTimeout`.
+
     ``bound``: the caller needs only an objective below it. Combinations whose least
     time reaches it are skipped, and when that leaves none, None is returned (the
     problem may well fit: it just cannot beat the bound).
 """
     import itertools
+
+    end = None if time_limit_s is None else time.perf_counter() + time_limit_s
+
+    def left() -> float | None:
+        """The seconds left of ``time_limit_s``, at least 0.05 for CBC to return the
+        assignment it has (None: no limit)."""
+        return None if end is None else max(0.05, end - time.perf_counter())
 
     groups = problem.recompute
     combos = list(itertools.product(*(g.allowed for g in groups)))
@@ -387,22 +407,23 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
             folded = fold_modes(problem, list(combos[0]))
             if _least_time(folded) >= bound:
                 return None
-            sol = IntraOpILP(folded).solve(time_limit_s)
+            sol = IntraOpILP(folded).solve(left())
             sol.modes = list(combos[0])
             return sol
-        return IntraOpILP(problem).solve(time_limit_s)
+        return IntraOpILP(problem).solve(left())
     none = (0,) * len(groups)
     if _recompute_only_adds_time(problem):
         if _least_time(fold_modes(problem, list(none))) >= bound:
             return None
         if least_memory(fold_modes(problem, list(none))) <= problem.memory_budget:
             plain = replace(fold_modes(problem, list(none)), memory_budget=float("inf"))
-            free = IntraOpILP(plain).solve(time_limit_s)
+            free = IntraOpILP(plain).solve(left())
             free.modes = list(none)
             if evaluate(problem, free.choice, free.modes).feasible:
                 return free
     best: Solution | None = None
     beaten = False
+    stopped = False
     for modes in combos:
         folded = fold_modes(problem, list(modes))
         if least_memory(folded) > problem.memory_budget:
@@ -410,17 +431,26 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
         if _least_time(folded) >= min(bound, best.objective_s if best else float("inf")):
             beaten = beaten or best is None
             continue
+        if end is not None and time.perf_counter() >= end:
+            if best is None:
+                raise SolverTimeout(f"no combination of recomputation modes was solved in "
+                                    f"{time_limit_s:.3g} s")
+            stopped = True  # the combinations not solved may hold a faster one
+            break
         try:
-            sol = IntraOpILP(folded).solve(time_limit_s)
+            sol = IntraOpILP(folded).solve(left())
         except NoFeasiblePlanError:
             continue
         sol.modes = list(modes)
         sol.objective_s = evaluate(problem, sol.choice, sol.modes).step_time_s
+        stopped = stopped or sol.status == "Stopped"
         if best is None or sol.objective_s < best.objective_s * (1 - 1e-12):
             best = sol
     if best is None:
         if beaten:
             return None
         raise NoFeasiblePlanError("the intra-op ILP is infeasible")
+    if stopped:  # one combination's ILP was cut short: the best is not proven
+        best.status = "Stopped"
     return best
 

@@ -23,7 +23,7 @@ from autopar.graph import Graph
 from autopar.sharding import Mesh
 from autopar.units_text import fmt_bytes
 from autopar.solvers.bounds import combo_bounds, pipeline_stage_bound, step_bound
-from autopar.solvers.intra_op_ilp import Solution, solve_ilp
+from autopar.solvers.intra_op_ilp import Solution, SolverTimeout, solve_ilp
 from autopar.memory_choices import RECOMPUTE
 from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, in_flight,
                                                  pipeline_problem, refine_modes, solve_pipeline)
@@ -89,6 +89,7 @@ class SearchResult:
     runners_up: list["Scored"] = field(default_factory=list)
     passed_over: list[str] = field(default_factory=list)  # why each earlier tier had none
     step_time_s: float = 0.0  # the best plan's
+    gap_bound_s: float | None = None  # least bound of what a time limit left unproven
 
 
 def divisors(n: int) -> list[int]:
@@ -252,7 +253,8 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
            precision: str, optimizer: str, memory_budget: float,
            sequence_parallel: bool | None = None, recompute: tuple[str, ...] | None = None,
            offload: bool | None = None, time_limit_s: float | None = None, top_k: int = 1,
-           progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
+           progress: Callable[[int, int, float | None], None] | None = None,
+           deadline: float | None = None) -> SearchResult:
     """Solve every candidate and return the fastest feasible plan's pieces, trying the
     lists of :func:`tiers` in turn until one has a plan that fits (``offload=True``:
     only CPU offload; False: never). ``recompute`` limits the recomputation modes
@@ -260,15 +262,24 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
 
     ``top_k`` > 1 also keeps the next fastest plans (:attr:`SearchResult.runners_up`):
     pruning then compares bounds with the k-th best time found, so the runners-up are
-    exact too. ``time_limit_s`` stops the search early with the best plan found and
-    its optimality gap (``solution.stats["gap"]``). ``progress(done, total, best)`` is
-    called after each candidate.
+    exact too; they are the candidates the search solved anyway, kept as it scores them.
+
+    ``time_limit_s`` bounds the whole search, from this call (or ``deadline``, a
+    :func:`time.perf_counter` instant, when given): it is checked between candidates,
+    and each intra-op ILP solved once a plan is in hand gets the time left as CBC's own
+    limit. The search then returns the best plan found with its optimality gap
+    (``solution.stats["gap"]``: 1 − the least lower bound of every candidate not solved
+    to the end, over its step time; :attr:`SearchResult.gap_bound_s` that bound). It
+    runs past the limit only to build the candidates' problems and to find a first plan.
+    ``progress(done, total, best)`` is called after each candidate.
 
     Raises NoFeasiblePlanError when none fits, naming the least memory a plan needs.
     """
+    if deadline is None and time_limit_s is not None:
+        deadline = time.perf_counter() + time_limit_s
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
-              recompute=recompute, time_limit_s=time_limit_s, top_k=top_k, progress=progress)
+              recompute=recompute, deadline=deadline, top_k=top_k, progress=progress)
     failed: NoFeasiblePlanError | None = None
     passed: list[str] = []
     order = tiers(cands, gpus_per_node, offload) or [[]]
@@ -298,16 +309,40 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     if not (recomputes or c.offload):
         return res
     try:
-        other = _search(an, [f for f in following if f.cp > 1], **kw)
+        other = _search(an, [f for f in following if f.cp > 1], **kw, have_plan=True)
     except NoFeasiblePlanError:
         return res
-    if other.step_time_s >= res.step_time_s * (1 - 1e-9):
+    except _OutOfTime as e:  # the time limit left every one of them unsolved
+        _set_gap(res, e.bound_s)
         return res
+    if other.step_time_s >= res.step_time_s * (1 - 1e-9):
+        _set_gap(res, other.gap_bound_s)
+        return res
+    _set_gap(other, res.gap_bound_s)
     other.outcomes = res.outcomes + other.outcomes
     other.passed_over = res.passed_over + [
         f"the fastest plan that fits takes {res.step_time_s:.4g} s ({c.label()}, "
         f"saving memory by {'full recomputation' if recomputes else 'offload'})"]
     return other
+
+
+def _set_gap(res: SearchResult, bound_s: float | None) -> None:
+    """Lower ``res``'s gap bound to ``bound_s`` (None: nothing more left unproven) and
+    state its gap (``solution.stats["gap"]``) when it has one."""
+    if bound_s is None:
+        return
+    res.gap_bound_s = bound_s if res.gap_bound_s is None else min(res.gap_bound_s, bound_s)
+    res.solution.stats["gap"] = max(0.0, 1.0 - res.gap_bound_s / res.step_time_s)
+
+
+class _OutOfTime(Exception):
+    """A search that may return nothing (a plan is already in hand) reached its
+    deadline before it solved a candidate; ``bound_s``: the least lower bound of those
+    it left."""
+
+    def __init__(self, bound_s: float) -> None:
+        super().__init__(f"out of time; no plan left is faster than {bound_s} s")
+        self.bound_s = bound_s
 
 
 @dataclass
@@ -319,14 +354,18 @@ class Scored:
     solution: Solution
     candidate: Candidate
     pipeline: PipelineOutcome | None = None
+    bound_s: float = 0.0  # the candidate's lower bound on its step time
 
 
 def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
             precision: str, optimizer: str, memory_budget: float,
             sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
-            time_limit_s: float | None, top_k: int,
-            progress: Callable[[int, int, float | None], None] | None) -> SearchResult:
-    """:func:`search` over ``cands`` as given."""
+            deadline: float | None, top_k: int,
+            progress: Callable[[int, int, float | None], None] | None,
+            have_plan: bool = False) -> SearchResult:
+    """:func:`search` over ``cands`` as given. ``have_plan``: the caller holds a plan
+    already, so the deadline may stop this search before it finds one (raising
+    :class:`_OutOfTime`)."""
     t0 = time.perf_counter()
     kept: list[Scored] = []  # the top_k fastest so far, fastest first (ties: first found)
     outcomes: list[Outcome] = []
@@ -337,29 +376,56 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     bound = _bounds(an.graph, cands, built_by, memory_budget)
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     solved: dict[tuple, object] = {}
-    gap_bound = None
+    unproven: list[float] = []  # the bounds of candidates a time limit left unsolved
+
+    def out_of_time() -> bool:
+        """Whether the deadline has passed and a plan is in hand (here or the caller's)."""
+        return deadline is not None and bool(kept or have_plan) and \
+            time.perf_counter() > deadline
+
+    def score(k: int, refine: bool) -> Scored | None:
+        """:func:`_score` of candidate ``k``; one whose ILP the time limit cut short
+        leaves its bound in ``unproven``."""
+        c = cands[k]
+        left = None if deadline is None or not kept else deadline - time.perf_counter()
+        try:
+            scored = _score(an, c, built_by[mesh_key(c)], bound[k], _limit(kept, top_k),
+                            solved, outcomes, infeasible, refine=refine, time_limit_s=left)
+        except SolverTimeout:
+            outcomes.append(Outcome(c, None, None, "not solved: the search's time limit"))
+            unproven.append(bound[k])
+            return None
+        if scored is not None:
+            scored.bound_s = bound[k]
+            if scored.solution.status == "Stopped":
+                unproven.append(bound[k])
+        return scored
+
     # a pipelined candidate whose ILP answer fits no stage split searches its modes (many
     # ILPs): that waits until every candidate has been visited once, when the best plan
     # found prunes most of it; it is then visited again, by its bound, with refine
     later: list[int] = []
     for done, k in enumerate(order):
-        if time_limit_s is not None and kept and time.perf_counter() - t0 > time_limit_s:
-            gap_bound = min([bound[k]] + [bound[j] for j in later])
+        if out_of_time():
+            unproven.extend(bound[j] for j in order[done:])
+            unproven.extend(bound[j] for j in later)
+            later = []
             break
-        c = cands[k]
         try:
-            scored = _score(an, c, built_by[mesh_key(c)], bound[k], _limit(kept, top_k),
-                            solved, outcomes, infeasible, refine=False)
+            scored = score(k, refine=False)
         except RefineLater:
             later.append(k)
             continue
         kept = _keep(kept, scored, top_k)
         if progress is not None:
             progress(done + 1, len(order), kept[0].step_time_s if kept else None)
-    else:  # every candidate visited: the deferred searches, in their bounds' order
-        for j in later:
-            kept = _keep(kept, _score(an, cands[j], built_by[mesh_key(cands[j])], bound[j],
-                                      _limit(kept, top_k), solved, outcomes, infeasible), top_k)
+    for i, j in enumerate(later):  # the deferred searches, in their bounds' order
+        if out_of_time():
+            unproven.extend(bound[x] for x in later[i:])
+            break
+        kept = _keep(kept, score(j, refine=True), top_k)
+    if not kept and have_plan and unproven:
+        raise _OutOfTime(min(unproven))
     if not kept:
         err = NoFeasiblePlanError(_no_fit_message(an.graph, infeasible, memory_budget, outcomes,
                                                   recompute))
@@ -369,15 +435,18 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     best = kept[0]
     if best.pipeline is not None:  # the winner's recomputation, chosen with its stage split
         c = best.candidate
-        po = refine_modes(an.graph, best.built, best.pipeline, pp=c.pp, schedule=c.schedule,
-                          virtual_stages=c.virtual_stages) or best.pipeline
-        best = Scored(po.step_time_s, best.built, po.solution, c, po)
+        if out_of_time():  # left as the ILP chose it: a refined one may be faster
+            unproven.append(best.bound_s)
+        else:
+            po = refine_modes(an.graph, best.built, best.pipeline, pp=c.pp,
+                              schedule=c.schedule, virtual_stages=c.virtual_stages) or \
+                best.pipeline
+            best = Scored(po.step_time_s, best.built, po.solution, c, po, best.bound_s)
     res = SearchResult(best.built, best.solution, outcomes, time.perf_counter() - t0,
                        best.candidate, best.pipeline, kept[1:], step_time_s=best.step_time_s)
     res.solution.stats["candidates"] = len(outcomes)
     res.solution.stats["search_s"] = res.time_s
-    if gap_bound is not None:
-        res.solution.stats["gap"] = max(0.0, 1.0 - gap_bound / best.step_time_s)
+    _set_gap(res, min(unproven) if unproven else None)
     return res
 
 
@@ -475,11 +544,14 @@ def _batch_group(c: Candidate) -> tuple:
 
 def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, bound: float,
            limit: float, solved: dict, outcomes: list[Outcome],
-           infeasible: list[tuple[Candidate, Built]], refine: bool = True) -> Scored | None:
+           infeasible: list[tuple[Candidate, Built]], refine: bool = True,
+           time_limit_s: float | None = None) -> Scored | None:
     """Solve candidate ``c`` unless it cannot fit or cannot beat ``limit`` (the time a
     plan must beat to be kept); record its outcome either way. Without ``refine``, a
     pipelined candidate that would search its modes raises RefineLater instead (and
-    records nothing)."""
+    records nothing). ``time_limit_s`` bounds its intra-op ILP without a pipeline
+    (:func:`~autopar.solvers.intra_op_ilp.solve_ilp`: SolverTimeout when it found
+    nothing, records nothing)."""
     def drop(reason: str, fits: bool = True) -> None:
         outcomes.append(Outcome(c, None, None, reason))
         if not fits:
@@ -506,7 +578,7 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
         outcomes.append(Outcome(c, po.step_time_s, po.memory_bytes))
         return Scored(po.step_time_s, built, po.solution, c, po)
     try:
-        sol = solve_ilp(built.problem, bound=limit)
+        sol = solve_ilp(built.problem, time_limit_s=time_limit_s, bound=limit)
     except NoFeasiblePlanError:
         return drop("does not fit in memory", fits=False)
     if sol is None:

@@ -152,3 +152,31 @@ def test_tensor_parallelism_wider_than_a_node_only_when_nothing_else_fits(gpt, f
     free = autopar.plan(model, x, cluster=pairs, global_batch=16, top_k=10_000)
     assert max(m["tp"] for m in [free.mesh] + [r["mesh"] for r in free.runners_up]) == 2
     assert autopar.plan(model, x, cluster=pairs, global_batch=16, tp=4).mesh["tp"] == 4
+
+
+def test_time_limit_bounds_the_whole_search():
+    """A mid-size model whose full search takes several seconds: with a 1 s limit the
+    plan comes back within the limit plus what runs before the search (capture, timed
+    here on its own) and a slack for building the candidates' problems, and its gap
+    covers the proven optimum."""
+    import time
+
+    from autopar.capture import capture
+
+    model, x = zoo.get("gpt-7.5b")
+    cluster = autopar.Cluster("h100-sxm", 4, 8)
+    t0 = time.perf_counter()
+    capture(model, x)
+    captured_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    limited = autopar.plan(model, x, cluster=cluster, global_batch=32, time_limit_s=1.0)
+    wall_s = time.perf_counter() - t0
+    assert wall_s < 1.0 + 2 * captured_s + 2.0, (wall_s, captured_s)
+    full = autopar.plan(model, x, cluster=cluster, global_batch=32)
+    assert "gap" not in full.solver
+    if "gap" in limited.solver:
+        assert limited.solver["candidates"] < full.solver["candidates"]
+        assert full.step_time_s >= limited.step_time_s * (1 - limited.solver["gap"]) * \
+            (1 - 1e-12)
+    else:
+        assert limited.step_time_s == full.step_time_s
