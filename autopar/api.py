@@ -129,26 +129,11 @@ def _join_torchrun_job(collective_timeout_s: float | None = None) -> None:
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         dist.init_process_group(backend, timeout=timeout)
         return
+    from autopar.runtime.checkpoint_state import attempt_store
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank,
+    dist.init_process_group(backend, store=attempt_store(rank, world, timeout), rank=rank,
                             world_size=world, timeout=timeout)
-
-
-def _attempt_store(rank: int, world: int, timeout: Any) -> Any:
-    """torchrun's store, with this attempt's keys apart from earlier attempts'.
-
-    Under ``torchrun --max-restarts``, every attempt's workers meet in the agent's
-    store, which outlives them; with torch's own ``env://`` set-up the restarted
-    group reads the peer addresses the killed attempt left there and gloo fails to
-    connect (torch 2.13, seen here). A prefix per attempt
-    (``TORCHELASTIC_RESTART_COUNT``) keeps each attempt's keys its own."""
-    import torch.distributed as dist
-
-    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else the agent's
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=hosted and rank == 0, timeout=timeout)
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    return dist.PrefixStore(f"autopar/attempt_{attempt}", store)
 
 
 def _batch_of(example_inputs: Any) -> int:

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from autopar.errors import CheckpointError
 from autopar.runtime.checkpoint_state import (canonical_tensors, checkpoint_record, commit,
                                               committed_steps, flat_state, load_state,
-                                              read_commit, save_state)
+                                              prune_checkpoints, read_commit, save_state)
 from autopar.runtime.parallel_model import ParallelModel
 
 __all__ = ["Resumed", "save", "load", "Checkpointer", "to_torch_file", "from_torch_file"]
@@ -185,10 +185,7 @@ class Checkpointer:
         self._prune()
 
     def _prune(self) -> None:
-        if dist.get_rank() == 0:
-            for step in committed_steps(self.root)[:-self.keep]:
-                shutil.rmtree(self.folder(step), ignore_errors=True)
-        dist.barrier()
+        prune_checkpoints(self.root, self.keep)
 
     def close(self) -> None:
         """Commit what is pending and release the background group."""

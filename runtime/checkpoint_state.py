@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 __all__ = ["state_names", "canonical_tensors", "optimizer_record", "checkpoint_record", "init_optimizer_state",
            "flat_state", "read_commit", "commit", "save_state", "load_state",
-           "committed_steps"]
+           "committed_steps", "prune_checkpoints", "attempt_store"]
 
 
 def state_names(model: nn.Module) -> tuple[dict[str, str], frozenset[str]]:
@@ -306,3 +306,27 @@ def committed_steps(root: str | os.PathLike) -> list[int]:
                 (child / "autopar.json").is_file():
             steps.append(int(tail))
     return sorted(steps)
+
+
+def prune_checkpoints(root: str | os.PathLike, keep: int) -> None:
+    """Remove all but the last ``keep`` committed ``step-<n>`` folders under ``root``
+    (rank 0 removes; every rank waits for it)."""
+    if dist.get_rank() == 0:
+        for step in committed_steps(root)[:-keep]:
+            shutil.rmtree(Path(root) / f"step-{step:08d}", ignore_errors=True)
+    dist.barrier()
+
+
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, with this attempt's keys apart from earlier attempts'.
+
+    Under ``torchrun --max-restarts``, every attempt's workers meet in the agent's
+    store, which outlives them; with torch's own ``env://`` set-up a restarted gloo
+    group reads the peer addresses the killed attempt left there and fails to connect
+    (torch 2.13, seen here). A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``)
+    keeps each attempt's keys its own."""
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else the agent's
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=hosted and rank == 0, timeout=timeout)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return dist.PrefixStore(f"autopar/attempt_{attempt}", store)

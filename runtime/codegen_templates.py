@@ -400,7 +400,8 @@ FORWARD_BACKWARD_CP_TP = '''\
 CHECKPOINT = Template("\n\n\n".join(inspect.getsource(f) for f in (
     _ck.state_names, _ck.checkpoint_record, _ck.optimizer_record, _ck.canonical_tensors,
     _ck.init_optimizer_state, _ck._chunkable, _ck.flat_state, _ck._copy_into, _ck.read_commit, _ck.commit,
-    _ck.save_state, _ck._check_shapes, _ck.load_state)).replace("$", "$$") + '''
+    _ck.save_state, _ck._check_shapes, _ck.load_state, _ck.committed_steps,
+    _ck.prune_checkpoints, _ck.attempt_store)).replace("$", "$$") + '''
 
 
 $state_modules
@@ -441,7 +442,9 @@ MAIN = Template('''\
 def parse_args() -> argparse.Namespace:
     """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10,
+                    help="steps to train (with --checkpoint-dir: the last step to reach, so "
+                         "a restarted job stops where the first would have)")
     ap.add_argument("--lr", type=float, default=$lr)
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="$optimizer")
     ap.add_argument("--seed", type=int, default=0)
@@ -454,6 +457,12 @@ def parse_args() -> argparse.Namespace:
                          "cpu for its initialization; default)")
     ap.add_argument("--save", metavar="DIR", help="checkpoint after the last step")
     ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint")
+    ap.add_argument("--checkpoint-dir", metavar="DIR",
+                    help="resume from the last complete DIR/step-<n> (a job torchrun "
+                         "--max-restarts started again goes on) and save there")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                    help="save DIR/step-<n> every K steps, keeping the last 2 (default: 0, "
+                         "never)")
     return ap.parse_args()
 
 
@@ -461,7 +470,13 @@ def main() -> None:
     """Lay the model out as planned, then train."""
     args = parse_args()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # each attempt's keys apart
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = attempt_store(rank, world, datetime.timedelta(minutes=5))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend)
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -472,14 +487,24 @@ $build    if args.optimizer == "adamw":
                                       fused=device_type == "cuda")
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    first = load_checkpoint(args.load, model, names, optimizer) if args.load else 0
+    first, last_step = 0, args.steps
+    done = committed_steps(args.checkpoint_dir) if args.checkpoint_dir else []
+    if done:  # a restarted job, or a later run: go on from the last complete save
+        first = load_checkpoint(f"{args.checkpoint_dir}/step-{done[-1]:08d}", model, names,
+                                optimizer)
+    elif args.load:
+        first = load_checkpoint(args.load, model, names, optimizer)
+    if not args.checkpoint_dir:
+        last_step = first + args.steps
+    if dist.get_rank() == 0 and first:
+        print(f"resumed after step {first}", flush=True)
     saved = load_batch(args.data) if args.data else None
     if dist.get_rank() == 0:
         print(f"data: the batch in {args.data}, every step" if saved else
               "data: a fresh synthetic batch each step ($synthetic_what and random targets, "
               "seeded by --seed and the step, alike on every rank): the loss shows that "
               "training runs, not that it learns; pass --data BATCH.pt", flush=True)
-    for step in range(first + 1, first + args.steps + 1):
+    for step in range(first + 1, last_step + 1):
         inputs, targets = saved or synthetic_batch(args.seed, step)
         # copied before the timed step: a pageable copy inside it would stall the host
         # until the device has run everything queued before it
@@ -495,8 +520,12 @@ $build    if args.optimizer == "adamw":
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss:.8f} time {elapsed * 1e3:.2f} ms "
                   f"(predicted {PREDICTED_STEP_S * 1e3:.2f} ms)", flush=True)
+        if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
+            save_checkpoint(f"{args.checkpoint_dir}/step-{step:08d}", model, names, optimizer,
+                            step)
+            prune_checkpoints(args.checkpoint_dir, 2)
     if args.save:
-        save_checkpoint(args.save, model, names, optimizer, first + args.steps)
+        save_checkpoint(args.save, model, names, optimizer, last_step)
     dist.destroy_process_group()
 
 

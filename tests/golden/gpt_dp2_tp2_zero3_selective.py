@@ -810,6 +810,48 @@ def load_state(path: str | os.PathLike, tensors: Mapping[str, Sequence[torch.Ten
 
 
 
+def committed_steps(root: str | os.PathLike) -> list[int]:
+    """The steps of the committed ``step-<n>`` checkpoint folders under ``root``, in
+    ascending order (half-written folders are not among them)."""
+    folder = Path(root)
+    if not folder.is_dir():
+        return []
+    steps = []
+    for child in folder.iterdir():
+        tail = child.name.removeprefix("step-")
+        if child.name.startswith("step-") and tail.isdigit() and \
+                (child / "autopar.json").is_file():
+            steps.append(int(tail))
+    return sorted(steps)
+
+
+
+def prune_checkpoints(root: str | os.PathLike, keep: int) -> None:
+    """Remove all but the last ``keep`` committed ``step-<n>`` folders under ``root``
+    (rank 0 removes; every rank waits for it)."""
+    if dist.get_rank() == 0:
+        for step in committed_steps(root)[:-keep]:
+            shutil.rmtree(Path(root) / f"step-{step:08d}", ignore_errors=True)
+    dist.barrier()
+
+
+
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, with this attempt's keys apart from earlier attempts'.
+
+    Under ``torchrun --max-restarts``, every attempt's workers meet in the agent's
+    store, which outlives them; with torch's own ``env://`` set-up a restarted gloo
+    group reads the peer addresses the killed attempt left there and fails to connect
+    (torch 2.13, seen here). A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``)
+    keeps each attempt's keys its own."""
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else the agent's
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=hosted and rank == 0, timeout=timeout)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return dist.PrefixStore(f"autopar/attempt_{attempt}", store)
+
+
+
 def state_modules(model: nn.Module) -> tuple[list[nn.Module], set[tuple[int, str]]]:
     """The modules holding this rank's tensors (the whole model), and the later
     copies of tied weights among them (none: one model holds each weight once)."""
@@ -837,7 +879,9 @@ def load_checkpoint(path: str, model: nn.Module, names: tuple[dict[str, str], fr
 def parse_args() -> argparse.Namespace:
     """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10,
+                    help="steps to train (with --checkpoint-dir: the last step to reach, so "
+                         "a restarted job stops where the first would have)")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="sgd")
     ap.add_argument("--seed", type=int, default=0)
@@ -850,6 +894,12 @@ def parse_args() -> argparse.Namespace:
                          "cpu for its initialization; default)")
     ap.add_argument("--save", metavar="DIR", help="checkpoint after the last step")
     ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint")
+    ap.add_argument("--checkpoint-dir", metavar="DIR",
+                    help="resume from the last complete DIR/step-<n> (a job torchrun "
+                         "--max-restarts started again goes on) and save there")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                    help="save DIR/step-<n> every K steps, keeping the last 2 (default: 0, "
+                         "never)")
     return ap.parse_args()
 
 
@@ -857,7 +907,13 @@ def main() -> None:
     """Lay the model out as planned, then train."""
     args = parse_args()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # each attempt's keys apart
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = attempt_store(rank, world, datetime.timedelta(minutes=5))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend)
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -879,14 +935,24 @@ def main() -> None:
                                       fused=device_type == "cuda")
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    first = load_checkpoint(args.load, model, names, optimizer) if args.load else 0
+    first, last_step = 0, args.steps
+    done = committed_steps(args.checkpoint_dir) if args.checkpoint_dir else []
+    if done:  # a restarted job, or a later run: go on from the last complete save
+        first = load_checkpoint(f"{args.checkpoint_dir}/step-{done[-1]:08d}", model, names,
+                                optimizer)
+    elif args.load:
+        first = load_checkpoint(args.load, model, names, optimizer)
+    if not args.checkpoint_dir:
+        last_step = first + args.steps
+    if dist.get_rank() == 0 and first:
+        print(f"resumed after step {first}", flush=True)
     saved = load_batch(args.data) if args.data else None
     if dist.get_rank() == 0:
         print(f"data: the batch in {args.data}, every step" if saved else
               "data: a fresh synthetic batch each step (token ids and random targets, "
               "seeded by --seed and the step, alike on every rank): the loss shows that "
               "training runs, not that it learns; pass --data BATCH.pt", flush=True)
-    for step in range(first + 1, first + args.steps + 1):
+    for step in range(first + 1, last_step + 1):
         inputs, targets = saved or synthetic_batch(args.seed, step)
         # copied before the timed step: a pageable copy inside it would stall the host
         # until the device has run everything queued before it
@@ -902,8 +968,12 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss:.8f} time {elapsed * 1e3:.2f} ms "
                   f"(predicted {PREDICTED_STEP_S * 1e3:.2f} ms)", flush=True)
+        if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
+            save_checkpoint(f"{args.checkpoint_dir}/step-{step:08d}", model, names, optimizer,
+                            step)
+            prune_checkpoints(args.checkpoint_dir, 2)
     if args.save:
-        save_checkpoint(args.save, model, names, optimizer, first + args.steps)
+        save_checkpoint(args.save, model, names, optimizer, last_step)
     dist.destroy_process_group()
 
 
