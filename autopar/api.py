@@ -126,7 +126,7 @@ def _join_torchrun_job(collective_timeout_s: float | None = None) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # a first attempt
         dist.init_process_group(backend, timeout=timeout)
         return
     from autopar.runtime.checkpoint_state import attempt_store

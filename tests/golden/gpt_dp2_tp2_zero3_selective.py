@@ -908,7 +908,7 @@ def main() -> None:
     args = parse_args()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     backend = "nccl" if device_type == "cuda" else "gloo"
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # each attempt's keys apart
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # a restart: its own keys
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = attempt_store(rank, world, datetime.timedelta(minutes=5))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
