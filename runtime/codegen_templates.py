@@ -526,6 +526,7 @@ $build    if args.optimizer == "adamw":
             prune_checkpoints(args.checkpoint_dir, 2)
     if args.save:
         save_checkpoint(args.save, model, names, optimizer, last_step)
+    dist.barrier()  # no rank tears its groups down while another is still in a collective
     dist.destroy_process_group()
 
 
