@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from autopar.errors import CheckpointError
-from autopar.runtime.checkpoint_state import (canonical_tensors, checkpoint_record, commit,
+from autopar.runtime.checkpoint_state import (begin_partial, canonical_tensors, checkpoint_record, commit,
                                               committed_steps, flat_state, load_state,
                                               prune_checkpoints, read_commit, save_state)
 from autopar.runtime.parallel_model import ParallelModel
@@ -164,10 +164,7 @@ class Checkpointer:
             self._prune()
             return
         meta = _record(self.model, self.optimizer, step, extra)
-        tmp = final.with_name(final.name + ".partial")
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
+        tmp = begin_partial(final)
         state = flat_state(_tensors(self.model, saving=True), self.optimizer, dist.get_rank())
         future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
         self._pending = (future, tmp, final, meta)

@@ -106,6 +106,7 @@ class ParallelModel(nn.Module):
         self.device = device or torch.device("cpu")
         self.pipeline = pipeline
         self.names = names if names is not None else state_names(module)
+        self._hooked = False  # partial-gradient hooks, registered on the first pm(x)
 
     def state_modules(self) -> tuple[list[nn.Module], set[tuple[int, str]]]:
         """The modules holding this rank's tensors (the model, or this rank's stages
@@ -133,6 +134,10 @@ class ParallelModel(nn.Module):
                               "step(x, y), or step(x, y, local=True) for this rank's shard")
         if self.plan.degree("tp") == 1:
             return self._forward(*inputs, **kwargs)
+        if not self._hooked and not isinstance(self.module, FSDPModule):
+            # the user's backward has no step() to reduce partial gradients after it
+            reduce_partial_gradients_when_accumulated(self.module)
+            self._hooked = True
         with ReplicatedBeforeAutograd():  # a plain loss.backward() meets DTensors only
             return self._forward(*inputs, **kwargs)
 
@@ -289,8 +294,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
         return ParallelModel(nn.ModuleList(runtime.modules), plan, runtime.meshes.mesh,
                              loss_fn=loss_fn, device=dev, pipeline=runtime, names=names)
     meshes = lower(model, plan, dev)
-    if not isinstance(model, FSDPModule):  # else FSDP2 reduces them in backward
-        reduce_partial_gradients_when_accumulated(model)
     return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev, names=names)
 
 

@@ -24,6 +24,7 @@ from tests.dist_utils import RankPool
 from tests.handmade_plans import megatron_plan, pipeline_plan
 
 STEPS, LR, TOL = 3, 1e-2, 1e-6
+LOSSES = {"nano": foreign_models.lm_loss}  # a model's own loss, else the default
 
 
 def make(kind: str) -> torch.nn.Module:
@@ -37,6 +38,8 @@ def make(kind: str) -> torch.nn.Module:
         model = GPT(GPTConfig(vocab_size=128, max_seq_len=16, dim=32, n_layers=4, n_heads=4))
     elif kind == "llama":
         model = codegen_models.tiny_llama()
+    elif kind == "nano":  # its own loss (LOSSES), a fused c_attn
+        model = foreign_models.NanoGPT(vocab_size=128, block_size=16)
     else:
         from tests import test_hf_models as hf
 
@@ -66,7 +69,8 @@ def train(kind: str, text: str, folder: str, load: bool) -> dict:
     """On each rank: (load, then) 3 AdamW steps under the plan, then save (unless it
     loaded); the losses, what load returned, and the full parameters after."""
     x, y = foreign_models.example_batch()
-    pm = autopar.parallelize(make(kind), (x[:1],), plan=Plan.from_json(text))
+    pm = autopar.parallelize(make(kind), (x[:1],), plan=Plan.from_json(text),
+                             loss_fn=LOSSES.get(kind))
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     resumed = autopar.load(folder, pm, opt) if load else None
     losses = []
@@ -86,11 +90,16 @@ def uninterrupted(kind: str, steps: int = 2 * STEPS
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``steps`` AdamW steps in one process: the losses and the final parameters."""
     x, y = foreign_models.example_batch()
-    model = make(kind)
+    model, loss_fn = make(kind), LOSSES.get(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     step, losses = reference_step(model, x, y), []
     for _ in range(steps):
-        losses.append(float(step()))
+        if loss_fn is None:
+            losses.append(float(step()))
+        else:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
         opt.step()
         opt.zero_grad()
     return losses, {n: p.detach() for n, p in model.named_parameters()}
@@ -265,29 +274,6 @@ def test_a_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path: Path)
     assert committed_steps(tmp_path / "ckpt") == [9, 10]  # keep=2
 
 
-def _nano() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return foreign_models.NanoGPT(vocab_size=128, block_size=16).double()
-
-
-def _nano_train(text: str, folder: str, load: bool) -> list[float]:
-    """3 AdamW steps of nanoGPT (its own loss) under the plan; save after, or load first."""
-    x, y = foreign_models.example_batch()
-    pm = autopar.parallelize(_nano(), plan=Plan.from_json(text),
-                             loss_fn=foreign_models.lm_loss)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    if load:
-        autopar.load(folder, pm, opt)
-    losses = []
-    for _ in range(STEPS):
-        losses.append(float(pm.step(x, y)))
-        opt.step()
-        opt.zero_grad()
-    if not load:
-        autopar.save(folder, pm, opt, step=STEPS)
-    return losses
-
-
 @pytest.mark.multirank
 def test_a_fused_projection_split_piecewise_saves_and_loads(rank_pool: RankPool,
                                                             tmp_path: Path) -> None:
@@ -295,23 +281,15 @@ def test_a_fused_projection_split_piecewise_saves_and_loads(rank_pool: RankPool,
     whose local rows DCP cannot chunk) under tp4, saved and loaded under dp4: the
     losses continue one process's to 1e-6."""
     x, y = foreign_models.example_batch()
-    model = _nano()
+    model = make("nano")
     budget = 2.0 * 8 * sum(p.numel() for p in model.parameters())  # splits the weights
     cpu = dict(cluster=autopar.Cluster(gpu="cpu", gpus_per_node=4), example_targets=y,
                loss_fn=foreign_models.lm_loss, precision="fp32")
     fused = autopar.plan(model, (x,), memory_budget=budget, dp=1, tp=4, **cpu)
     assert fused.params["h.0.attn.c_attn.weight"][-1] == "S(0)/3"
     plain = autopar.plan(model, (x,), dp=4, tp=1, **cpu)
-    ref, opt = _nano(), None
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    want = []
-    for _ in range(2 * STEPS):
-        loss = foreign_models.lm_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want, _ = uninterrupted("nano")
     folder = str(tmp_path / "ckpt")
-    got = rank_pool.run(4, _nano_train, fused.to_json(), folder, False)[0]
-    got += rank_pool.run(4, _nano_train, plain.to_json(), folder, True)[0]
+    got = rank_pool.run(4, train, "nano", fused.to_json(), folder, False)[0]["losses"]
+    got += rank_pool.run(4, train, "nano", plain.to_json(), folder, True)[0]["losses"]
     assert got == pytest.approx(want, abs=TOL)

@@ -728,17 +728,25 @@ def commit(tmp: Path, final: Path, meta: Mapping[str, Any]) -> None:
 
 
 
+def begin_partial(final: Path) -> Path:
+    """The folder ``final.partial`` a save writes into, emptied of an earlier killed
+    save's files (rank 0 removes them; every rank waits for it)."""
+    tmp = final.with_name(final.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    return tmp
+
+
+
 def save_state(path: str | os.PathLike, tensors: Mapping[str, Sequence[torch.Tensor]],
                optimizer: torch.optim.Optimizer | None, meta: Mapping[str, Any]) -> None:
     """Save on every rank into folder ``path``, committed with the record ``meta``
     (JSON: step, hyperparameters, what the caller keeps): the shards go to
     ``path.partial``, which becomes ``path`` once every rank has written."""
     final = Path(path)
-    tmp = final.with_name(final.name + ".partial")
+    tmp = begin_partial(final)
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
     dcp.save(flat_state(tensors, optimizer, rank), checkpoint_id=str(tmp))
     if rank == 0:  # dcp.save returns once every rank's shards and the metadata are written
         commit(tmp, final, meta)
