@@ -412,8 +412,11 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
         plan.notes.append(f"context parallelism, because without it (and without tensor "
                           f"parallelism across nodes or offload) {why}")
     if "gap" in plan.solver:
-        plan.notes.append(f"the search stopped at its time limit of {time_limit_s} s; "
-                          f"no plan it did not solve to the end can be more than "
+        why = f"the search stopped at its time limit of {time_limit_s} s" \
+            if time_limit_s is not None else \
+            "where the host bounds the step, some layouts were not proven best in the " \
+            "solver's time (docs/solvers.md, intra_op_host)"
+        plan.notes.append(f"{why}; no plan it did not solve to the end can be more than "
                           f"{plan.solver['gap'] * 100:.1f}% faster")
     return plan, res
 

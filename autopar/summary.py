@@ -194,11 +194,15 @@ def _solver_line(s: dict) -> str:
     optimality, 2,223 variables and 669 constraints in 61.2 ms', 'the search scored 20
     configurations in 1.050 s', the memory budget (keys it does not know after)."""
     known = ("solver", "status", "variables", "constraints", "build_s", "time_s",
-             "candidates", "search_s", "memory_budget_bytes")
+             "candidates", "search_s", "memory_budget_bytes", "lower_bound_s")
     words = []
     if "solver" in s or "status" in s:
         status = str(s.get("status", "?"))
-        how = "to optimality" if status.lower() == "optimal" else f"with status {status}"
+        how = "to optimality" if status.lower() == "optimal" else \
+            "without proving it best (stopped)" if status == "Stopped" else \
+            f"with status {status}"
+        if "lower_bound_s" in s:
+            how += f", no layout of it faster than {fmt_time(float(s['lower_bound_s']))}"
         size = ""
         if "variables" in s and "constraints" in s:
             size = f", {s['variables']:,} variables and {s['constraints']:,} constraints"
@@ -282,7 +286,8 @@ def plan_summary(plan: Plan) -> str:
         lines += [LEGEND, ""]
     lines += _runners_up_lines(plan)
     if plan.solver:
-        lines.append(_solver_line(plan.solver))
+        lines.append(_solver_line({k: v for k, v in plan.solver.items()
+                              if k != "lower_bound_s" or plan.degree("pp") == 1}))
     for note in plan.notes:
         lines.append(f"note      {note}")
     return "\n".join(lines)

@@ -74,8 +74,9 @@ class IntraOpILP:
     TIME = 1e6
     MEMORY = 1e-9
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, mix: tuple[float, float] | None = None) -> None:
         self.p = problem
+        self.mix = mix  # (a, b): minimize a·T + b·(the step's host seconds), not F
         self.model = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
         self.x: list[list[pulp.LpVariable]] = []
         self.y: list[dict[tuple[int, int], pulp.LpVariable]] = []
@@ -255,7 +256,18 @@ class IntraOpILP:
             "compute_s"), "exposed_micro_def"
         total = n * (self._sum("compute_s") + self._sum("comm_s") + edge_cost) \
             + e_step + n * e_micro + self._sum("optimizer_s")
-        self.model += total + self._host_exposure(total, edge_cost)
+        if self.mix is None:
+            self.model += total + self._host_exposure(total, edge_cost)
+        else:  # a Lagrangian of max(T, host): see autopar.solvers.intra_op_host
+            a, b = self.mix
+            self.model += a * total + (b * self._host_total() if b else 0)
+
+    def _host_total(self) -> pulp.LpAffineExpression:
+        """n·(h_F + h_B) + h_O: the step's host seconds (the last term of (**))."""
+        n = self.p.num_microbatches
+        again = _affine(self._recompute_sum("host_fwd", self.TIME)
+                        + self._recompute_sum("host_bwd", self.TIME))
+        return n * (self._sum("all_host_s") + again) + self._sum("host_step_s")
 
     def _host_exposure(self, total: pulp.LpAffineExpression,
                        edge_cost: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
@@ -264,8 +276,7 @@ class IntraOpILP:
         (``host_phases``), h ≥ h_F − d_F, h ≥ n·δ and h ≥ (n−1)·δ + h_F − d_F; 0 when no
         strategy has host seconds."""
         p = self.p
-        if not any(s.all_host_s or s.host_step_s for nd in p.nodes for s in nd.strategies) \
-                and not any(g.host_fwd_s for g in p.recompute):
+        if not charges_host(p):
             return pulp.LpAffineExpression()
         n = p.num_microbatches
         half = (self._sum("comm_s") + edge_cost) * 0.5
@@ -307,6 +318,13 @@ class IntraOpILP:
                  "constraints": len(self.model.constraints), "build_s": built - t0,
                  "time_s": elapsed}
         return Solution(choice, ev.step_time_s, name, stats, modes)
+
+
+def charges_host(p: Problem) -> bool:
+    """Whether any strategy or recomputation mode of ``p`` has host seconds (a GPU
+    profile's), so that the exposed host time H of (**) can be above 0."""
+    return any(s.all_host_s or s.host_step_s for nd in p.nodes for s in nd.strategies) \
+        or any(g.host_fwd_s for g in p.recompute)
 
 
 def _affine(pairs: Iterable[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
@@ -393,6 +411,8 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
 """
     import itertools
 
+    from autopar.solvers.intra_op_host import solve_host_aware as solve  # imports this
+
     end = None if time_limit_s is None else time.perf_counter() + time_limit_s
 
     def left() -> float | None:
@@ -407,23 +427,27 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
             folded = fold_modes(problem, list(combos[0]))
             if _least_time(folded) >= bound:
                 return None
-            sol = IntraOpILP(folded).solve(left())
-            sol.modes = list(combos[0])
+            sol = solve(folded, left(), bound)
+            if sol is not None:
+                sol.modes = list(combos[0])
             return sol
-        return IntraOpILP(problem).solve(left())
+        return solve(problem, left(), bound)
     none = (0,) * len(groups)
     if _recompute_only_adds_time(problem):
         if _least_time(fold_modes(problem, list(none))) >= bound:
             return None
         if least_memory(fold_modes(problem, list(none))) <= problem.memory_budget:
             plain = replace(fold_modes(problem, list(none)), memory_budget=float("inf"))
-            free = IntraOpILP(plain).solve(left())
+            free = solve(plain, left(), bound)
+            if free is None:  # recomputation and the budget only add time
+                return None
             free.modes = list(none)
             if evaluate(problem, free.choice, free.modes).feasible:
                 return free
     best: Solution | None = None
     beaten = False
     stopped = False
+    lows: list[float] = []  # each solved combination's lower bound
     for modes in combos:
         folded = fold_modes(problem, list(modes))
         if least_memory(folded) > problem.memory_budget:
@@ -438,12 +462,16 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
             stopped = True  # the combinations not solved may hold a faster one
             break
         try:
-            sol = IntraOpILP(folded).solve(left())
+            sol = solve(folded, left(), min(bound, best.objective_s if best else bound))
         except NoFeasiblePlanError:
+            continue
+        if sol is None:
+            beaten = beaten or best is None
             continue
         sol.modes = list(modes)
         sol.objective_s = evaluate(problem, sol.choice, sol.modes).step_time_s
         stopped = stopped or sol.status == "Stopped"
+        lows.append(sol.stats.get("lower_bound_s", sol.objective_s))
         if best is None or sol.objective_s < best.objective_s * (1 - 1e-12):
             best = sol
     if best is None:
@@ -452,5 +480,6 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
         raise NoFeasiblePlanError("the intra-op ILP is infeasible")
     if stopped:  # one combination's ILP was cut short: the best is not proven
         best.status = "Stopped"
+        best.stats["lower_bound_s"] = min(lows)
     return best
 

@@ -397,8 +397,9 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             return None
         if scored is not None:
             scored.bound_s = bound[k]
-            if scored.solution.status == "Stopped":
-                unproven.append(bound[k])
+            if scored.solution.status == "Stopped":  # its own bound is on F: no pipeline
+                own = scored.solution.stats.get("lower_bound_s", 0.0) if c.pp == 1 else 0.0
+                unproven.append(max(bound[k], own))
         return scored
 
     # a pipelined candidate whose ILP answer fits no stage split searches its modes (many

@@ -18,6 +18,7 @@ from autopar.flops import op_name
 from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.sharding import Mesh
 from autopar.solvers.exhaustive import solve_exhaustive
+from autopar.solvers import intra_op_host
 from autopar.solvers.intra_op_ilp import IntraOpILP, solve_ilp
 from autopar.solvers.problem import (NodeChoice, Problem, RecomputeGroup, StrategyCost,
                                      evaluate, host_exposure)
@@ -193,3 +194,33 @@ def test_no_host_figures_no_host_time() -> None:
         built = build_problem(an, st)
         ev = evaluate(built.problem, solve_ilp(built.problem).choice)
         assert ev.host_s == 0.0 and ev.exposed_host_s == 0.0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_unproven_host_bound_brackets_the_optimum(seed: int, monkeypatch) -> None:
+    """With no time for the exact ILP (:data:`HOST_PROOF_S` 0), a host-bound problem
+    returns the fastest Lagrangian minimizer as "Stopped", with a lower bound at most the
+    exhaustive optimum; a proven answer is the optimum."""
+    monkeypatch.setattr(intra_op_host, "HOST_PROOF_S", 0.0)
+    p = replace(_with_host(random_problem(seed, budget_frac=10.0), seed), host_phases=False)
+    ref = solve_exhaustive(p).objective_s
+    sol = solve_ilp(p)
+    got = evaluate(p, sol.choice).step_time_s
+    assert got == pytest.approx(sol.objective_s, rel=1e-12)
+    if sol.status == "Optimal":
+        assert got == pytest.approx(ref, rel=1e-6)
+    else:
+        assert sol.status == "Stopped"
+        assert sol.stats["lower_bound_s"] <= ref * (1 + 1e-9) <= got * (1 + 2e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_bound_problem_keeps_the_callers_bound(seed: int) -> None:
+    """``bound`` below the optimum: None or an assignment no faster than the optimum
+    (the caller needs only one below the bound); just above: the optimum."""
+    p = replace(_with_host(random_problem(seed, budget_frac=10.0), seed), host_phases=False)
+    ref = solve_exhaustive(p).objective_s
+    low = solve_ilp(p, bound=ref * (1 - 1e-6))
+    assert low is None or evaluate(p, low.choice).step_time_s >= ref * (1 - 1e-9)
+    sol = solve_ilp(p, bound=ref * (1 + 1e-6))
+    assert evaluate(p, sol.choice).step_time_s == pytest.approx(ref, rel=1e-6)
