@@ -151,9 +151,21 @@ def context_plan(an: GraphAnalysis, st, per_node: dict[str, float]) -> ContextPl
         return None
     seq = an.sequence
     inputs = [seq.inputs.get(name) for name in an.graph.inputs]
-    attention = sum(per_node.get(name, 0.0) for name in seq.attention)
-    return ContextPlan(st.cp_variant, seq.length, inputs, all(seq.attention.values()),
-                       attention * st.num_microbatches)
+    by_node = {name: per_node.get(name, 0.0) * st.num_microbatches for name in seq.attention}
+    cx = ContextPlan(st.cp_variant, seq.length, inputs, all(seq.attention.values()),
+                     sum(by_node.values()))
+    cx._attention_by_node = by_node  # not a field: for add_pipeline's per-rank share
+    return cx
+
+
+def _rank_attention(cx: ContextPlan, po: PipelineOutcome, ranks: list[int], rank: int) -> float:
+    """Seconds per step of attention on pipeline rank ``rank``: that of the attention
+    calls in its stages' units (``cx.attention_s`` counts every stage's)."""
+    by_node = getattr(cx, "_attention_by_node", None)
+    if by_node is None:
+        return cx.attention_s
+    return sum(by_node.get(name, 0.0) for (a, b), r in zip(po.split.bounds, ranks)
+               if r == rank for u in po.units[a:b] for name in u.nodes)
 
 
 def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
@@ -239,6 +251,9 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
                    "total": est.peak_memory_bytes[worst] + extra[worst]}
     plan.breakdown = pipeline_terms(po, pp=pp, schedule=schedule, virtual_stages=virtual_stages,
                                     num_microbatches=plan.num_microbatches).as_dict()
+    if plan.context is not None:  # the busiest rank's attention, as the step terms are
+        busiest = max(range(pp), key=lambda r: est.busy_s[r])
+        plan.context.attention_s = _rank_attention(plan.context, po, ranks, busiest)
     plan.step_time_s = po.step_time_s
     plan.throughput = plan.global_batch / po.step_time_s if po.step_time_s else 0.0
     world = plan.world_size

@@ -241,6 +241,8 @@ class StrategySpace:
                 per_axis.append([self.an.batch_label.get(n.name)])
             elif a == self.ep_axis:  # experts split over ep, the rest of the model dp
                 per_axis.append(self._ep_choices(n))
+            elif a == self.cp_axis:  # the sequence split, which _sequence places there
+                per_axis.append([None])
             elif rule.kind in ("creation", "constant") or n.name == self.g.loss:
                 per_axis.append([None])  # the loss is computed whole on every tp rank
             else:
