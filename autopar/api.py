@@ -407,6 +407,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     plan.notes.extend(_whole_vocabularies(model, plan))
     if pp_note:
         plan.notes.append(pp_note)
+    plan.notes.extend(res.notes)
     if plan.context is not None and spec.cp is None and res.passed_over:
         why = res.passed_over[-1].split(" Raise memory_budget")[0]
         plan.notes.append(f"context parallelism, because without it (and without tensor "

@@ -1,26 +1,13 @@
 """The intra-op ILP where the host may bound the step.
 
-On a GPU profile the step is F(s) = T(s) + H(s) (``(**)`` of docs/solvers.md): the
-device time, plus whatever the host adds by issuing its kernels more slowly than they
-run. Where H binds, F is the larger of two sums that different strategies trade against
-each other (a tensor-parallel Linear halves its device time and triples its host time
-under DTensor), and CBC's bound on such a max is weak: branch and bound on a 7.5B GPT at
-pp 2 × cp 2 × tp 8 (32 ops, 632 strategies) had not proven its optimum after 20 minutes,
-though each linear objective of the same problem solves in 0.1 s.
-
-:func:`solve_host_aware` therefore begins with a linear objective:
-
-1. T alone. F ≥ T for every assignment, so when the host adds nothing to T's optimum
-   that optimum is F's, proven; and when T's optimum reaches the caller's bound, no
-   assignment beats it.
-2. Otherwise the exact ILP, for at most :data:`HOST_PROOF_S` (most prove in a fraction
-   of a second).
-3. When that proves nothing: the Lagrangian L(λ) = min_s λ·T(s) + (1 − λ)·h(s), h the
-   step's host seconds (the last term of (**)). F ≥ max(T, h) ≥ λ·T + (1 − λ)·h, so
-   every L(λ) is a lower bound; λ moves by bisection toward the larger of T and h at
-   each minimizer, and each minimizer is also a plan, scored by F. The fastest plan
-   found is returned with status "Stopped" and the best lower bound in
-   ``stats["lower_bound_s"]`` (or "Optimal" where the two meet).
+On a GPU profile the step is F = T + H (``(**)`` of docs/solvers.md), and where H binds, F
+is the larger of two sums that strategies trade against each other; CBC's bound on such
+a max is weak (a 7.5B GPT at pp 2 × cp 2 × tp 8 ran for minutes unproven, while each
+linear objective of it solves in 0.1 s). :func:`solve_host_aware` solves T alone first
+(F ≥ T: proven where the host adds nothing, pruned where T reaches the caller's bound),
+then the exact ILP for at most :data:`HOST_PROOF_S`, then, unproven, the best Lagrangian
+minimizer of λ·T + (1 − λ)·h (h the step's host seconds, F ≥ max(T, h)), returned as
+"Stopped" with its lower bound in ``stats["lower_bound_s"]``. docs/solvers.md has more.
 """
 
 from __future__ import annotations

@@ -90,6 +90,7 @@ class SearchResult:
     passed_over: list[str] = field(default_factory=list)  # why each earlier tier had none
     step_time_s: float = 0.0  # the best plan's
     gap_bound_s: float | None = None  # least bound of what a time limit left unproven
+    notes: list[str] = field(default_factory=list)  # what the search left out, in words
 
 
 def divisors(n: int) -> list[int]:
@@ -296,11 +297,20 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
     raise failed
 
 
+CP_TIER_S = 15.0
+"""Seconds the search gives context-parallel candidates that it tries only because the
+best plan without them recomputes whole blocks or offloads, when the caller set no time
+limit. A search effort, not a cost: Llama 3 70B on 256 H100 has about a thousand such
+configurations, and building their problems alone took 4 minutes on a 2-core machine.
+Asking for cp (``cp=``, ``--cp``) searches them all."""
+
+
 def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Candidate],
                         kw: dict) -> SearchResult:
     """``res``, or the best plan of ``following`` when it is faster and ``res`` (found
     without context parallelism) pays much time for memory — full recomputation of a
-    block, or offload — where splitting the sequences may save it for less."""
+    block, or offload — where splitting the sequences may save it for less. Without a
+    deadline this gets :data:`CP_TIER_S`, and a note says what it left unscored."""
     c = res.candidate
     if c is None or c.cp > 1 or not any(f.cp > 1 for f in following):
         return res
@@ -308,22 +318,39 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     recomputes = any(grp.modes[r] == "full" for grp, r in zip(res.built.problem.recompute, modes))
     if not (recomputes or c.offload):
         return res
+    split = [f for f in following if f.cp > 1]
+    unbuilt: list[Candidate] = []
+    if kw["deadline"] is None:
+        kw = dict(kw, deadline=time.perf_counter() + CP_TIER_S)
     try:
-        other = _search(an, [f for f in following if f.cp > 1], **kw, have_plan=True)
+        other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt)
     except NoFeasiblePlanError:
-        return res
+        return _note_unbuilt(res, unbuilt, len(split))
     except _OutOfTime as e:  # the time limit left every one of them unsolved
         _set_gap(res, e.bound_s)
-        return res
+        return _note_unbuilt(res, unbuilt, len(split))
+    _note_unbuilt(res, unbuilt, len(split))
     if other.step_time_s >= res.step_time_s * (1 - 1e-9):
         _set_gap(res, other.gap_bound_s)
         return res
     _set_gap(other, res.gap_bound_s)
     other.outcomes = res.outcomes + other.outcomes
+    other.notes = res.notes + other.notes
     other.passed_over = res.passed_over + [
         f"the fastest plan that fits takes {res.step_time_s:.4g} s ({c.label()}, "
         f"saving memory by {'full recomputation' if recomputes else 'offload'})"]
     return other
+
+
+def _note_unbuilt(res: SearchResult, unbuilt: list[Candidate], of: int) -> SearchResult:
+    """``res`` with a note on the context-parallel candidates that the search's time
+    left unbuilt, if any."""
+    if unbuilt:
+        res.notes.append(f"context parallelism: {of - len(unbuilt):,} of {of:,} "
+                         f"configurations were weighed in the time the search gives them "
+                         f"({CP_TIER_S:g} s without a time limit); {len(unbuilt):,} were "
+                         f"not (pass cp, --cp, to weigh them all)")
+    return res
 
 
 def _set_gap(res: SearchResult, bound_s: float | None) -> None:
@@ -362,17 +389,21 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
             deadline: float | None, top_k: int,
             progress: Callable[[int, int, float | None], None] | None,
-            have_plan: bool = False) -> SearchResult:
+            have_plan: bool = False, unbuilt: list[Candidate] | None = None) -> SearchResult:
     """:func:`search` over ``cands`` as given. ``have_plan``: the caller holds a plan
     already, so the deadline may stop this search before it finds one (raising
-    :class:`_OutOfTime`)."""
+    :class:`_OutOfTime`), or before it builds every candidate's problem (those go to
+    ``unbuilt``)."""
     t0 = time.perf_counter()
     kept: list[Scored] = []  # the top_k fastest so far, fastest first (ties: first found)
     outcomes: list[Outcome] = []
     infeasible: list[tuple[Candidate, Built]] = []
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                           optimizer=optimizer, memory_budget=memory_budget,
-                          sequence_parallel=sequence_parallel, recompute=recompute)
+                          sequence_parallel=sequence_parallel, recompute=recompute,
+                          deadline=_halfway(deadline) if have_plan else None)
+    if unbuilt is not None:
+        unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))
     bound = _bounds(an.graph, cands, built_by, memory_budget)
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     solved: dict[tuple, object] = {}
@@ -424,6 +455,9 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         if out_of_time():
             unproven.extend(bound[x] for x in later[i:])
             break
+        if kept and kept[0].step_time_s <= bound[j] < _limit(kept, top_k):
+            outcomes.append(Outcome(cands[j], None, None, RUNNER_UP_UNREFINED))
+            continue
         kept = _keep(kept, score(j, refine=True), top_k)
     if not kept and have_plan and unproven:
         raise _OutOfTime(min(unproven))
@@ -449,6 +483,14 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     res.solution.stats["search_s"] = res.time_s
     _set_gap(res, min(unproven) if unproven else None)
     return res
+
+
+RUNNER_UP_UNREFINED = ("not scored: no stage split fits its ILP's answer, and the search "
+                       "for one (many ILPs) runs only where a configuration can beat the "
+                       "plan, not for a runner-up place")
+"""Why a pipelined candidate that could only be a runner-up was left unscored: the
+runners-up cost little more than the plan this way (``top_k`` 5 on GPT-3 175B at 1,024
+A100: 12.1 s of search against 3.2 s when such candidates were refined too)."""
 
 
 def _limit(kept: list[Scored], top_k: int) -> float:
@@ -488,11 +530,11 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
 
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                precision: str, optimizer: str, memory_budget: float,
-               sequence_parallel: bool | None,
-               recompute: tuple[str, ...] | None) -> dict[tuple, Built | NoFeasiblePlanError]:
+               sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
+               deadline: float | None = None) -> dict[tuple, Built | NoFeasiblePlanError]:
     """One intra-op problem per distinct :func:`mesh_key` (or the error saying an op has
     no strategy on that mesh, or that a smaller micro-batch already needs more memory
-    than the budget).
+    than the budget, or :class:`_NotBuilt` past ``deadline``).
 
     Keys are built by increasing micro-batch size within each group of
     :func:`_batch_group`: a group's candidates differ only in how the rank's samples are
@@ -506,7 +548,10 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     for c in cands:
         users.setdefault(mesh_key(c), []).append(c)
     hopeless: dict[tuple, int] = {}  # batch group -> the micro-batch size that did not fit
-    order = sorted(users, key=lambda k: (_batch_group(users[k][0]),
+    def first(c: Candidate) -> tuple:
+        """With a deadline, the fewest-way splits first (cp, then pp, then tp)."""
+        return (c.cp, c.pp, c.tp) if deadline is not None else ()
+    order = sorted(users, key=lambda k: (first(users[k][0]), _batch_group(users[k][0]),
                                          users[k][0].microbatch_size))
     # whether a larger micro-batch of the same group follows (only then is a bound worth it)
     larger = {k: nxt is not None and _batch_group(users[nxt][0]) == _batch_group(users[k][0])
@@ -514,6 +559,10 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     for key in order:
         c = users[key][0]
         group = _batch_group(c)
+        if deadline is not None and time.perf_counter() > deadline:
+            built_by[key] = _NotBuilt("not scored: the search's time ran out before its "
+                                      "problem was built")
+            continue
         if group in hopeless:
             built_by[key] = NoFeasiblePlanError(
                 f"does not fit in memory: micro-batches of {hopeless[group]} already need "
@@ -534,6 +583,19 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
                for u in by_schedule.values()):
             hopeless[group] = c.microbatch_size
     return {k: built_by[k] for k in users}
+
+
+def _halfway(deadline: float | None) -> float | None:
+    """The instant halfway from now to ``deadline``: building problems may take half the
+    time left, so that scoring them has the rest."""
+    if deadline is None:
+        return None
+    now = time.perf_counter()
+    return now + max(0.0, deadline - now) / 2
+
+
+class _NotBuilt(NoFeasiblePlanError):
+    """A candidate whose problem the search's deadline left unbuilt (it may well fit)."""
 
 
 def _batch_group(c: Candidate) -> tuple:
