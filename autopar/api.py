@@ -499,7 +499,8 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
 def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
                 cluster: Cluster | None = None, loss_fn: Callable | None = None,
                 example_targets: torch.Tensor | None = None,
-                collective_timeout_s: float | None = None, **plan_kwargs) -> "ParallelModel":
+                collective_timeout_s: float | None = None, compile: bool = False,
+                **plan_kwargs) -> "ParallelModel":
     """Plan (unless ``plan`` is given) and apply the plan inside a running job.
 
     Must run on every rank of a job started by torchrun (the default process group is
@@ -510,7 +511,8 @@ def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
     any rank, in planning or in applying the plan, is raised on every rank alike (same
     type and message, with a note naming the rank that raised it; see
     :func:`autopar.runtime.agree.agreed`), so no rank waits for a peer that has given
-    up. ``loss_fn``, ``example_targets`` and ``plan_kwargs`` are those of :func:`plan`.
+    up. ``loss_fn``, ``example_targets`` and ``plan_kwargs`` are those of :func:`plan`;
+    ``compile`` that of :func:`autopar.runtime.apply_plan` (torch.compile per block).
     """
     import torch.distributed as dist
 
@@ -539,5 +541,6 @@ def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
         if math.prod(plan.mesh.values()) != dist.get_world_size():
             raise ConfigError(f"the plan is for {math.prod(plan.mesh.values())} devices but the "
                               f"job has {dist.get_world_size()}; plan for this world size")
-        parallel = apply_plan(model, plan, loss_fn=loss_fn, example_inputs=example_inputs)
+        parallel = apply_plan(model, plan, loss_fn=loss_fn, example_inputs=example_inputs,
+                              compile=compile)
     return parallel

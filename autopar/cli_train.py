@@ -32,6 +32,7 @@ class TrainArgs:
     keep: int = 2
     log_every: int = 1
     precision: str = "bf16"
+    compile: bool = False
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +64,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=d.precision,
                    help="parameters and compute (gradients reduced and kept in fp32)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each of the plan's blocks (plans without a pipeline)")
     p.add_argument("--nproc-per-node", type=int, default=1,
                    help="outside torchrun: start torchrun with this many local processes")
 
@@ -76,7 +79,8 @@ def _args(ns: argparse.Namespace) -> TrainArgs:
     return TrainArgs(model=ns.model, steps=ns.steps, data=ns.data,
                      global_batch=ns.global_batch, seq_len=ns.seq_len, lr=ns.lr, seed=ns.seed,
                      checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
-                     keep=ns.keep, log_every=ns.log_every, precision=ns.precision)
+                     keep=ns.keep, log_every=ns.log_every, precision=ns.precision,
+                     compile=ns.compile)
 
 
 def _argv(a: TrainArgs) -> list[str]:
@@ -89,6 +93,8 @@ def _argv(a: TrainArgs) -> list[str]:
         out += ["--seq-len", str(a.seq_len)]
     if a.checkpoint_dir is not None:
         out += ["--checkpoint-dir", a.checkpoint_dir]
+    if a.compile:
+        out.append("--compile")
     return out
 
 

@@ -156,7 +156,8 @@ def train(args: TrainArgs) -> list[float]:
     tokens = load_tokens(args.data, vocab)
     example = shard_batch(tokens, 0, args.global_batch, seq, 0, 1)
     pm = autopar.parallelize(model, (example[0],), example_targets=example[1],
-                             global_batch=args.global_batch, precision=args.precision)
+                             global_batch=args.global_batch, precision=args.precision,
+                             compile=args.compile)
     rank = dist.get_rank()
     if rank == 0:
         print(pm.plan.summary(), flush=True)

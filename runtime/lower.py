@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage
 from autopar.errors import LoweringError
 from autopar.plans import Plan, model_fingerprint
 from autopar.runtime.applied import log_applied
+from autopar.runtime.compiled import compile_blocks
 from autopar.runtime.data_parallel import PRECISION_DTYPES, apply_data_parallel, check_tied_units
 from autopar.runtime.experts import apply_expert_parallel, check_experts, shard_plan_experts
 from autopar.runtime.materialize import (check_materializable, is_meta_model, materialize,
@@ -177,9 +178,12 @@ def check_plan(model: nn.Module, plan: Plan) -> list[list[str]]:
     return groups
 
 
-def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
+def lower(model: nn.Module, plan: Plan, device: torch.device,
+          compile: bool = False) -> PlanMeshes:
     """Lay ``model`` out in place as ``plan`` says (see the module docstring); return
-    the meshes. ``model`` must be the same (same weights, or meta) on every rank."""
+    the meshes. ``model`` must be the same (same weights, or meta) on every rank.
+    ``compile``: torch.compile each of the plan's blocks
+    (:func:`~autopar.runtime.compiled.compile_blocks`) before FSDP2 wraps them."""
     check_process_group(plan)
     check_plan(model, plan)
     meta = is_meta_model(model)
@@ -195,6 +199,8 @@ def lower(model: nn.Module, plan: Plan, device: torch.device) -> PlanMeshes:
     if meshes.experts is not None:
         shard_plan_experts(model, plan, meshes.experts, meshes.tp)
     apply_ac(model, plan)
+    if compile:
+        compile_blocks(model, plan)
     if meshes.fsdp is not None:
         apply_data_parallel(model, plan, meshes.fsdp, meshes.expert_fsdp)
     if meta:

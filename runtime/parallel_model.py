@@ -259,7 +259,7 @@ class ParallelModel(nn.Module):
 
 def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
                device: torch.device | str | None = None,
-               example_inputs: Any = None) -> ParallelModel:
+               example_inputs: Any = None, compile: bool = False) -> ParallelModel:
     """Lay ``model`` out in place as ``plan`` says and wrap it in a :class:`ParallelModel`.
 
     Needs an initialized default process group whose world size equals the plan's
@@ -278,6 +278,10 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     model's program exported on ``example_inputs`` (one batch of the inputs ``step``
     will get, batch first; only their shapes and dtypes matter), by default on the
     inputs the plan records (``plan.inputs``).
+
+    ``compile=True`` compiles each of the plan's blocks with ``torch.compile`` after
+    tensor parallelism and recomputation and before FSDP2 (as torchtitan does; see
+    :mod:`autopar.runtime.compiled`); plans without a pipeline only.
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
@@ -288,12 +292,16 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     dev = torch.device(device) if device is not None else default_device()
     names = state_names(model)  # the plain model's, for checkpoints
     if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+        if compile:
+            raise ConfigError("compile=True applies to plans without a pipeline: a "
+                              "pipeline's stages are cut from an exported program, not "
+                              "the model's blocks; leave compile off for this plan")
         runtime = lower_pipeline(model, plan, dev,
                                  functools.partial(_loss, loss_fn, scale=loss_scale(plan)),
                                  example_inputs)
         return ParallelModel(nn.ModuleList(runtime.modules), plan, runtime.meshes.mesh,
                              loss_fn=loss_fn, device=dev, pipeline=runtime, names=names)
-    meshes = lower(model, plan, dev)
+    meshes = lower(model, plan, dev, compile=compile)
     return ParallelModel(model, plan, meshes.mesh, loss_fn=loss_fn, device=dev, names=names)
 
 

@@ -115,3 +115,19 @@ def test_train_a_hugging_face_model_from_its_folder(tmp_path: Path) -> None:
         opt.zero_grad()
         want.append(loss.item())
     assert logged == pytest.approx(want, abs=1e-4)
+
+
+def test_each_rank_gets_back_the_options_it_was_started_with() -> None:
+    """What ``autopar train`` hands each torchrun rank (``_argv``) parses back to the
+    same options, ``--compile`` and the checkpoint folder included."""
+    import argparse
+
+    from autopar.cli_train import _args, _argv, add_train_parser
+
+    ap = argparse.ArgumentParser(prog="autopar")
+    add_train_parser(ap.add_subparsers(dest="command", required=True))
+    first = _args(ap.parse_args(["train", "tiny-gpt", "--steps", "7", "--compile",
+                                 "--checkpoint-dir", "ck", "--seq-len", "64"]))
+    assert first.compile and first.steps == 7 and first.checkpoint_dir == "ck"
+    assert _args(ap.parse_args(["train", *_argv(first)])) == first
+    assert not _args(ap.parse_args(["train"])).compile
