@@ -5,6 +5,9 @@ plan refuses the option with one message."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -36,6 +39,12 @@ def compiled_loop(text: str) -> dict:
     return {"losses": losses, "params": params, "compiled": compiled}
 
 
+NO_COMPILER = not shutil.which(os.environ.get("CXX", "g++"))
+"""Inductor's CPU code needs a C++ compiler (``CXX``, default g++)."""
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler for inductor's CPU code: install "
+                    "g++ (or set CXX) to run torch.compile on the CPU")
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", [dict(dp=2, zero=3), dict(dp=1, tp=2)],
                          ids=["zero3-dp2", "tp2"])
