@@ -321,36 +321,49 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
         return res
     split = [f for f in following if f.cp > 1]
     unbuilt: list[Candidate] = []
-    if kw["deadline"] is None:
+    t0 = time.perf_counter()
+
+    def timed(r: SearchResult) -> SearchResult:
+        """``r`` with the search's seconds counting this tier's."""
+        r.solution.stats["search_s"] = res.time_s + time.perf_counter() - t0
+        return r
+    budget = kw["deadline"] is None  # its own CP_TIER_S, not the caller's limit
+    if budget:
         kw = dict(kw, deadline=time.perf_counter() + CP_TIER_S)
     try:
         other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt)
     except NoFeasiblePlanError:
-        return _note_unbuilt(res, unbuilt, len(split))
-    except _OutOfTime as e:  # the time limit left every one of them unsolved
-        _set_gap(res, e.bound_s)
-        return _note_unbuilt(res, unbuilt, len(split))
-    _note_unbuilt(res, unbuilt, len(split))
+        return timed(_note_cut(res, unbuilt, len(split), budget and bool(unbuilt)))
+    except _OutOfTime as e:  # the time left every one of them unsolved
+        if not budget:
+            _set_gap(res, e.bound_s)
+        return timed(_note_cut(res, unbuilt, len(split), budget))
+    cut = budget and (bool(unbuilt) or other.gap_bound_s is not None)
+    if budget:  # what the budget left unsolved is the note's, not a gap of the caller's
+        other.gap_bound_s = None
+        other.solution.stats.pop("gap", None)
+    _note_cut(res, unbuilt, len(split), cut)
     if other.step_time_s >= res.step_time_s * (1 - 1e-9):
         _set_gap(res, other.gap_bound_s)
-        return res
+        return timed(res)
     _set_gap(other, res.gap_bound_s)
     other.outcomes = res.outcomes + other.outcomes
     other.notes = res.notes + other.notes
     other.passed_over = res.passed_over + [
         f"the fastest plan that fits takes {res.step_time_s:.4g} s ({c.label()}, "
         f"saving memory by {'full recomputation' if recomputes else 'offload'})"]
-    return other
+    return timed(other)
 
 
-def _note_unbuilt(res: SearchResult, unbuilt: list[Candidate], of: int) -> SearchResult:
-    """``res`` with a note on the context-parallel candidates that the search's time
-    left unbuilt, if any."""
-    if unbuilt:
-        res.notes.append(f"context parallelism: {of - len(unbuilt):,} of {of:,} "
-                         f"configurations were weighed in the time the search gives them "
-                         f"({CP_TIER_S:g} s without a time limit); {len(unbuilt):,} were "
-                         f"not (pass cp, --cp, to weigh them all)")
+def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int, cut: bool) -> SearchResult:
+    """``res`` with a note, when ``cut``, that :data:`CP_TIER_S` ended the search of the
+    ``of`` context-parallel candidates before its end (``unbuilt``: those it did not
+    even build)."""
+    if cut:
+        res.notes.append(f"context parallelism was weighed for the {CP_TIER_S:g} s the "
+                         f"search gives it without a time limit, not to the end "
+                         f"({len(unbuilt):,} of {of:,} configurations not built); pass cp "
+                         f"(--cp) to search it whole")
     return res
 
 
