@@ -297,13 +297,15 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
     raise failed
 
 
-CP_TIER_S = 10.0
-"""Seconds the search gives context-parallel candidates that it tries only because the
-best plan without them recomputes whole blocks or offloads, when the caller set no time
-limit. A search effort, not a cost: Llama 3 70B on 256 H100 has about 13,000 such
-configurations (a thousand distinct problems), and building those alone took 4 minutes on
-a 2-core machine; 10 s keeps its whole plan within 15 s. Asking for cp (``cp=``,
-``--cp``) searches them all."""
+CP_TIER_PROBLEMS = 800
+"""Intra-op problems the search builds for context-parallel candidates that it tries only
+because the best plan without them recomputes whole blocks or offloads, when the caller
+set no time limit (the fewest-way splits first; every candidate of those problems is
+then scored). A search effort, not a cost, counted in work rather than seconds so that a
+plan does not depend on the machine's speed: Llama 3 70B on 256 H100 has about 13,000
+such candidates (a thousand distinct problems), whose problems alone took 4 minutes to
+build on a 2-core machine; this many keep its plan within its 15 s goal. Asking for cp
+(``cp=``, ``--cp``) searches them all."""
 
 
 def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Candidate],
@@ -311,7 +313,8 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     """``res``, or the best plan of ``following`` when it is faster and ``res`` (found
     without context parallelism) pays much time for memory — full recomputation of a
     block, or offload — where splitting the sequences may save it for less. Without a
-    deadline this gets :data:`CP_TIER_S`, and a note says what it left unscored."""
+    deadline this builds at most :data:`CP_TIER_PROBLEMS` problems, and a note says what
+    it left out."""
     c = res.candidate
     if c is None or c.cp > 1 or not any(f.cp > 1 for f in following):
         return res
@@ -327,22 +330,17 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
         """``r`` with the search's seconds counting this tier's."""
         r.solution.stats["search_s"] = res.time_s + time.perf_counter() - t0
         return r
-    budget = kw["deadline"] is None  # its own CP_TIER_S, not the caller's limit
-    if budget:
-        kw = dict(kw, deadline=time.perf_counter() + CP_TIER_S)
+    budget = kw["deadline"] is None  # its own CP_TIER_PROBLEMS, not the caller's limit
     try:
-        other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt)
+        other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt,
+                        max_built=CP_TIER_PROBLEMS if budget else None)
     except NoFeasiblePlanError:
         return timed(_note_cut(res, unbuilt, len(split), budget and bool(unbuilt)))
     except _OutOfTime as e:  # the time left every one of them unsolved
         if not budget:
             _set_gap(res, e.bound_s)
         return timed(_note_cut(res, unbuilt, len(split), budget))
-    cut = budget and (bool(unbuilt) or other.gap_bound_s is not None)
-    if budget:  # what the budget left unsolved is the note's, not a gap of the caller's
-        other.gap_bound_s = None
-        other.solution.stats.pop("gap", None)
-    _note_cut(res, unbuilt, len(split), cut)
+    _note_cut(res, unbuilt, len(split), budget and bool(unbuilt))
     if other.step_time_s >= res.step_time_s * (1 - 1e-9):
         _set_gap(res, other.gap_bound_s)
         return timed(res)
@@ -356,14 +354,14 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
 
 
 def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int, cut: bool) -> SearchResult:
-    """``res`` with a note, when ``cut``, that :data:`CP_TIER_S` ended the search of the
-    ``of`` context-parallel candidates before its end (``unbuilt``: those it did not
-    even build)."""
+    """``res`` with a note, when ``cut``, that :data:`CP_TIER_PROBLEMS` ended the search
+    of the ``of`` context-parallel candidates before its end (``unbuilt``: those whose
+    problems it did not build)."""
     if cut:
-        res.notes.append(f"context parallelism was weighed for the {CP_TIER_S:g} s the "
-                         f"search gives it without a time limit, not to the end "
-                         f"({len(unbuilt):,} of {of:,} configurations not built); pass cp "
-                         f"(--cp) to search it whole")
+        res.notes.append(f"context parallelism was weighed in the first "
+                         f"{CP_TIER_PROBLEMS} problems the search builds for it without a "
+                         f"time limit, not to the end ({len(unbuilt):,} of {of:,} "
+                         f"configurations not built); pass cp (--cp) to search it whole")
     return res
 
 
@@ -403,11 +401,12 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
             deadline: float | None, top_k: int,
             progress: Callable[[int, int, float | None], None] | None,
-            have_plan: bool = False, unbuilt: list[Candidate] | None = None) -> SearchResult:
+            have_plan: bool = False, unbuilt: list[Candidate] | None = None,
+            max_built: int | None = None) -> SearchResult:
     """:func:`search` over ``cands`` as given. ``have_plan``: the caller holds a plan
     already, so the deadline may stop this search before it finds one (raising
     :class:`_OutOfTime`), or before it builds every candidate's problem (those go to
-    ``unbuilt``)."""
+    ``unbuilt``, as do those past ``max_built`` problems)."""
     t0 = time.perf_counter()
     kept: list[Scored] = []  # the top_k fastest so far, fastest first (ties: first found)
     outcomes: list[Outcome] = []
@@ -415,7 +414,8 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute,
-                          deadline=_halfway(deadline) if have_plan else None)
+                          deadline=_halfway(deadline) if have_plan else None,
+                          max_built=max_built)
     if unbuilt is not None:
         unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))
     bound = _bounds(an.graph, cands, built_by, memory_budget)
@@ -545,10 +545,11 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                precision: str, optimizer: str, memory_budget: float,
                sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
-               deadline: float | None = None) -> dict[tuple, Built | NoFeasiblePlanError]:
+               deadline: float | None = None,
+               max_built: int | None = None) -> dict[tuple, Built | NoFeasiblePlanError]:
     """One intra-op problem per distinct :func:`mesh_key` (or the error saying an op has
     no strategy on that mesh, or that a smaller micro-batch already needs more memory
-    than the budget, or :class:`_NotBuilt` past ``deadline``).
+    than the budget, or :class:`_NotBuilt` past ``deadline`` or ``max_built`` problems).
 
     Keys are built by increasing micro-batch size within each group of
     :func:`_batch_group`: a group's candidates differ only in how the rank's samples are
@@ -562,9 +563,10 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     for c in cands:
         users.setdefault(mesh_key(c), []).append(c)
     hopeless: dict[tuple, int] = {}  # batch group -> the micro-batch size that did not fit
+    built_count = 0
     def first(c: Candidate) -> tuple:
-        """With a deadline, the fewest-way splits first (cp, then pp, then tp)."""
-        return (c.cp, c.pp, c.tp) if deadline is not None else ()
+        """With a budget, the fewest-way splits first (cp, then pp, then tp)."""
+        return (c.cp, c.pp, c.tp) if deadline is not None or max_built is not None else ()
     order = sorted(users, key=lambda k: (first(users[k][0]), _batch_group(users[k][0]),
                                          users[k][0].microbatch_size))
     # whether a larger micro-batch of the same group follows (only then is a bound worth it)
@@ -573,9 +575,10 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     for key in order:
         c = users[key][0]
         group = _batch_group(c)
-        if deadline is not None and time.perf_counter() > deadline:
-            built_by[key] = _NotBuilt("not scored: the search's time ran out before its "
-                                      "problem was built")
+        if deadline is not None and time.perf_counter() > deadline or \
+                max_built is not None and built_count >= max_built:
+            built_by[key] = _NotBuilt("not scored: the search's time or budget ran out "
+                                      "before its problem was built")
             continue
         if group in hopeless:
             built_by[key] = NoFeasiblePlanError(
@@ -585,6 +588,7 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         st = candidate_settings(c, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                                 optimizer=optimizer, memory_budget=memory_budget,
                                 sequence_parallel=sequence_parallel, recompute=recompute)
+        built_count += 1
         try:
             built = built_by[key] = build_problem(an, st, layouts)
         except NoFeasiblePlanError as e:
