@@ -278,18 +278,18 @@ class IntraOpILP:
         p = self.p
         if not charges_host(p):
             return pulp.LpAffineExpression()
-        n = p.num_microbatches
-        half = (self._sum("comm_s") + edge_cost) * 0.5
-        d_bwd = self._sum("bwd_compute_s") + half
-        d_fwd = self._sum("compute_s") - self._sum("bwd_compute_s") + half
-        h_bwd = self._sum("all_host_bwd_s") + _affine(
-            self._recompute_sum("host_bwd", self.TIME))
-        h_fwd = self._sum("all_host_s") - self._sum("all_host_bwd_s") + _affine(
-            self._recompute_sum("host_fwd", self.TIME))
-        delta = h_fwd + h_bwd - d_fwd - d_bwd
         h = pulp.LpVariable("exposed_host", 0)
-        self.model += h >= n * (h_fwd + h_bwd) + self._sum("host_step_s") - total, "host_step"
+        self.model += h >= self._host_total() - total, "host_step"
         if p.host_phases:
+            n = p.num_microbatches
+            half = (self._sum("comm_s") + edge_cost) * 0.5
+            d_bwd = self._sum("bwd_compute_s") + half
+            d_fwd = self._sum("compute_s") - self._sum("bwd_compute_s") + half
+            h_bwd = self._sum("all_host_bwd_s") + _affine(
+                self._recompute_sum("host_bwd", self.TIME))
+            h_fwd = self._sum("all_host_s") - self._sum("all_host_bwd_s") + _affine(
+                self._recompute_sum("host_fwd", self.TIME))
+            delta = h_fwd + h_bwd - d_fwd - d_bwd
             self.model += h >= h_fwd - d_fwd, "host_first_forward"
             self.model += h >= n * delta, "host_every_pass"
             self.model += h >= (n - 1) * delta + h_fwd - d_fwd, "host_to_last_forward"
