@@ -15,7 +15,8 @@ the predicted step time, breakdown and peak memory, the measured times,
 ``--profile``, the device time per kernel kind and the busiest host ops of one step
 (:func:`kernel_breakdown`), for those named by ``--trace-memory`` the allocations live
 at the peak by source line (:func:`peak_composition`). A failure is recorded with its
-traceback rather than stopping the run.
+traceback rather than stopping the run. ``--compile`` runs each plan twice, eager and
+laid out with ``apply_plan(..., compile=True)`` (``h200_compile_steps.json``).
 
 Run on a GPU machine (one process; it starts its own one-rank NCCL group); the
 committed results were made with::
@@ -185,8 +186,10 @@ def peak_composition(step, top: int = 30) -> dict[str, Any]:
 
 def run_one(kind: str, cfg: Any, batch: int, seq: int, steps: int, case: str,
             spec: dict[str, Any] | None, profile_it: bool,
-            trace_memory: bool = False, fused: bool = False) -> dict[str, Any]:
-    """Plan (or score ``spec``), lay out, and time one model (module docstring)."""
+            trace_memory: bool = False, fused: bool = False,
+            compiled: bool = False) -> dict[str, Any]:
+    """Plan (or score ``spec``), lay out, and time one model (module docstring);
+    ``compiled``: lay it out with ``apply_plan(..., compile=True)``."""
     import autopar
     from autopar.runtime import apply_plan
 
@@ -202,7 +205,7 @@ def run_one(kind: str, cfg: Any, batch: int, seq: int, steps: int, case: str,
         plan = autopar.estimate(model, (x_meta,), autopar.Spec(**spec), cluster=cluster,
                                 global_batch=batch, precision=precision)
     torch.manual_seed(0)
-    pm = apply_plan(model, plan)
+    pm = apply_plan(model, plan, compile=compiled)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, fused=fused or None)
     dev = torch.device("cuda" if cuda else "cpu")
     x = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
@@ -212,7 +215,7 @@ def run_one(kind: str, cfg: Any, batch: int, seq: int, steps: int, case: str,
         if cuda:
             torch.cuda.synchronize()
 
-    times, host, fwd_bwd, optim, losses = [], [], [], [], []
+    times, host, fwd_bwd, optim, losses, warmup = [], [], [], [], [], []
     for i in range(steps + 2):  # a training loop's step: one synchronize, at its end
         if i == 2 and cuda:
             sync()
@@ -229,6 +232,8 @@ def run_one(kind: str, cfg: Any, batch: int, seq: int, steps: int, case: str,
         if i >= 2:
             times.append(t2 - t0)
             host.append(t1 - t0)
+        else:
+            warmup.append(t2 - t0)
     for _ in range(steps):  # the same, synchronized between backward and optimizer
         sync()
         t0 = time.perf_counter()
@@ -252,7 +257,8 @@ def run_one(kind: str, cfg: Any, batch: int, seq: int, steps: int, case: str,
     memory = peak_composition(full_step) if trace_memory and cuda else None
     med = statistics.median(times)
     return {
-        "model": kind, "case": case, "spec": spec, "fused_adamw": fused, "params": n_params, "batch": batch,
+        "model": kind, "case": case, "spec": spec, "fused_adamw": fused,
+        "compiled": compiled, "warmup_step_s": warmup, "params": n_params, "batch": batch,
         "seq": seq, "config": dict(vars(cfg)),
         "plan": {"mesh": plan.mesh, "zero": plan.zero, "microbatch_size": plan.microbatch_size,
                  "num_microbatches": plan.num_microbatches, "precision": plan.precision,
@@ -297,6 +303,8 @@ def main() -> int:
                     help="comma-separated cases whose kernels are profiled")
     ap.add_argument("--trace-memory", default="",
                     help="comma-separated cases whose peak is broken down by allocation site")
+    ap.add_argument("--compile", action="store_true",
+                    help="run each case twice: eager, then with apply_plan(compile=True)")
     ap.add_argument("--slice-layers", type=int, default=8,
                     help="layers of the llama8b slice (embedding and head kept whole)")
     args = ap.parse_args()
@@ -306,14 +314,16 @@ def main() -> int:
     for kind, cfg, batch, seq in _configs(args.tiny, args.slice_layers):
         if kind not in args.models.split(","):
             continue
-        for case, spec in [c for c in CASES if c[0] in cases]:
+        for (case, spec), compiled in [(c, k) for c in CASES if c[0] in cases
+                                       for k in ((False, True) if args.compile else (False,))]:
             try:
                 results.append(run_one(kind, cfg, batch, seq, args.steps, case, spec,
                                        profile_it=case in args.profile.split(","),
                                        trace_memory=case in args.trace_memory.split(","),
-                                       fused=args.fused))
+                                       fused=args.fused, compiled=compiled))
             except Exception:  # noqa: BLE001 — record and go on to the next case
-                results.append({"model": kind, "case": case, "error": traceback.format_exc()})
+                results.append({"model": kind, "case": case, "compiled": compiled,
+                                "error": traceback.format_exc()})
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
@@ -330,7 +340,9 @@ def main() -> int:
         if "error" in r:
             print(f"{r['model']} {r['case']}: FAILED\n{r['error']}", file=sys.stderr)
         else:
-            print(f"{r['model']} {r['case']} {r['params'] / 1e9:.2f}B mesh {r['plan']['mesh']} "
+            print(f"{r['model']} {r['case']}{' compiled' if r['compiled'] else ''} "
+                  f"warm-up {', '.join(f'{t:.1f}' for t in r['warmup_step_s'])} s; "
+                  f"{r['params'] / 1e9:.2f}B mesh {r['plan']['mesh']} "
                   f"mb {r['plan']['microbatch_size']} recompute {r['plan']['recompute']} "
                   f"step measured {r['measured_step_s'] * 1e3:.1f} ms predicted "
                   f"{r['plan']['predicted_step_s'] * 1e3:.1f} ms ({r['step_error']:+.1%})"

@@ -1,6 +1,7 @@
 """``compile=True``: each of the plan's blocks runs under torch.compile (inductor's
-CPU code here), and 3 AdamW steps under dp2 with ZeRO-3 and under tp2 equal the same
-loop uncompiled on one process to 1e-6 in float64 losses and parameters; a pipelined
+CPU code here), and 3 AdamW steps under dp2 with ZeRO-3 (also with selective
+recomputation, whose policy then runs while tracing) and under tp2 equal the same loop
+uncompiled on one process to 1e-6 in float64 losses and parameters; a pipelined
 plan refuses the option with one message."""
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ NO_COMPILER = not shutil.which(os.environ.get("CXX", "g++"))
 @pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler for inductor's CPU code: install "
                     "g++ (or set CXX) to run torch.compile on the CPU")
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [dict(dp=2, zero=3), dict(dp=1, tp=2)],
-                         ids=["zero3-dp2", "tp2"])
+@pytest.mark.parametrize("layout", [dict(dp=2, zero=3), dict(dp=1, tp=2),
+                                    dict(dp=2, zero=3, recompute="selective")],
+                         ids=["zero3-dp2", "tp2", "zero3-dp2-selective"])
 def test_compiled_blocks_train_as_eager_one_process(rank_pool: RankPool, layout) -> None:
     ref_losses, ref_params = reference()
     plan = megatron_plan(make("llama"), **layout)
