@@ -263,7 +263,10 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
 
     ``top_k`` > 1 also keeps the next fastest plans (:attr:`SearchResult.runners_up`):
     pruning then compares bounds with the k-th best time found, so the runners-up are
-    exact too; they are the candidates the search solved anyway, kept as it scores them.
+    exact too (but for a pipelined candidate whose modes must be searched: that search
+    runs only against the plan, :data:`RUNNER_UP_PRUNED`); the candidates without a
+    pipeline are visited first, so that their plans prune the stage splits, and ties go
+    to the smaller bound, so the plan does not depend on ``top_k``.
 
     ``time_limit_s`` bounds the whole search, from this call (or ``deadline``, a
     :func:`time.perf_counter` instant, when given): it is checked between candidates,
@@ -331,21 +334,20 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
         r.solution.stats["search_s"] = res.time_s + time.perf_counter() - t0
         return r
     budget = kw["deadline"] is None  # its own CP_TIER_PROBLEMS, not the caller's limit
-    try:
-        other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt,
-                        max_built=CP_TIER_PROBLEMS if budget else None)
-    except NoFeasiblePlanError:
-        return timed(_note_cut(res, unbuilt, len(split), budget and bool(unbuilt)))
-    except _OutOfTime as e:  # the time left every one of them unsolved
-        if not budget:
-            _set_gap(res, e.bound_s)
-        return timed(_note_cut(res, unbuilt, len(split), budget))
+    mine = Scored(res.step_time_s, res.built, res.solution, c, res.pipeline)
+    other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt,
+                    max_built=CP_TIER_PROBLEMS if budget else None,
+                    seed=[mine] + res.runners_up)
     _note_cut(res, unbuilt, len(split), budget and bool(unbuilt))
-    if other.step_time_s >= res.step_time_s * (1 - 1e-9):
+    if other.candidate is c:  # still the plan; the runners-up of both tiers ranked
+        res.runners_up = other.runners_up
+        res.outcomes += other.outcomes
+        res.solution.stats["candidates"] = len(res.outcomes)
         _set_gap(res, other.gap_bound_s)
         return timed(res)
     _set_gap(other, res.gap_bound_s)
     other.outcomes = res.outcomes + other.outcomes
+    other.solution.stats["candidates"] = len(other.outcomes)
     other.notes = res.notes + other.notes
     other.passed_over = res.passed_over + [
         f"the fastest plan that fits takes {res.step_time_s:.4g} s ({c.label()}, "
@@ -394,6 +396,7 @@ class Scored:
     candidate: Candidate
     pipeline: PipelineOutcome | None = None
     bound_s: float = 0.0  # the candidate's lower bound on its step time
+    rank: int = 0  # its place in the search's order of bounds (ties go to the first)
 
 
 def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
@@ -402,13 +405,17 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             deadline: float | None, top_k: int,
             progress: Callable[[int, int, float | None], None] | None,
             have_plan: bool = False, unbuilt: list[Candidate] | None = None,
-            max_built: int | None = None) -> SearchResult:
+            max_built: int | None = None, seed: list[Scored] | None = None) -> SearchResult:
     """:func:`search` over ``cands`` as given. ``have_plan``: the caller holds a plan
     already, so the deadline may stop this search before it finds one (raising
     :class:`_OutOfTime`), or before it builds every candidate's problem (those go to
-    ``unbuilt``, as do those past ``max_built`` problems)."""
+    ``unbuilt``, as do those past ``max_built`` problems). ``seed``: plans an earlier
+    search kept, fastest first, which prune this one from its start and stay in its
+    ranking (ahead of its own on ties); its result may be ``seed[0]`` itself."""
     t0 = time.perf_counter()
-    kept: list[Scored] = []  # the top_k fastest so far, fastest first (ties: first found)
+    kept = list(seed or [])  # the top_k fastest so far, fastest first
+    for i, s in enumerate(kept):
+        s.rank = i - len(kept)
     outcomes: list[Outcome] = []
     infeasible: list[tuple[Candidate, Built]] = []
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
@@ -420,6 +427,9 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))
     bound = _bounds(an.graph, cands, built_by, memory_budget)
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
+    rank = {k: i for i, k in enumerate(order)}  # ties between equal plans go by it
+    if top_k > 1:  # cheap ILPs first: their plans tighten the k-th best time before
+        order.sort(key=lambda k: cands[k].pp > 1)  # the pipelines' stage splits run
     solved: dict[tuple, object] = {}
     unproven: list[float] = []  # the bounds of candidates a time limit left unsolved
 
@@ -428,20 +438,24 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         return deadline is not None and bool(kept or have_plan) and \
             time.perf_counter() > deadline
 
-    def score(k: int, refine: bool) -> Scored | None:
-        """:func:`_score` of candidate ``k``; one whose ILP the time limit cut short
-        leaves its bound in ``unproven``."""
+    def score(k: int, refine: bool, beat: float | None = None) -> Scored | None:
+        """:func:`_score` of candidate ``k`` against the k-th best time found (``beat``:
+        against that time instead, which a search of the modes need beat to matter for
+        the plan); one whose ILP the time limit cut short leaves its bound in
+        ``unproven``."""
         c = cands[k]
         left = None if deadline is None or not kept else deadline - time.perf_counter()
+        limit = _limit(kept, top_k) if beat is None else beat
         try:
-            scored = _score(an, c, built_by[mesh_key(c)], bound[k], _limit(kept, top_k),
-                            solved, outcomes, infeasible, refine=refine, time_limit_s=left)
+            scored = _score(an, c, built_by[mesh_key(c)], bound[k], limit, solved, outcomes,
+                            infeasible, refine=refine, time_limit_s=left,
+                            pruned=None if beat is None or top_k == 1 else RUNNER_UP_PRUNED)
         except SolverTimeout:
             outcomes.append(Outcome(c, None, None, "not solved: the search's time limit"))
             unproven.append(bound[k])
             return None
         if scored is not None:
-            scored.bound_s = bound[k]
+            scored.bound_s, scored.rank = bound[k], rank[k]
             if scored.solution.status == "Stopped":  # its own bound is on F: no pipeline
                 own = scored.solution.stats.get("lower_bound_s", 0.0) if c.pp == 1 else 0.0
                 unproven.append(max(bound[k], own))
@@ -472,7 +486,8 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         if kept and kept[0].step_time_s <= bound[j] < _limit(kept, top_k):
             outcomes.append(Outcome(cands[j], None, None, RUNNER_UP_UNREFINED))
             continue
-        kept = _keep(kept, score(j, refine=True), top_k)
+        kept = _keep(kept, score(j, refine=True, beat=kept[0].step_time_s if kept else None),
+                     top_k)
     if not kept and have_plan and unproven:
         raise _OutOfTime(min(unproven))
     if not kept:
@@ -482,7 +497,8 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                               default=float("inf"))
         raise err
     best = kept[0]
-    if best.pipeline is not None:  # the winner's recomputation, chosen with its stage split
+    if best.pipeline is not None and best not in (seed or []):
+        # the winner's recomputation, chosen with its stage split (a seed's already was)
         c = best.candidate
         if out_of_time():  # left as the ILP chose it: a refined one may be faster
             unproven.append(best.bound_s)
@@ -490,7 +506,8 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             po = refine_modes(an.graph, best.built, best.pipeline, pp=c.pp,
                               schedule=c.schedule, virtual_stages=c.virtual_stages) or \
                 best.pipeline
-            best = Scored(po.step_time_s, best.built, po.solution, c, po, best.bound_s)
+            best = Scored(po.step_time_s, best.built, po.solution, c, po, best.bound_s,
+                          best.rank)
     res = SearchResult(best.built, best.solution, outcomes, time.perf_counter() - t0,
                        best.candidate, best.pipeline, kept[1:], step_time_s=best.step_time_s)
     res.solution.stats["candidates"] = len(outcomes)
@@ -507,6 +524,13 @@ runners-up cost little more than the plan this way (``top_k`` 5 on GPT-3 175B at
 A100: 12.1 s of search against 3.2 s when such candidates were refined too)."""
 
 
+RUNNER_UP_PRUNED = ("pruned: no recomputation and stage split of it beats the plan; "
+                    "that search (many ILPs) runs only as far as the plan, not for a "
+                    "runner-up place")
+"""Why a pipelined candidate whose modes were searched against the plan alone (with
+``top_k`` > 1: against the k-th best time it would cost as much again) is no runner-up."""
+
+
 def _limit(kept: list[Scored], top_k: int) -> float:
     """The step time a plan must beat to enter ``kept`` (inf while it has room)."""
     return kept[-1].step_time_s if len(kept) >= top_k else float("inf")
@@ -514,11 +538,16 @@ def _limit(kept: list[Scored], top_k: int) -> float:
 
 def _keep(kept: list[Scored], scored: Scored | None, top_k: int) -> list[Scored]:
     """``kept`` (the top_k fastest, fastest first) with ``scored`` placed after every
-    plan as fast (ties keep the first found)."""
+    plan as fast (ties go to the candidate of the smaller bound, whatever the order the
+    search visited them in)."""
     if scored is None:
         return kept
-    at = next((i for i, s in enumerate(kept)
-               if scored.step_time_s < s.step_time_s * (1 - 1e-9)), len(kept))
+
+    def before(s: Scored) -> bool:
+        if scored.step_time_s < s.step_time_s * (1 - 1e-9):
+            return True
+        return scored.step_time_s <= s.step_time_s * (1 + 1e-9) and scored.rank < s.rank
+    at = next((i for i, s in enumerate(kept) if before(s)), len(kept))
     return (kept[:at] + [scored] + kept[at:])[:top_k]
 
 
@@ -626,13 +655,14 @@ def _batch_group(c: Candidate) -> tuple:
 def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, bound: float,
            limit: float, solved: dict, outcomes: list[Outcome],
            infeasible: list[tuple[Candidate, Built]], refine: bool = True,
-           time_limit_s: float | None = None) -> Scored | None:
+           time_limit_s: float | None = None, pruned: str | None = None) -> Scored | None:
     """Solve candidate ``c`` unless it cannot fit or cannot beat ``limit`` (the time a
     plan must beat to be kept); record its outcome either way. Without ``refine``, a
     pipelined candidate that would search its modes raises RefineLater instead (and
     records nothing). ``time_limit_s`` bounds its intra-op ILP without a pipeline
     (:func:`~autopar.solvers.intra_op_ilp.solve_ilp`: SolverTimeout when it found
-    nothing, records nothing)."""
+    nothing, records nothing). ``pruned``: the outcome of a pipelined candidate that
+    cannot beat ``limit`` (default: it is no better than the best plans found)."""
     def drop(reason: str, fits: bool = True) -> None:
         outcomes.append(Outcome(c, None, None, reason))
         if not fits:
@@ -654,8 +684,8 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
         except NoFeasiblePlanError as e:
             return drop(str(e), fits=False)
         if po is None:
-            return drop("pruned: even without a bubble it is no better than the best plans "
-                        "found")
+            return drop(pruned or "pruned: even without a bubble it is no better than the "
+                        "best plans found")
         outcomes.append(Outcome(c, po.step_time_s, po.memory_bytes))
         return Scored(po.step_time_s, built, po.solution, c, po)
     try:

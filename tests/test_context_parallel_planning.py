@@ -69,6 +69,23 @@ def test_long_sequences_turn_to_cp_when_nothing_else_fits(gpt2) -> None:
     assert Plan.from_json(plan.to_json()) == plan
 
 
+def test_runners_up_rank_the_plans_with_and_without_cp(gpt2) -> None:
+    """At 18 GB the best plan without cp recomputes every block, so the search tries cp
+    as well: the runners-up rank the plans of both searches, the one without cp
+    included, and a short list is the head of the long one."""
+    model, x = gpt2
+    every = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=10_000)
+    three = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=3)
+    assert every.degree("cp") > 1 and three.degree("cp") > 1
+    without = [r for r in every.runners_up if r["mesh"].get("cp", 1) == 1]
+    assert [r["recompute"] for r in without] == [["full"]]
+    times = [every.step_time_s] + [r["step_time_s"] for r in every.runners_up]
+    assert times == sorted(times)
+    assert [three.step_time_s] + [r["step_time_s"] for r in three.runners_up] == \
+        pytest.approx(times[:3], rel=1e-12)
+    assert every.solver["candidates"] == len(times)  # both searches' configurations
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_planned_attention_costs_what_the_variant_does(gpt2, variant: str) -> None:
     """12 layers of 12 heads of 64 over 32K tokens, causal, bf16, cp=4 in one node."""

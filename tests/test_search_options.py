@@ -40,6 +40,12 @@ def test_runners_up_are_the_next_fastest_plans(gpt, full):
         assert bool(r["why"]) == slower  # a reason exactly when it is slower
     assert autopar.Plan.from_json(plan.to_json()).runners_up == plan.runners_up
     assert "runners-up (why each is slower than the plan)" in plan.summary()
+    # with runners-up the search visits the configurations without a pipeline first;
+    # the plan is still the one found alone, ties included
+    one = autopar.plan(model, x, cluster=CLUSTER, global_batch=16)
+    same = lambda p: (p.mesh, p.zero, p.microbatch_size, p.num_microbatches, p.recompute,
+                      p.step_time_s)
+    assert same(one) == same(plan) == same(full)
 
 
 def test_time_limit_returns_the_best_found_with_its_gap(gpt, full):
