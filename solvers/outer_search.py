@@ -338,7 +338,7 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt,
                     max_built=CP_TIER_PROBLEMS if budget else None,
                     seed=[mine] + res.runners_up)
-    _note_cut(res, unbuilt, len(split), budget and bool(unbuilt))
+    _note_cut(res, unbuilt, len(split), budget)
     if other.candidate is c:  # still the plan; the runners-up of both tiers ranked
         res.runners_up = other.runners_up
         res.outcomes += other.outcomes
@@ -355,15 +355,23 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     return timed(other)
 
 
-def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int, cut: bool) -> SearchResult:
-    """``res`` with a note, when ``cut``, that :data:`CP_TIER_PROBLEMS` ended the search
-    of the ``of`` context-parallel candidates before its end (``unbuilt``: those whose
-    problems it did not build)."""
-    if cut:
+def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int,
+              budget: bool) -> SearchResult:
+    """``res`` with a note, when some of the ``of`` context-parallel candidates were left
+    ``unbuilt``, saying what ended their search: :data:`CP_TIER_PROBLEMS` (``budget``)
+    or the caller's time limit (their problems unbuilt, they have no bound for the gap)."""
+    if not unbuilt:
+        return res
+    if budget:
         res.notes.append(f"context parallelism was weighed in the first "
                          f"{CP_TIER_PROBLEMS} problems the search builds for it without a "
                          f"time limit, not to the end ({len(unbuilt):,} of {of:,} "
                          f"configurations not built); pass cp (--cp) to search it whole")
+    else:
+        res.notes.append(f"the time limit ended the search of context parallelism before "
+                         f"it built the problems of {len(unbuilt):,} of {of:,} "
+                         f"configurations: they are not scored, and the gap leaves them "
+                         f"out; a longer limit searches them")
     return res
 
 

@@ -86,6 +86,19 @@ def test_runners_up_rank_the_plans_with_and_without_cp(gpt2) -> None:
     assert every.solver["candidates"] == len(times)  # both searches' configurations
 
 
+def test_a_time_limit_that_cuts_the_cp_search_says_so(gpt2) -> None:
+    """With no time at all the search still finds a plan without cp (it recomputes
+    every block), and then builds no cp problem: a note says how many it left."""
+    model, x = gpt2
+    every = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=10_000)
+    cp = sum(r["mesh"].get("cp", 1) > 1 for r in every.runners_up) + 1  # the plan has cp
+    plan = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, time_limit_s=0.0)
+    assert plan.degree("cp") == 1 and set(plan.recompute.values()) == {"full"}
+    assert (f"the time limit ended the search of context parallelism before it built the "
+            f"problems of {cp} of {cp} configurations: they are not scored, and the gap "
+            f"leaves them out; a longer limit searches them") in plan.notes
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_planned_attention_costs_what_the_variant_does(gpt2, variant: str) -> None:
     """12 layers of 12 heads of 64 over 32K tokens, causal, bf16, cp=4 in one node."""
