@@ -328,11 +328,6 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     split = [f for f in following if f.cp > 1]
     unbuilt: list[Candidate] = []
     t0 = time.perf_counter()
-
-    def timed(r: SearchResult) -> SearchResult:
-        """``r`` with the search's seconds counting this tier's."""
-        r.solution.stats["search_s"] = res.time_s + time.perf_counter() - t0
-        return r
     budget = kw["deadline"] is None  # its own CP_TIER_PROBLEMS, not the caller's limit
     mine = Scored(res.step_time_s, res.built, res.solution, c, res.pipeline)
     other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt,
@@ -341,27 +336,28 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     _note_cut(res, unbuilt, len(split), budget)
     if other.candidate is c:  # still the plan; the runners-up of both tiers ranked
         res.runners_up = other.runners_up
-        res.outcomes += other.outcomes
-        res.solution.stats["candidates"] = len(res.outcomes)
         _set_gap(res, other.gap_bound_s)
-        return timed(res)
-    _set_gap(other, res.gap_bound_s)
-    other.outcomes = res.outcomes + other.outcomes
-    other.solution.stats["candidates"] = len(other.outcomes)
-    other.notes = res.notes + other.notes
-    other.passed_over = res.passed_over + [
-        f"the fastest plan that fits takes {res.step_time_s:.4g} s ({c.label()}, "
-        f"saving memory by {'full recomputation' if recomputes else 'offload'})"]
-    return timed(other)
+        won = res
+    else:
+        _set_gap(other, res.gap_bound_s)
+        other.notes = res.notes + other.notes
+        other.passed_over = res.passed_over + [
+            f"the fastest plan that fits takes {res.step_time_s:.4g} s ({c.label()}, "
+            f"saving memory by {'full recomputation' if recomputes else 'offload'})"]
+        won = other
+    won.outcomes = res.outcomes + other.outcomes
+    won.solution.stats["candidates"] = len(won.outcomes)
+    won.solution.stats["search_s"] = res.time_s + time.perf_counter() - t0
+    return won
 
 
-def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int,
-              budget: bool) -> SearchResult:
-    """``res`` with a note, when some of the ``of`` context-parallel candidates were left
-    ``unbuilt``, saying what ended their search: :data:`CP_TIER_PROBLEMS` (``budget``)
-    or the caller's time limit (their problems unbuilt, they have no bound for the gap)."""
+def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int, budget: bool) -> None:
+    """Add to ``res`` a note, when some of the ``of`` context-parallel candidates were
+    left ``unbuilt``, saying what ended their search: :data:`CP_TIER_PROBLEMS`
+    (``budget``) or the caller's time limit (their problems unbuilt, they have no bound
+    for the gap)."""
     if not unbuilt:
-        return res
+        return
     if budget:
         res.notes.append(f"context parallelism was weighed in the first "
                          f"{CP_TIER_PROBLEMS} problems the search builds for it without a "
@@ -372,7 +368,6 @@ def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int,
                          f"it built the problems of {len(unbuilt):,} of {of:,} "
                          f"configurations: they are not scored, and the gap leaves them "
                          f"out; a longer limit searches them")
-    return res
 
 
 def _set_gap(res: SearchResult, bound_s: float | None) -> None:
@@ -505,7 +500,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                               default=float("inf"))
         raise err
     best = kept[0]
-    if best.pipeline is not None and best not in (seed or []):
+    if best.pipeline is not None and not any(best is s for s in seed or []):
         # the winner's recomputation, chosen with its stage split (a seed's already was)
         c = best.candidate
         if out_of_time():  # left as the ILP chose it: a refined one may be faster
