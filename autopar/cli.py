@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from autopar.cluster import Cluster
+    from autopar.plans import Plan
     from autopar.spec import Spec
 
 
@@ -207,12 +208,19 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="SGD steps to train and compare (default: %(default)s)")
     c = sub.add_parser("codegen", help="write a plan as a standalone torchrun training program")
     c.add_argument("plan", help="plan JSON written by `autopar plan --json`")
-    c.add_argument("--model", required=True, help="path/to/file.py:factory the plan is for")
+    c.add_argument("--model", required=True,
+                   help="the model the plan is for: path/to/file.py:factory, or a zoo name "
+                        "(its classes are then written beside the program as "
+                        "OUTPUT_model.py, so the program needs torch alone)")
     c.add_argument("--loss", metavar="FILE.py:FUNCTION",
                    help="the loss(output, targets) to train with (default: cross-entropy over "
                         "the output's last dim)")
     c.add_argument("-o", "--output", default="train.py",
                    help="the program to write (default: %(default)s)")
+    c.add_argument("--build", choices=["auto", "cpu", "meta"], default="auto",
+                   help="the program's default --build: cpu (the weights the factory makes), "
+                        "meta (each rank initializes its own shards with reset_parameters()) "
+                        "or auto (cpu whenever the model fits in memory; default)")
     from autopar.cost_models.profiling.options import build_parser as profile_parser
 
     profile_parser(sub.add_parser("profile", help="measure this machine's GPU (or CPU) "
@@ -379,9 +387,10 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     import os
 
     from autopar.plans import Plan
-    from autopar.runtime.codegen import emit_program
+    from autopar.runtime.codegen import emit_program, model_facts
 
-    _check_spec("--model", args.model, "factory")
+    if ":" in args.model or args.model.endswith(".py"):
+        _check_spec("--model", args.model, "factory")
     _check_spec("--loss", args.loss, "function")
     _check_writable(args.output, "the program")
     try:
@@ -389,17 +398,35 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             plan = Plan.from_json(f.read())
     except OSError as e:
         raise ConfigError(f"cannot read the plan {args.plan!r}: {e.strerror}") from None
-    path = args.model.rpartition(":")[0]
+    spec = args.model if ":" in args.model else _write_zoo_model(args.model, plan, args.output)
+    path = spec.rpartition(":")[0]
     out_dir = os.path.dirname(os.path.abspath(args.output))
     loss_file = None
     if args.loss:
         loss_file = os.path.relpath(args.loss.rpartition(":")[0], out_dir)
-    text = emit_program(plan, args.model, model_file=os.path.relpath(path, out_dir),
+    facts = model_facts(spec)
+    if facts.note:
+        print(f"autopar: {facts.note}", file=sys.stderr)
+    text = emit_program(plan, spec, model_file=os.path.relpath(path, out_dir),
                         program_name=os.path.basename(args.output), loss_spec=args.loss,
-                        loss_file=loss_file)
+                        loss_file=loss_file, build=args.build, facts=facts)
     _write(args.output, text, "the program")
     print(f"wrote {args.output}: torchrun --nproc-per-node {plan.world_size} {args.output}")
     return 0
+
+
+def _write_zoo_model(name: str, plan: Plan, output: str) -> str:
+    """Write zoo model ``name`` (at the sequence length of the plan's inputs) as a
+    standalone file beside ``output``; return its ``path:build`` spec."""
+    from autopar.examples.zoo_source import model_source
+
+    shape = plan.inputs[0]["shape"] if plan.inputs else []
+    seq_len = int(shape[1]) if len(shape) == 2 and plan.inputs[0].get("dtype") == "int64" \
+        else None
+    path = output.removesuffix(".py") + "_model.py"
+    _write(path, model_source(name, seq_len), "the model")
+    print(f"wrote {path}: the zoo's {name}, which the program builds")
+    return f"{path}:build"
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -20,6 +20,10 @@ class ConfigError(AutoparError, ValueError):
     """An argument is invalid: an unknown GPU, a degree that does not divide, ..."""
 
 
+class FactoryError(ConfigError):
+    """A user's model factory (``path/to/file.py:factory``) raised when called."""
+
+
 class NoFeasiblePlanError(AutoparError):
     """No plan fits in the memory budget (says the least memory any plan needs)."""
 

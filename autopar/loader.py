@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, FactoryError
 
 __all__ = ["load", "load_callable", "load_with_targets"]
 
@@ -76,7 +76,7 @@ def load_with_targets(spec: str, *, batch_size: int = 1, seq_len: int | None = N
     try:
         result = factory(**kwargs)
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"{spec}() raised {type(e).__name__}: {e}") from None
+        raise FactoryError(f"{spec}() raised {type(e).__name__}: {e}") from None
     if isinstance(result, nn.Module):
         return result, _guess_inputs(result, spec, batch_size, seq_len), None
     if isinstance(result, (tuple, list)) and len(result) in (2, 3) and \

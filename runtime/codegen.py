@@ -25,7 +25,7 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from autopar.errors import ConfigError, LoweringError
+from autopar.errors import ConfigError, FactoryError
 from autopar.loader import load, load_callable
 from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
 from autopar.runtime import codegen_pipeline_templates as PT
@@ -47,14 +47,16 @@ _DEFAULT_LR = MappingProxyType({"sgd": 0.1, "adamw": 1e-3})
 @dataclass(frozen=True)
 class ModelFacts:
     """What the program needs to know about the model beyond the plan (read from a
-    ``meta`` instance at generation time).
+    ``meta`` instance at generation time, or a CPU one where the factory cannot run on
+    meta).
 
     Attributes:
-        model: the model, on the meta device.
+        model: the model, on the meta device (or the CPU, see ``note``).
         tied: parameter names sharing one tensor, first owner first.
         input_shape: one sample's shape of the first example input (synthetic data).
         input_is_tokens: whether that input holds integer token ids.
         num_classes: the token vocabulary (first Embedding) or the last Linear's outputs.
+        note: why the model was built on the CPU ('' when on meta).
     """
 
     model: nn.Module
@@ -62,12 +64,20 @@ class ModelFacts:
     input_shape: tuple[int, ...]
     input_is_tokens: bool
     num_classes: int
+    note: str = ""
 
 
 def model_facts(model_spec: str) -> ModelFacts:
-    """Build ``path/to/file.py:factory`` on the meta device and read its facts."""
-    with torch.device("meta"):
+    """Build ``path/to/file.py:factory`` on the meta device and read its facts; a
+    factory whose own code cannot run there (example data made on a real device) is
+    built again on the CPU, and ``note`` says so."""
+    note = ""
+    try:
+        with torch.device("meta"):
+            model, inputs = load(model_spec)
+    except FactoryError as e:
         model, inputs = load(model_spec)
+        note = f"{e}; read the model from a CPU build instead"
     x = inputs[0]
     tokens = not torch.is_floating_point(x)
     layer = nn.Embedding if tokens else nn.Linear
@@ -79,7 +89,7 @@ def model_facts(model_spec: str) -> ModelFacts:
     classes = m.num_embeddings if isinstance(m, nn.Embedding) else m.out_features
     return ModelFacts(model=model, tied=tied_parameter_groups(model),
                       input_shape=tuple(x.shape[1:]), input_is_tokens=tokens,
-                      num_classes=int(classes))
+                      num_classes=int(classes), note=note)
 
 
 def _seconds(s: float) -> str:
@@ -497,9 +507,15 @@ def _loss_section(plan: Plan, loss_spec: str | None,
     return text, constants
 
 
+BUILDS = ("auto", "cpu", "meta")
+"""Where an emitted program may build the model (its ``--build``; see
+:func:`autopar.runtime.materialize.choose_build`)."""
+
+
 def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
                  program_name: str = "train.py", loss_spec: str | None = None,
-                 loss_file: str | None = None) -> str:
+                 loss_file: str | None = None, build: str = "auto",
+                 facts: ModelFacts | None = None) -> str:
     """The text of a standalone ``torchrun`` training program for ``plan`` and the model
     of ``model_spec`` (``path/to/file.py:factory``, built here on the meta device to
     check the plan and read what the program needs).
@@ -510,12 +526,16 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     ``loss_file``, default its path) is the loss ``function(output, targets)`` the
     program trains with; default: cross-entropy over the output's last dim, as
     :meth:`~autopar.runtime.ParallelModel.step` computes it without a ``loss_fn``.
+    ``build`` is the default of the program's ``--build`` (one of :data:`BUILDS`);
+    ``facts``, the model's :func:`model_facts` when the caller already read them.
     A pipelined plan's program cuts the model into its stages (see
     :mod:`autopar.runtime.codegen_pipeline`). Raises LoweringError when the plan does
     not fit the model.
     """
+    if build not in BUILDS:
+        raise ConfigError(f"build={build!r}: expected one of {', '.join(BUILDS)}")
     path, _, factory = model_spec.rpartition(":")
-    facts = model_facts(model_spec)
+    facts = facts if facts is not None else model_facts(model_spec)
     check_plan(facts.model, plan)
     pipelined = plan.degree("pp") > 1 or (plan.pipeline is not None and
                                           len(plan.pipeline.stages) > 1)
@@ -566,14 +586,14 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     extra = loss_constants + extra
     sections += [T.DATA.substitute(synthetic_what=what), loss_text]
     if pipelined:
-        pipe = pipeline_text(plan, model_facts(model_spec), layout, partial, dp_mean)
+        pipe = pipeline_text(plan, facts, layout, partial, dp_mean)
         extra = pipe.constants + extra
         *split, materialize_stage, schedule = pipe.sections
         sections[2:2] = split  # the splitter first, as main runs it first
         at = sections.index(T.MATERIALIZE.template) + 1
         sections[at:at] = [materialize_stage]
         sections += [schedule, pipe.step]
-        build, step_args = pipe.build, pipe.step_args
+        start, step_args = pipe.build, pipe.step_args
     else:
         after = ("    reduce_partial_gradients(model)\n" if partial else "") + dp_mean
         sync = ""
@@ -587,7 +607,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
                   "# this rank's tokens\n") if cp > 1 else ""
         sections.append(T.TRAIN_STEP.substitute(sync=sync, after=after, forward_backward=fb,
                                                 before=before))
-        build = T.BUILD.substitute(layout="".join(f"    {line}\n" for line in layout))
+        start = T.BUILD.substitute(layout="".join(f"    {line}\n" for line in layout))
         step_args = "model, mesh, inputs, targets, device"
     state_modules = PT.STATE_MODULES.substitute(
         tied="TIED" if "\nTIED = [" in extra else "()") if pipelined else \
@@ -595,7 +615,8 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     mesh_literal = "{" + ", ".join(f'"{k}": {v}' for k, v in plan.mesh.items()) + "}"
     sections += [T.CHECKPOINT.substitute(state_modules=state_modules, mesh=mesh_literal,
                                          model=plan.model),
-                 T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, build=build,
+                 T.MAIN.substitute(lr=_DEFAULT_LR[optimizer], optimizer=optimizer, build=start,
+                                   build_default=build,
                                    step_args=step_args, synthetic_what=what)]
     body = "\n\n\n".join(sections)
     constants = T.CONSTANTS.substitute(

@@ -192,7 +192,7 @@ OWN_OUTPUTS = Template(inspect.getsource(_pipeline._own_outputs))
 
 BUILD = Template('''\
     mesh = build_mesh(device_type)
-    model, on_meta = build_model(args.seed, args.build)
+    model, on_meta = build_model(args.seed, args.build, device, host_bytes(args))
     names = state_names(model)  # the plain model's tensor names, for checkpoints
     graphs, input_names = split_stages(model, device)
 $untie    torch.manual_seed(args.seed)  # every rank initializes alike

@@ -55,10 +55,10 @@ $throughput samples/s, MFU $mfu. Needs torch alone. Run with
 (one process per device; $cuda_note).
 
 Without --data each step trains on a fresh synthetic batch, whose loss shows that
-training runs, not that the model learns. The model starts on meta, each rank
-initializing its own shards with the modules' reset_parameters(), unless it has an
-initialization of its own (_init_weights, init_weights): it is then built on the CPU as
-one process builds it (--build).
+training runs, not that the model learns. The model is the one the factory builds on
+the CPU under --seed, as one process builds it; only where whole copies do not fit in
+memory, or with --build meta, it starts on meta, each rank initializing its own shards
+with the modules' reset_parameters() (the program says so).
 """''')
 """The module docstring."""
 
@@ -72,6 +72,7 @@ def import_file(name: str) -> Any:
         path = Path(__file__).resolve().parent / path
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # so dataclasses and pickling inside it work
     spec.loader.exec_module(module)
     return module
 
@@ -82,44 +83,41 @@ def call_factory() -> nn.Module:
     return model[0] if isinstance(model, (tuple, list)) else model
 
 
-''' + inspect.getsource(_materialize.without_reset_parameters) + '''
+''' + "\n\n".join(inspect.getsource(f) for f in (
+    _materialize.without_reset_parameters, _materialize.custom_initialization,
+    _materialize.meta_start_note, _materialize.tensor_bytes, _materialize.available_host_bytes,
+    _materialize.choose_build)) + '''
 
-''' + inspect.getsource(_materialize.custom_initialization) + '''
 
-def build_model(seed: int, build: str) -> tuple[nn.Module, bool]:
-    """The user's model and whether it is on the meta device (``build``: --build).
-
-    "auto": it starts on meta (no memory; materialize() gives this rank's shards only
-    each module's reset_parameters() initialization, after layout) when every module
-    that owns tensors has reset_parameters() and none has an initialization of its own
-    (_init_weights, init_weights), which a meta start would not run; else as "cpu".
-    "cpu": built on the CPU under ``seed`` as one process builds it, its own
-    initialization included (a full copy on every rank), and laid out from those
-    weights. "meta": on meta whatever its initialization."""
-    with torch.device("meta"):
-        model = call_factory()
-    if build == "meta":
-        return model, True
-    why = "--build cpu" if build == "cpu" else None
-    missing = without_reset_parameters(model)
-    if why is None and missing is not None:
-        why = (f"module {missing} owns tensors but has no reset_parameters(), which would "
-               "let it start on meta without a full copy on every rank")
-    own = custom_initialization(model) if why is None else None
-    if own is not None:
-        why = (f"module {own}, which a meta start would replace by reset_parameters() "
-               "(--build meta starts on meta anyway)")
-    if why is None:
-        return model, True
-    if dist.get_rank() == 0:
-        print(f"building the model on the CPU, not on meta: {why}", flush=True)
+def build_model(seed: int, build: str, device: torch.device,
+                host_bytes: int | None) -> tuple[nn.Module, bool]:
+    """The user's model and whether it is on the meta device (``build``: --build; see
+    choose_build). Built on the CPU it is the model the factory makes under ``seed``,
+    as one process builds it; on meta each rank later initializes only its own shards
+    with the modules' reset_parameters()."""
+    meta_model, meta_error = None, ""
+    if build != "cpu":
+        try:
+            with torch.device("meta"):
+                meta_model = call_factory()
+        except Exception as e:  # noqa: BLE001 - the factory's own code, e.g. data on a device
+            meta_error = f"{type(e).__name__}: {e}"
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    try:
+        on_meta, message = choose_build(
+            build, meta_model, meta_error, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            host_bytes if host_bytes is not None else available_host_bytes(), free)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if message and dist.get_rank() == 0:
+        print(message, flush=True)
+    if on_meta:
+        return meta_model, True
     torch.manual_seed(seed)
     return call_factory(), False''')
-"""Import the user's factory by file path and build the model: on ``meta`` when the
-runtime's own checks (:func:`autopar.runtime.materialize.without_reset_parameters`,
-:func:`~autopar.runtime.materialize.custom_initialization`, copied in) find every module
-able to initialize itself there and no initialization of the model's own, else on the
-CPU (``--build`` chooses)."""
+"""Import the user's factory by file path and build the model: on the CPU from the
+factory whenever it fits, else on ``meta`` (:func:`autopar.runtime.materialize.choose_build`
+and the checks it calls, copied in; ``--build`` chooses)."""
 
 CONTEXT_PARALLEL = Template('''\
 class LoweringError(RuntimeError):
@@ -427,7 +425,7 @@ def load_checkpoint(path: str, model: nn.Module, names: tuple[dict[str, str], fr
 
 BUILD = Template('''\
     mesh = build_mesh(device_type)
-    model, on_meta = build_model(args.seed, args.build)
+    model, on_meta = build_model(args.seed, args.build, device, host_bytes(args))
     names = state_names(model)  # the plain model's tensor names, for checkpoints
     if not on_meta:
         model.to(device)  # laid out from its own weights
@@ -450,11 +448,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", help="a torch.save'd dict {inputs, targets}: one global batch "
                     "to train on every step (default: a fresh synthetic batch each step)")
-    ap.add_argument("--build", choices=["auto", "meta", "cpu"], default="auto",
-                    help="where the model is built: meta (each rank initializes only its "
-                         "shards, by reset_parameters()), cpu (a full copy on each rank, the "
-                         "model's own initialization) or auto (meta unless the model needs "
-                         "cpu for its initialization; default)")
+    ap.add_argument("--build", choices=["auto", "meta", "cpu"], default="$build_default",
+                    help="where the model is built: cpu (the weights the factory makes under "
+                         "--seed, a whole copy on each rank while it is laid out), meta (each "
+                         "rank initializes only its shards, with the modules' "
+                         "reset_parameters()) or auto (cpu whenever the copies fit in host "
+                         "and device memory, else meta; default: %(default)s)")
+    ap.add_argument("--host-memory", type=float, metavar="GB",
+                    help="host memory --build auto may fill with the ranks' whole copies of "
+                         "the model (default: what the machine has available)")
     ap.add_argument("--save", metavar="DIR", help="checkpoint after the last step")
     ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint")
     ap.add_argument("--checkpoint-dir", metavar="DIR",
@@ -464,6 +466,11 @@ def parse_args() -> argparse.Namespace:
                     help="save DIR/step-<n> every K steps, keeping the last 2 (default: 0, "
                          "never)")
     return ap.parse_args()
+
+
+def host_bytes(args: argparse.Namespace) -> int | None:
+    """--host-memory in bytes (1 GB = 10^9 bytes), None when not given."""
+    return None if args.host_memory is None else int(args.host_memory * 1e9)
 
 
 def main() -> None:

@@ -4,12 +4,12 @@ allocates only its own shards.
 :func:`materialize` allocates every parameter's local shard (``to_empty``) and runs
 each module's ``reset_parameters()``, children before parents;
 :func:`materialize_stage` does so for one pipeline stage. A meta model therefore
-gets a fresh initialization from ``reset_parameters()``, which every module that
-directly owns tensors must have (:func:`check_materializable`;
-:func:`without_reset_parameters` names the first that lacks one); an initialization of
-the model's own (:func:`custom_initialization`) is not run.
-On a CPU the initialization runs at full size, each rank keeping its slice
-(:func:`full_size_init`).
+gets a fresh initialization from ``reset_parameters()``, not the weights the model's
+own code makes (:func:`meta_start_note` says so); every module that directly owns
+tensors must have one (:func:`check_materializable`). :func:`choose_build` decides
+where an emitted program builds the model: on the CPU from its factory whenever it
+fits, on meta only when asked or when it does not. On a CPU the initialization runs
+at full size, each rank keeping its slice (:func:`full_size_init`).
 The order of initialization, tied parameters and seeding on CPU and CUDA:
 docs/runtime.md, section ``autopar.runtime.materialize``.
 """
@@ -17,6 +17,7 @@ docs/runtime.md, section ``autopar.runtime.materialize``.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 
@@ -27,8 +28,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.errors import LoweringError
 
 __all__ = ["reset_enclosing", "is_meta_model", "without_reset_parameters", "custom_initialization",
-           "check_materializable", "tied_aliases", "full_size_init", "materialize",
-           "materialize_stage"]
+           "meta_start_note", "check_materializable", "tensor_bytes", "available_host_bytes",
+           "choose_build", "tied_aliases", "full_size_init", "materialize", "materialize_stage"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -69,22 +70,92 @@ def custom_initialization(model: nn.Module) -> str | None:
     return None
 
 
+def meta_start_note(model: nn.Module) -> str:
+    """What initializes a model that starts on meta, for the user to read: each
+    rank's shards get its modules' ``reset_parameters()``, not the weights the model's
+    own code makes (in ``__init__``, a factory's seed, or an initialization method of
+    its own, :func:`custom_initialization`, named when there is one)."""
+    own = custom_initialization(model)
+    text = ("the model starts on meta: each rank initializes its own shards with each "
+            "module's reset_parameters(), not with the weights the model's code makes")
+    return text + (f" (module {own}, which does not run)" if own is not None else "")
+
+
 def check_materializable(model: nn.Module) -> None:
     """Every module that directly owns parameters or buffers of a meta model must have
     ``reset_parameters()``, or its tensors would stay uninitialized
-    (:func:`without_reset_parameters`, which emitted programs also run); a model with an
-    initialization of its own (:func:`custom_initialization`) is warned that it gets
-    its modules' ``reset_parameters()`` instead."""
+    (:func:`without_reset_parameters`, which emitted programs also run); then the
+    initialization that runs instead of the model's own is said
+    (:func:`meta_start_note`, a UserWarning on rank 0)."""
     missing = without_reset_parameters(model)
     if missing is not None:
         raise LoweringError(f"module {missing} of the meta model owns tensors but has no "
                             "reset_parameters() to initialize them; add one, or build the "
                             "model on a real device before apply_plan")
-    own = custom_initialization(model)
-    if own is not None:
-        warnings.warn(f"module {own}, which a meta model does not run: it is initialized "
-                      "by each module's reset_parameters() instead; build the model on the "
-                      "CPU to keep its own initialization", UserWarning, stacklevel=3)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        warnings.warn(meta_start_note(model) + "; build the model on the CPU before "
+                      "apply_plan to train those weights", UserWarning, stacklevel=3)
+
+
+def tensor_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each tensor counted once (tied
+    weights once), at their dtypes: what one whole copy of the model holds."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(id(t), t)
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def available_host_bytes() -> int:
+    """The host memory this machine can still give (Linux ``MemAvailable`` of
+    ``/proc/meminfo``; elsewhere the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def choose_build(build: str, meta_model: nn.Module | None, meta_error: str, local_ranks: int,
+                 host_bytes: int, device_bytes: int | None) -> tuple[bool, str]:
+    """Where a program builds the model: (on meta, what to tell the user, '' for
+    nothing). ``build`` is "cpu" (from the factory, on the CPU), "meta" or "auto";
+    ``meta_model`` the factory's model built on meta, None when that failed with
+    ``meta_error``. "auto" builds on the CPU, the weights the factory makes, whenever
+    ``local_ranks`` whole copies fit in ``host_bytes`` and one fits in
+    ``device_bytes`` (the device's free memory, None for a CPU run): each rank holds
+    one while it builds and lays it out. Otherwise it starts on meta and says which
+    initialization runs instead. Raises ValueError where neither can work."""
+    if build == "cpu":
+        return False, ""
+    if meta_model is None:
+        if build == "meta":
+            raise ValueError(f"--build meta: the factory cannot run on the meta device "
+                             f"({meta_error}); use --build cpu")
+        return False, (f"the factory cannot run on the meta device ({meta_error}): building "
+                       "the model on the CPU")
+    missing = without_reset_parameters(meta_model)
+    if build == "meta":
+        if missing is not None:
+            raise ValueError(f"--build meta: module {missing} owns tensors but has no "
+                             "reset_parameters() to initialize them on meta; use --build cpu")
+        return True, meta_start_note(meta_model)
+    size = tensor_bytes(meta_model)
+    if local_ranks * size <= host_bytes and (device_bytes is None or size <= device_bytes):
+        return False, ""
+    where = (f"{local_ranks} whole cop{'y' if local_ranks == 1 else 'ies'} of {size / 1e9:.3g} "
+             f"GB need more than the host's {host_bytes / 1e9:.3g} GB"
+             if local_ranks * size > host_bytes else
+             f"one whole copy of {size / 1e9:.3g} GB needs more than the device's free "
+             f"{(device_bytes or 0) / 1e9:.3g} GB")
+    if missing is not None:
+        raise ValueError(f"the model cannot be built whole ({where}) and module {missing} "
+                         "has no reset_parameters() to start on meta; add one, or run on "
+                         "machines with more memory")
+    return True, f"{meta_start_note(meta_model)}, since {where} (--build cpu builds it anyway)"
 
 
 def tied_aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:

@@ -9,7 +9,11 @@ code: rotary tables computed in the root, grouped-query attention expanded with
 most training scripts write. ``fused_qkv_gpt`` is autopar's example GPT with each
 block's separate q, k and v projections written as one fused ``nn.Linear`` split in
 three (the same math; Hugging Face's ``GPT2LMHeadModel`` writes it a third way, with a
-``Conv1D``).
+``Conv1D``). Three writings of a GPT's initialization, for the emitted program's build
+(tests/test_codegen_init.py): ``init_in_init`` draws its weights in ``__init__`` and
+makes its batch on a device (code that cannot run under ``torch.device("meta")``),
+``seeded_nano`` is nanoGPT's ``_init_weights`` behind a factory that seeds itself, and
+``example_gpt`` is autopar's GPT, initialized by ``reset_parameters()`` alone.
 """
 
 from __future__ import annotations
@@ -259,3 +263,66 @@ def tiny_llama() -> tuple[nn.Module, tuple[torch.Tensor], torch.Tensor]:
     """Factory for ``autopar plan/codegen file.py:tiny_llama``: the model and a batch."""
     x, y = example_batch()
     return TinyLlama(vocab_size=VOCAB), (x,), y
+
+
+DIM, LAYERS, HEADS = 32, 2, 4
+
+
+class InitInInitGPT(NanoGPT):
+    """NanoGPT whose ``__init__`` sets its own initialization, with no method for it:
+    embeddings N(0, 0.02), every Linear N(0, 0.02) with zero bias."""
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB, SEQ, LAYERS, HEADS, DIM)
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+
+class SeededNanoGPT(NanoGPT):
+    """NanoGPT with nanoGPT's initialization: ``self.apply(self._init_weights)``, then
+    every ``c_proj`` weight N(0, 0.02 / sqrt(2 · layers))."""
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB, SEQ, LAYERS, HEADS, DIM)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * LAYERS))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+
+def init_in_init() -> tuple[nn.Module, tuple[torch.Tensor], torch.Tensor]:
+    """:class:`InitInInitGPT` and a batch drawn on a CPU generator and moved to the
+    device a script trains on (here the CPU)."""
+    device = "cpu"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (8, SEQ), generator=g).to(device)
+    y = torch.randint(0, VOCAB, (8, SEQ), generator=g).to(device)
+    return InitInInitGPT().to(device), (x,), y
+
+
+def seeded_nano() -> tuple[nn.Module, tuple[torch.Tensor], torch.Tensor]:
+    """:class:`SeededNanoGPT`, built after the factory's own ``torch.manual_seed(1234)``."""
+    torch.manual_seed(1234)
+    x, y = example_batch()
+    return SeededNanoGPT(), (x,), y
+
+
+def example_gpt() -> tuple[nn.Module, tuple[torch.Tensor], torch.Tensor]:
+    """autopar's example GPT (dim 32, 2 layers), initialized by ``reset_parameters()``."""
+    from autopar.examples.gpt import GPT, GPTConfig
+
+    x, y = example_batch()
+    return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM, n_layers=LAYERS,
+                         n_heads=HEADS)), (x,), y

@@ -128,8 +128,7 @@ from tests import codegen_models
 dist.init_process_group("gloo")
 batch = torch.load({data!r})
 torch.manual_seed(0)
-with torch.device("meta"):
-    model = codegen_models.tiny_llama()
+model = codegen_models.tiny_llama()
 pm = apply_plan(model, Plan.from_json(open({plan!r}).read()), example_inputs=batch["inputs"])
 losses = sgd_losses(pm.parameters(), lambda: pm.step(batch["inputs"], batch["targets"]),
                     {steps}, {lr})
@@ -137,7 +136,7 @@ if dist.get_rank() == 0:
     print("\\n".join(f"step {{k}} loss {{v:.8f}}" for k, v in enumerate(losses, 1)))
 dist.destroy_process_group()
 """
-"""``apply_plan`` on a meta tiny Llama materialized under seed 0, as the emitted
+"""``apply_plan`` on the tiny Llama built on the CPU under seed 0, as the emitted
 program builds it, printing its losses as the program does."""
 
 

@@ -160,12 +160,11 @@ def test_pipelined_training_matches_single_process(rank_pool: RankPool, plans) -
             assert losses == pytest.approx(want, abs=TOL, rel=1e-6), (name, rank, losses)
 
 
-def runtime_on_meta(text: str) -> list[float]:
-    """What the emitted program should print: apply_plan on a meta NanoGPT initialized
-    from the program's seed, trained with lm_loss on the program's batch."""
+def runtime(text: str) -> list[float]:
+    """What the emitted program should print: apply_plan on the NanoGPT built under the
+    program's seed, trained with lm_loss on the program's batch."""
     torch.manual_seed(SEED)
-    with torch.device("meta"):
-        model = nano_gpt()[0]
+    model = nano_gpt()[0]
     pm = apply_plan(model, Plan.from_json(text), loss_fn=lm_loss)
     x, y = data()
     return sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
@@ -175,7 +174,7 @@ def runtime_on_meta(text: str) -> list[float]:
 @pytest.mark.slow
 def test_emitted_program_cuts_the_same_stages(rank_pool: RankPool, tmp_path: Path) -> None:
     """The emitted program of NanoGPT under pp2 x dp2 (root code on both end stages,
-    wte tied across them) cuts its meta model by the runtime's code and prints the
+    wte tied across them) cuts its model by the runtime's code and prints the
     runtime's losses."""
     from autopar.runtime.codegen import emit_program
     from tests.test_codegen import torchrun
@@ -184,7 +183,7 @@ def test_emitted_program_cuts_the_same_stages(rank_pool: RankPool, tmp_path: Pat
     plan = autopar.plan(model, (x,), cluster=CPU4, precision="fp32", optimizer="sgd",
                         example_targets=y, loss_fn=lm_loss, tp=1, pp=2, dp=2,
                         schedule="1f1b", microbatch_size=1)
-    want = rank_pool.run(4, runtime_on_meta, plan.to_json(), timeout_s=300)[0]
+    want = rank_pool.run(4, runtime, plan.to_json(), timeout_s=300)[0]
     data_file = tmp_path / "batch.pt"
     torch.save({"inputs": x, "targets": y}, data_file)
     program = tmp_path / "nanogpt_pp2.py"

@@ -8,10 +8,10 @@ Predicted by the plan (h100-sxm, 1 node(s) x 4): 12.5 ms per step, 8.39 MB per d
 (one process per device; NCCL on GPUs, gloo on CPUs).
 
 Without --data each step trains on a fresh synthetic batch, whose loss shows that
-training runs, not that the model learns. The model starts on meta, each rank
-initializing its own shards with the modules' reset_parameters(), unless it has an
-initialization of its own (_init_weights, init_weights): it is then built on the CPU as
-one process builds it (--build).
+training runs, not that the model learns. The model is the one the factory builds on
+the CPU under --seed, as one process builds it; only where whole copies do not fit in
+memory, or with --build meta, it starts on meta, each rank initializing its own shards
+with the modules' reset_parameters() (the program says so).
 """
 
 import argparse
@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -71,6 +72,7 @@ def import_file(name: str) -> Any:
         path = Path(__file__).resolve().parent / path
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # so dataclasses and pickling inside it work
     spec.loader.exec_module(module)
     return module
 
@@ -106,33 +108,103 @@ def custom_initialization(model: nn.Module) -> str | None:
     return None
 
 
-def build_model(seed: int, build: str) -> tuple[nn.Module, bool]:
-    """The user's model and whether it is on the meta device (``build``: --build).
+def meta_start_note(model: nn.Module) -> str:
+    """What initializes a model that starts on meta, for the user to read: each
+    rank's shards get its modules' ``reset_parameters()``, not the weights the model's
+    own code makes (in ``__init__``, a factory's seed, or an initialization method of
+    its own, :func:`custom_initialization`, named when there is one)."""
+    own = custom_initialization(model)
+    text = ("the model starts on meta: each rank initializes its own shards with each "
+            "module's reset_parameters(), not with the weights the model's code makes")
+    return text + (f" (module {own}, which does not run)" if own is not None else "")
 
-    "auto": it starts on meta (no memory; materialize() gives this rank's shards only
-    each module's reset_parameters() initialization, after layout) when every module
-    that owns tensors has reset_parameters() and none has an initialization of its own
-    (_init_weights, init_weights), which a meta start would not run; else as "cpu".
-    "cpu": built on the CPU under ``seed`` as one process builds it, its own
-    initialization included (a full copy on every rank), and laid out from those
-    weights. "meta": on meta whatever its initialization."""
-    with torch.device("meta"):
-        model = call_factory()
+
+def tensor_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each tensor counted once (tied
+    weights once), at their dtypes: what one whole copy of the model holds."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(id(t), t)
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def available_host_bytes() -> int:
+    """The host memory this machine can still give (Linux ``MemAvailable`` of
+    ``/proc/meminfo``; elsewhere the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def choose_build(build: str, meta_model: nn.Module | None, meta_error: str, local_ranks: int,
+                 host_bytes: int, device_bytes: int | None) -> tuple[bool, str]:
+    """Where a program builds the model: (on meta, what to tell the user, '' for
+    nothing). ``build`` is "cpu" (from the factory, on the CPU), "meta" or "auto";
+    ``meta_model`` the factory's model built on meta, None when that failed with
+    ``meta_error``. "auto" builds on the CPU, the weights the factory makes, whenever
+    ``local_ranks`` whole copies fit in ``host_bytes`` and one fits in
+    ``device_bytes`` (the device's free memory, None for a CPU run): each rank holds
+    one while it builds and lays it out. Otherwise it starts on meta and says which
+    initialization runs instead. Raises ValueError where neither can work."""
+    if build == "cpu":
+        return False, ""
+    if meta_model is None:
+        if build == "meta":
+            raise ValueError(f"--build meta: the factory cannot run on the meta device "
+                             f"({meta_error}); use --build cpu")
+        return False, (f"the factory cannot run on the meta device ({meta_error}): building "
+                       "the model on the CPU")
+    missing = without_reset_parameters(meta_model)
     if build == "meta":
-        return model, True
-    why = "--build cpu" if build == "cpu" else None
-    missing = without_reset_parameters(model)
-    if why is None and missing is not None:
-        why = (f"module {missing} owns tensors but has no reset_parameters(), which would "
-               "let it start on meta without a full copy on every rank")
-    own = custom_initialization(model) if why is None else None
-    if own is not None:
-        why = (f"module {own}, which a meta start would replace by reset_parameters() "
-               "(--build meta starts on meta anyway)")
-    if why is None:
-        return model, True
-    if dist.get_rank() == 0:
-        print(f"building the model on the CPU, not on meta: {why}", flush=True)
+        if missing is not None:
+            raise ValueError(f"--build meta: module {missing} owns tensors but has no "
+                             "reset_parameters() to initialize them on meta; use --build cpu")
+        return True, meta_start_note(meta_model)
+    size = tensor_bytes(meta_model)
+    if local_ranks * size <= host_bytes and (device_bytes is None or size <= device_bytes):
+        return False, ""
+    where = (f"{local_ranks} whole cop{'y' if local_ranks == 1 else 'ies'} of {size / 1e9:.3g} "
+             f"GB need more than the host's {host_bytes / 1e9:.3g} GB"
+             if local_ranks * size > host_bytes else
+             f"one whole copy of {size / 1e9:.3g} GB needs more than the device's free "
+             f"{(device_bytes or 0) / 1e9:.3g} GB")
+    if missing is not None:
+        raise ValueError(f"the model cannot be built whole ({where}) and module {missing} "
+                         "has no reset_parameters() to start on meta; add one, or run on "
+                         "machines with more memory")
+    return True, f"{meta_start_note(meta_model)}, since {where} (--build cpu builds it anyway)"
+
+
+
+def build_model(seed: int, build: str, device: torch.device,
+                host_bytes: int | None) -> tuple[nn.Module, bool]:
+    """The user's model and whether it is on the meta device (``build``: --build; see
+    choose_build). Built on the CPU it is the model the factory makes under ``seed``,
+    as one process builds it; on meta each rank later initializes only its own shards
+    with the modules' reset_parameters()."""
+    meta_model, meta_error = None, ""
+    if build != "cpu":
+        try:
+            with torch.device("meta"):
+                meta_model = call_factory()
+        except Exception as e:  # noqa: BLE001 - the factory's own code, e.g. data on a device
+            meta_error = f"{type(e).__name__}: {e}"
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    try:
+        on_meta, message = choose_build(
+            build, meta_model, meta_error, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            host_bytes if host_bytes is not None else available_host_bytes(), free)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if message and dist.get_rank() == 0:
+        print(message, flush=True)
+    if on_meta:
+        return meta_model, True
     torch.manual_seed(seed)
     return call_factory(), False
 
@@ -896,10 +968,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--data", help="a torch.save'd dict {inputs, targets}: one global batch "
                     "to train on every step (default: a fresh synthetic batch each step)")
     ap.add_argument("--build", choices=["auto", "meta", "cpu"], default="auto",
-                    help="where the model is built: meta (each rank initializes only its "
-                         "shards, by reset_parameters()), cpu (a full copy on each rank, the "
-                         "model's own initialization) or auto (meta unless the model needs "
-                         "cpu for its initialization; default)")
+                    help="where the model is built: cpu (the weights the factory makes under "
+                         "--seed, a whole copy on each rank while it is laid out), meta (each "
+                         "rank initializes only its shards, with the modules' "
+                         "reset_parameters()) or auto (cpu whenever the copies fit in host "
+                         "and device memory, else meta; default: %(default)s)")
+    ap.add_argument("--host-memory", type=float, metavar="GB",
+                    help="host memory --build auto may fill with the ranks' whole copies of "
+                         "the model (default: what the machine has available)")
     ap.add_argument("--save", metavar="DIR", help="checkpoint after the last step")
     ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint")
     ap.add_argument("--checkpoint-dir", metavar="DIR",
@@ -909,6 +985,11 @@ def parse_args() -> argparse.Namespace:
                     help="save DIR/step-<n> every K steps, keeping the last 2 (default: 0, "
                          "never)")
     return ap.parse_args()
+
+
+def host_bytes(args: argparse.Namespace) -> int | None:
+    """--host-memory in bytes (1 GB = 10^9 bytes), None when not given."""
+    return None if args.host_memory is None else int(args.host_memory * 1e9)
 
 
 def main() -> None:
@@ -927,7 +1008,7 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     mesh = build_mesh(device_type)
-    model, on_meta = build_model(args.seed, args.build)
+    model, on_meta = build_model(args.seed, args.build, device, host_bytes(args))
     names = state_names(model)  # the plain model's tensor names, for checkpoints
     if not on_meta:
         model.to(device)  # laid out from its own weights
