@@ -72,9 +72,14 @@ def fsdp_lays_out(precision: str, dp: int, offload: bool) -> bool:
 
 
 def param_bytes(precision: str, optimizer: str, zero: int, dp: int,
-                offload: bool = False) -> ParamBytes:
+                offload: bool = False, grads_unsharded: bool = False,
+                keeps_gathered: bool = False) -> ParamBytes:
     """Bytes per parameter element on a device (the table in docs/cost_models.md,
-    section ``autopar.cost_models.memory``)."""
+    section ``autopar.cost_models.memory``). ``grads_unsharded``: FSDP2 accumulates
+    the gradients unsharded in fp32 until it reduces them once per step
+    (:attr:`~autopar.strategies.settings.Settings.grad_sync_once`);
+    ``keeps_gathered``: every parameter stays gathered after its backward
+    (:attr:`~autopar.strategies.settings.Settings.keeps_gathered`), under ZeRO-3 too."""
     sb = state_bytes(precision, optimizer)
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero={zero!r} is not a ZeRO stage (0, 1, 2 or 3)")
@@ -87,8 +92,9 @@ def param_bytes(precision: str, optimizer: str, zero: int, dp: int,
     # params = 2x the fp32 parameters
     gathered = float(low) if fsdp_lays_out(precision, dp, offload) else 0.0
     keep = 0.0 if offload else 1.0
-    return ParamBytes(keep * 4.0 / shard, keep * sb.grad / shard, keep * sb.optimizer / shard,
-                      gathered, zero != 3)
+    grad = 4.0 if grads_unsharded else keep * sb.grad / shard
+    return ParamBytes(keep * 4.0 / shard, grad, keep * sb.optimizer / shard,
+                      gathered, zero != 3 or keeps_gathered)
 
 
 def activation_bytes_per_element(precision: str) -> int:

@@ -109,7 +109,8 @@ class ParamPricer:
             link = group_link(tuple(sizes), dpa, st.gpus_per_node, st.hw)
         return DataGroup(n, link, n if st.zero >= 1 else 1,
                          param_bytes(st.precision, st.optimizer,
-                                     st.zero if n > 1 or st.offload else 0, n, st.offload))
+                                     st.zero if n > 1 or st.offload else 0, n, st.offload,
+                                     st.grad_sync_once, st.keeps_gathered))
 
     def data_group(self, placements: Placements, routed: bool = False) -> DataGroup:
         """The data-parallel group of a parameter placed ``placements`` (:meth:`_group`);
@@ -239,6 +240,17 @@ class ParamPricer:
             self.redistribute_overhead("all_reduce")
         return one / st.num_microbatches
 
+    def _gathers(self, root: bool) -> int:
+        """All-gathers of a ZeRO-1/2/3 parameter per micro-batch: ZeRO-3 gathers a
+        block's in forward and again in backward, once where a pipeline stage keeps
+        them gathered after backward (:attr:`~autopar.strategies.settings.Settings.keeps_gathered`:
+        only the forward reshards them); ZeRO-1/2 once, or none per micro-batch (once
+        per step) where the stage keeps them; the root unit once."""
+        st = self.st
+        if st.zero < 3:
+            return 0 if st.keeps_gathered else 1
+        return 2 if not (root or st.keeps_gathered) else 1
+
     def param_comm(self, n: OpNode, ins, grads) -> tuple[float, float, float, float]:
         """(per-micro-batch dp comm that may hide behind compute, per-step dp comm that
         may, per-micro-batch parameter comm on the critical path, gathered bytes).
@@ -251,7 +263,11 @@ class ParamPricer:
         or all-reduce (ZeRO-0, once per step: charged as 1/n per micro-batch) has no
         compute left to hide behind. The runtime keeps the root gathered from forward
         to backward (:mod:`autopar.runtime.data_parallel`), so under ZeRO-3 it is
-        gathered once per micro-batch, where a block is gathered twice."""
+        gathered once per micro-batch, where a block is gathered twice
+        (:meth:`_gathers`). Where FSDP2 reduces the gradients once per step
+        (:attr:`~autopar.strategies.settings.Settings.grad_sync_once`) the
+        reduce-scatter is per step, beside the backward like DDP's all-reduce (the
+        root's on the critical path, 1/n per micro-batch)."""
         micro = step = tp = gather = 0.0
         n_micro = max(1, self.st.num_microbatches)
         for p in self.facts.owned(n):
@@ -276,13 +292,17 @@ class ParamPricer:
                 else:
                     step += t
                 continue
-            gathers = 2 if self.st.zero == 3 and not root else 1
-            t = gathers * bucketed_time("all_gather", w, dpn, link, share) + \
-                bucketed_time("reduce_scatter", grad_bytes, dpn, link, share)
+            ag = bucketed_time("all_gather", w, dpn, link, share)
+            rs = bucketed_time("reduce_scatter", grad_bytes, dpn, link, share)
+            gathers = self._gathers(root)
+            once = self.st.grad_sync_once
+            per_micro = gathers * ag + (0.0 if once else rs)
+            per_step = (rs if once else 0.0) + (ag if gathers == 0 else 0.0)
             if root:
-                tp += t
+                tp += per_micro + per_step / n_micro
             else:
-                micro += t
+                micro += per_micro
+                step += per_step
             if self.st.zero == 3:
                 gather += w
                 if self.st.offload:

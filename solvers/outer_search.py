@@ -571,7 +571,7 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                     sequence_parallel=sequence_parallel, offload=c.offload,
                     split_experts=c.split_experts, expert_imbalance=c.expert_imbalance,
                     recompute_modes=recompute or RECOMPUTE,
-                    cp_variant=c.cp_variant or "allgather")
+                    cp_variant=c.cp_variant or "allgather", pipelined=c.pp > 1)
 
 
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,

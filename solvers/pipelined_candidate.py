@@ -432,7 +432,7 @@ def pipeline_terms(po: PipelineOutcome, *, pp: int, schedule: str, virtual_stage
     chunks = [PieceCost.total(po.units[a:b]) for a, b in po.split.bounds]
     free_p2p = simulate(schedule, chunks, pp, m, virtual_stages=virtual_stages,
                         p2p_s=0.0).step_time_s
-    p2p = est.step_time_s - free_p2p
+    p2p = max(0.0, est.step_time_s - free_p2p)  # not −1e-19 where transfers cost nothing
     per_rank = [0.0] * pp
     for chunk, r in zip(chunks, ranks):
         per_rank[r] += chunk.optimizer_s

@@ -118,10 +118,13 @@ def test_a_rule_lets_tensor_parallelism_split_the_operator(monkeypatch) -> None:
 
 
 def test_the_rule_agrees_with_running_the_operator_on_shards() -> None:
-    x, w = torch.randn(4, 8, 16), torch.randn(16)
+    """Equal to the last bit but for sigmoid's vectorized kernel, which may round a
+    16-wide vector and two 8-wide halves one ulp apart."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 8, 16, generator=g), torch.randn(16, generator=g)
     whole = gate(x, w)
     split_hidden = [gate(xs, ws) for xs, ws in zip(x.chunk(2, dim=2), w.chunk(2))]
-    assert torch.equal(torch.cat(split_hidden, dim=2), whole)
+    torch.testing.assert_close(torch.cat(split_hidden, dim=2), whole, rtol=3e-7, atol=0.0)
     split_batch = [gate(xs, w) for xs in x.chunk(2, dim=0)]
     assert torch.equal(torch.cat(split_batch, dim=0), whole)
 

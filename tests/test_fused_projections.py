@@ -154,8 +154,9 @@ FUSED = {"nano": ("h.0.attn.c_attn", "weight", "S(0)/3"),
 CASES = [("nano", {"dp": 1, "tp": 4}), ("nano", {"dp": 2, "tp": 2, "zero": 1}),
          ("gpt2", {"dp": 1, "tp": 4}), ("gpt2", {"dp": 2, "tp": 2, "zero": 1})]
 # Tiny models keep their weights whole where they fit (latency outweighs the work): a
-# memory budget of twice the fp32 weights makes the planner split them over tp.
-BUDGET = 2.0
+# memory budget of 2.5 times the fp32 weights makes the planner split them over tp (2 left
+# no room for ZeRO-1's gradients, accumulated unsharded over micro-batches).
+BUDGET = 2.5
 
 
 def single_process(kind: str) -> list[float]:

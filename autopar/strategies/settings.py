@@ -32,6 +32,26 @@ class Settings:
     split_experts: bool = False  # every expert module split over ep (else the solver's)
     expert_imbalance: float = 1.0  # busiest ep rank's routed tokens over the mean
     cp_variant: str = "allgather"  # how attention brings keys over cp (context_parallel)
+    pipelined: bool = False  # a pipeline stage's problem (torch.distributed.pipelining runs it)
+
+    @property
+    def grad_sync_once(self) -> bool:
+        """Whether FSDP2 reduces the data-parallel gradients once per step, after the
+        last micro-batch's backward, accumulating them unsharded in fp32 until then:
+        under ZeRO-1/2 with micro-batches (the runtime's
+        ``set_requires_gradient_sync(False)`` before the last), and on every pipeline
+        stage (``torch.distributed.pipelining``'s ``backward_maybe_with_nosync`` turns
+        FSDP2's gradient sync and its resharding after backward off for every
+        micro-batch; ``perform_reduce_grad`` reduces once at the end, torch 2.13)."""
+        return self.num_microbatches > 1 and (self.pipelined or self.zero in (1, 2))
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Whether FSDP2 keeps each unit's parameters gathered after its backward until
+        the step ends (a pipeline stage with micro-batches, :attr:`grad_sync_once`):
+        under ZeRO-1/2 they are gathered once per step, under ZeRO-3 the next
+        forward reshards them, so its backward gathers them once more."""
+        return self.pipelined and self.num_microbatches > 1
 
     @property
     def overlap(self) -> float:
