@@ -1,0 +1,358 @@
+"""Published accuracy: ``autopar.estimate`` beside the step times of published runs.
+
+Each row of ``published_runs.json`` (architecture, cluster, parallel configuration and
+the measured figure, with its source) is built from autopar's own model classes on
+``meta``, mapped onto a ``Spec`` and priced in a fresh process; the published figure is
+converted to seconds per step (:func:`published_step_s`) and the error is
+predicted / published - 1. Rows that cannot be priced (fp8, an unsupported layout, a
+batch not stated) are listed with the reason. Mappings and formulas: the docstrings of
+:func:`spec_of`, :func:`build_model` and :func:`flops_per_token`.
+
+::
+
+    python benchmarks/published_accuracy.py [--json OUT] [--only ID] [--source NAME]
+        [--jobs N] [--md OUT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RUNS = Path(__file__).with_name("published_runs.json")
+RESULTS = Path(__file__).with_name("results")
+UNBOUNDED_BYTES = 1e15  # a memory budget no plan reaches: prices a row that does not fit
+EXAMPLE_SEQUENCES = 2  # example batch of two sequences, as benchmarks/plan_quality.py
+
+
+def load(path: Path = RUNS) -> dict[str, Any]:
+    """The whole calibration set: ``{"sources": {...}, "rows": [...]}``."""
+    return json.loads(path.read_text())
+
+
+def _layer_flops_fwd(a: dict[str, Any], causal: bool, moe_layer: bool) -> float:
+    """Forward FLOPs of one block for one token (multiply-add = 2 FLOPs)."""
+    h, n, s = a["hidden"], a["heads"], a["seq_len"]
+    g = a["kv_heads"] or n
+    d = a.get("head_dim") or h // n
+    proj = 4 * h * d * n * (1 + g / n)  # Q, O: 2·h·n·d each; K, V: 2·h·g·d each
+    core = 4 * s * n * d * (0.5 if causal else 1.0)  # QK^T and AV over s keys
+    m = a.get("moe")
+    if moe_layer:
+        mlp = 6 * h * m["expert_ffn"] * (m["top_k"] + m["shared_experts"])  # SwiGLU
+    else:
+        mlp = (6 if a["family"] != "gpt" else 4) * h * (a["ffn_hidden"] or 4 * h)
+    return proj + core + mlp
+
+
+def flops_per_token(a: dict[str, Any], causal: bool) -> float:
+    """Training FLOPs per token as Megatron-LM counts them (``num_floating_point_operations``
+    in megatron/training/training.py): 3 x the forward count (backward = 2 x forward),
+    no recomputation, projections of width heads x head_dim, SwiGLU MLPs of 3 matrices
+    (GPT: 2 of 4h), routed plus shared experts, the logits 2·h·V. ``causal``: core
+    attention counted over half the keys (Megatron-Core from 2025); False is the older
+    full-attention count of Megatron-LM r0.8 and NeMo 24.x (checked in the script's
+    output on rows that give two figures)."""
+    m = a.get("moe")
+    dense = m["dense_layers"] if m else a["layers"]
+    per_layer = sum(_layer_flops_fwd(a, causal, moe_layer=i >= dense)
+                    for i in range(a["layers"]))
+    return 3 * (per_layer + 2 * a["hidden"] * a["vocab"])
+
+
+def published_step_s(row: dict[str, Any], sources: dict[str, Any]) -> float | None:
+    """The row's published figure as seconds per step; None when it cannot be converted.
+
+    s/step is taken as is; tokens/s per GPU gives global_batch x seq / (rate x GPUs);
+    TFLOP/s per GPU gives the step's FLOPs (:func:`flops_per_token` with the source's
+    ``flops_formula``) / (rate x GPUs); MFU is TFLOP/s over the source's peak."""
+    m, p, a, gpus = row["measured"], row["parallel"], row["architecture"], row["hardware"]["gpus"]
+    unit, v = m["unit"], m["value"]
+    if unit == "s/step":
+        return float(v)
+    gb = p["global_batch"]
+    if gb is None or v is None:
+        return None
+    tokens = gb * a["seq_len"]
+    if unit == "tokens/s/GPU":
+        return tokens / (v * gpus)
+    src = sources[row["source"]]
+    if unit == "MFU":
+        v, unit = v * src["peak_tflops"], "TFLOP/s/GPU"
+    formula = src.get("flops_formula")
+    if unit != "TFLOP/s/GPU" or formula is None or a["vocab"] is None and not _vocab(row):
+        return None
+    arch = {**a, "vocab": a["vocab"] or _vocab(row)}
+    return tokens * flops_per_token(arch, formula == "megatron_causal") / (v * 1e12 * gpus)
+
+
+def _vocab(row: dict[str, Any]) -> int | None:
+    return row["architecture"]["vocab"] or row["scoring_assumptions"].get("vocab")
+
+
+def why_not_scored(row: dict[str, Any], sources: dict[str, Any]) -> str | None:
+    """The reason autopar cannot price this row, or None when it can."""
+    p = row["parallel"]
+    if p["fp8"]:
+        return "fp8 not modelled (autopar prices fp32, bf16 and fp16)"
+    if p["global_batch"] is None or p["tp"] is None or p["dp"] is None:
+        return "the source does not state the global batch in sequences or the TP degree"
+    if row["architecture"]["vocab"] is None and not _vocab(row):
+        return "vocabulary not stated"
+    if p["cp"] > 1 and p["ep"] > 1:
+        return "context and expert parallelism together are not supported by autopar's Spec"
+    a = row["architecture"]
+    if a["family"] != "gpt" and (a["hidden"] // a["heads"]) % 2:
+        return (f"autopar's Llama/MoE attention needs an even head width hidden/heads for "
+                f"its rotary embedding: {a['hidden']}/{a['heads']} = {a['hidden'] // a['heads']}")
+    if p["ep"] > 1 and p["dp"] % p["ep"]:
+        return (f"EP {p['ep']} does not divide DP {p['dp']}: Megatron-Core spreads experts over "
+                f"TP x DP ranks (expert TP 1), autopar's ep splits them over DP ranks only")
+    if published_step_s(row, sources) is None:
+        return "the published figure cannot be converted to seconds per step"
+    return None
+
+
+def build_model(row: dict[str, Any]):
+    """The row's model on ``meta`` with autopar's classes and an example batch of two
+    sequences: ``gpt`` -> GPT (learned positions, GeLU MLP of 4h, tied embeddings),
+    ``llama`` -> Llama, ``moe`` -> MoETransformer (SwiGLU experts, softmax router,
+    capacity factor 1.25). Their head width is hidden / heads whatever the source's."""
+    import torch
+
+    from autopar.examples.gpt import GPT, GPTConfig
+    from autopar.examples.llama import Llama, LlamaConfig
+    from autopar.examples.moe import MoEConfig, MoETransformer
+
+    a = row["architecture"]
+    vocab, seq = _vocab(row), a["seq_len"]
+    common = dict(vocab_size=vocab, max_seq_len=seq, dim=a["hidden"], n_layers=a["layers"],
+                  n_heads=a["heads"])
+    with torch.device("meta"):
+        inputs = (torch.randint(0, vocab, (EXAMPLE_SEQUENCES, seq)),)
+        if a["family"] == "gpt":
+            model = GPT(GPTConfig(**common))
+        elif a["family"] == "llama":
+            model = Llama(LlamaConfig(**common, n_kv_heads=a["kv_heads"],
+                                      ffn_dim=a["ffn_hidden"], rope_theta=500000.0))
+        else:
+            m = a["moe"]
+            model = MoETransformer(MoEConfig(
+                **common, n_kv_heads=a["kv_heads"] or a["heads"], ffn_dim=a["ffn_hidden"],
+                n_experts=m["experts"], top_k=m["top_k"], expert_ffn_dim=m["expert_ffn"],
+                n_shared_experts=m["shared_experts"], n_dense_layers=m["dense_layers"]))
+    return model, inputs
+
+
+_RECOMPUTE = {"full": "full", "none": "none"}
+
+
+def spec_of(row: dict[str, Any]):
+    """The row's configuration as an ``autopar.Spec``: its dp/tp/pp/cp/ep and
+    micro-batch; pp > 1 runs ``1f1b``, or ``interleaved_1f1b`` with vp > 1 chunks;
+    Megatron's selective recomputation (any modules) is ``selective``, none stated is the
+    solver's choice; FSDP is ZeRO-3, the distributed optimizer ZeRO-1, and a field the
+    source leaves null takes the row's ``scoring_assumptions`` (ZeRO, SP, micro-batch)
+    or the estimate's default (micro-batch: :func:`autopar.spec.default_microbatch`)."""
+    import autopar
+
+    p, assume = row["parallel"], row["scoring_assumptions"]
+    rc = p["recompute"] if p["recompute"] is not None else assume.get("recompute")
+    recompute = None if rc is None else _RECOMPUTE.get(rc, "selective")
+    zero = p["zero"] if p["zero"] is not None else assume.get("zero")
+    if isinstance(zero, str):
+        zero = 3 if p.get("fsdp") else 1
+    sp = p["sequence_parallel"]
+    if sp is None:
+        sp = bool(assume.get("sequence_parallel")) and p["tp"] > 1
+    vp = p["vp"] or 1
+    pp = p["pp"]
+    return autopar.Spec(dp=p["dp"], tp=p["tp"], pp=pp, cp=p["cp"], ep=p["ep"],
+                        microbatch_size=p["micro_batch"] or assume.get("micro_batch"),
+                        schedule=None if pp == 1 else ("interleaved_1f1b" if vp > 1 else "1f1b"),
+                        virtual_stages=vp if pp > 1 and vp > 1 else None,
+                        recompute=recompute, zero=zero or 0,
+                        sequence_parallel=bool(sp) if p["tp"] > 1 else None)
+
+
+def profile_of(row: dict[str, Any]) -> str:
+    """The cluster profile: the row's assumption, else by GPU model (A100 -> a100-80g,
+    H200 -> h200, H100 at 500 W -> h100-sxm-500w, other H100 -> h100-sxm)."""
+    h = row["hardware"]
+    if "gpu_profile" in row["scoring_assumptions"]:
+        return row["scoring_assumptions"]["gpu_profile"]
+    if "A100" in h["gpu"]:
+        return "a100-80g"
+    if "H200" in h["gpu"]:
+        return "h200"
+    return "h100-sxm-500w" if h["power_limit_w"] == 500 else "h100-sxm"
+
+
+def measure(row: dict[str, Any]) -> dict[str, Any]:
+    """Price one row in this process: predicted step time, MFU, memory per GPU, whether
+    it fits the profile's memory (if not, it is priced again without a memory limit)."""
+    import autopar
+    from autopar.errors import NoFeasiblePlanError
+
+    model, inputs = build_model(row)
+    gpus = row["hardware"]["gpus"]
+    cluster = autopar.Cluster(profile_of(row), gpus // 8, 8)
+    precision = "fp16" if row["parallel"]["precision"] == "fp16" else "bf16"
+    kw = dict(cluster=cluster, global_batch=row["parallel"]["global_batch"],
+              precision=precision, optimizer="adamw")
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"spec": repr(spec_of(row)), "fits": True}
+    try:
+        try:
+            plan = autopar.estimate(model, inputs, spec_of(row), **kw)
+        except NoFeasiblePlanError as e:
+            out.update(fits=False, memory_error=str(e).split(":")[0])
+            plan = autopar.estimate(model, inputs, spec_of(row), memory_budget=UNBOUNDED_BYTES, **kw)
+        out.update(predicted_step_s=plan.step_time_s, predicted_mfu=plan.mfu,
+                   predicted_memory_gib=plan.memory_per_device_bytes / 2**30)
+    except Exception as e:  # noqa: BLE001 — reported in the row
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["estimate_s"] = time.perf_counter() - t0
+    return out
+
+
+def _child(row_id: str, path: str) -> dict[str, Any]:
+    """Run :func:`measure` on one row in a fresh interpreter."""
+    done = subprocess.run([sys.executable, __file__, "--child", row_id, "--runs", path],
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        return {"error": lines[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def score(rows: list[dict[str, Any]], sources: dict[str, Any], jobs: int, path: Path,
+          price=None) -> list[dict[str, Any]]:
+    """Every row's result: published and predicted step time, error, or the reason it is
+    not scored. ``price(row) -> dict`` defaults to a fresh process per row."""
+    price = price or (lambda r: _child(r["id"], str(path)))
+    todo = [r for r in rows if why_not_scored(r, sources) is None]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        priced = dict(zip([r["id"] for r in todo], pool.map(price, todo)))
+    out = []
+    for r in rows:
+        res = {"id": r["id"], "source": r["source"], "gpus": r["hardware"]["gpus"],
+               "published_step_s": published_step_s(r, sources),
+               "published": f"{r['measured']['value']} {r['measured']['unit']}"}
+        reason = why_not_scored(r, sources)
+        if reason:
+            res["not_scored"] = reason
+        else:
+            res.update(priced[r["id"]])
+            if "error" in res:
+                res["not_scored"] = res["error"]
+            else:
+                res["error_rel"] = res["predicted_step_s"] / res["published_step_s"] - 1
+        out.append(res)
+    return out
+
+
+def per_source(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per source (and ``all``): rows, rows scored, median and max |error|."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault(r["source"], []).append(r)
+    groups["all"] = results
+    table = {}
+    for name, rs in groups.items():
+        errs = [abs(r["error_rel"]) for r in rs if "error_rel" in r]
+        table[name] = {"rows": len(rs), "scored": len(errs),
+                       "median_abs_error": statistics.median(errs) if errs else None,
+                       "max_abs_error": max(errs) if errs else None}
+    return table
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, str]) -> str:
+    """The results as a markdown report: header, per-source table, per-row table."""
+    lines = ["# Published runs: autopar.estimate against published step times", "",
+             *(f"- {k}: {v}" for k, v in meta.items()), "",
+             "| source | rows | scored | median abs error | max abs error |",
+             "|---|---:|---:|---:|---:|"]
+    for name, s in per_source(results).items():
+        lines.append(f"| {name} | {s['rows']} | {s['scored']} | {_pct(s['median_abs_error'])} "
+                     f"| {_pct(s['max_abs_error'])} |")
+    lines += ["", "Error = predicted / published - 1. `*`: no plan fits the profile's memory; "
+              "priced without a memory limit.", "",
+              "| row | GPUs | published | published s/step | predicted s/step | error | "
+              "pred. memory GiB | note |", "|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in results:
+        pub = "-" if r["published_step_s"] is None else f"{r['published_step_s']:.3f}"
+        if "error_rel" in r:
+            lines.append(f"| {r['id']} | {r['gpus']} | {r['published']} | {pub} | "
+                         f"{r['predicted_step_s']:.3f} | {100 * r['error_rel']:+.0f}% | "
+                         f"{r['predicted_memory_gib']:.0f}{'' if r['fits'] else '*'} | |")
+        else:
+            lines.append(f"| {r['id']} | {r['gpus']} | {r['published']} | {pub} | - | - | - | "
+                         f"not scored: {r['not_scored']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _line(r: dict[str, Any]) -> str:
+    pub = "-" if r["published_step_s"] is None else f"{r['published_step_s']:9.3f}"
+    if "error_rel" in r:
+        return (f"{r['id']:<34} {r['gpus']:>6} {pub:>9} {r['predicted_step_s']:9.3f} "
+                f"{100 * r['error_rel']:+6.0f}%{'' if r['fits'] else ' (over memory)'}")
+    return f"{r['id']:<34} {r['gpus']:>6} {pub:>9} {'-':>9}   not scored: {r['not_scored']}"
+
+
+def main() -> int:
+    """Score the selected rows, print them and the per-source errors, write the files."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the per-row results and summary here")
+    ap.add_argument("--md", help="write the markdown report here")
+    ap.add_argument("--only", help="score only the row with this id")
+    ap.add_argument("--source", help="score only the rows of this source")
+    ap.add_argument("--jobs", type=int, default=1, help="rows priced at once (processes)")
+    ap.add_argument("--runs", default=str(RUNS), help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    data = load(Path(args.runs))
+    rows = data["rows"]
+    if args.child:
+        print(json.dumps(measure(next(r for r in rows if r["id"] == args.child))))
+        return 0
+    rows = [r for r in rows if (not args.only or r["id"] == args.only)
+            and (not args.source or r["source"] == args.source)]
+    t0 = time.perf_counter()
+    results = score(rows, data["sources"], args.jobs, Path(args.runs))
+    print(f"{'row':<34} {'GPUs':>6} {'pub s':>9} {'pred s':>9}  error")
+    for r in results:
+        print(_line(r))
+    summary = per_source(results)
+    for name, s in summary.items():
+        print(f"{name:<24} rows {s['rows']:>3} scored {s['scored']:>3} median |err| "
+              f"{_pct(s['median_abs_error']):>5} max |err| {_pct(s['max_abs_error']):>5}")
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()
+    meta = {"date": datetime.date.today().isoformat(), "commit": commit,
+            "torch": torch.__version__, "wall_s": f"{time.perf_counter() - t0:.0f}",
+            "command": "python " + " ".join(sys.argv)}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary,
+                                               "rows": results}, indent=1))
+    if args.md:
+        Path(args.md).write_text(markdown(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
