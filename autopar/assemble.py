@@ -140,7 +140,14 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         memory=memory, throughput=global_batch / ev.step_time_s if ev.step_time_s else 0.0,
         mfu=mfu, solver=dict(sol.stats), notes=[], recompute=recompute, offload=st.offload,
         loss_reduction=loss_reduction(g), experts=experts,
-        context=context_plan(an, st, per_node))
+        context=context_plan(an, st, per_node), loss_parallel=splits_classes(an, chosen))
+
+
+def splits_classes(an: GraphAnalysis, chosen: dict[str, NodeStrategy]) -> bool:
+    """Whether a chosen strategy computes a loss on logits split along their classes
+    (an op's ``allreduced`` label split over a model-parallel axis)."""
+    return any(lab is not None and lab in an.rules[name].allreduced
+               for name, s in chosen.items() if name in an.rules for lab in s.labels)
 
 
 def context_plan(an: GraphAnalysis, st, per_node: dict[str, float]) -> ContextPlan | None:

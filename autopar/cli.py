@@ -100,7 +100,8 @@ ESTIMATE_DEFAULTS = {"dp": "the devices the other degrees leave", "tp": "1", "pp
                      "microbatch_size": "the largest that gives pp micro-batches",
                      "schedule": "1f1b", "virtual_stages": "the solver's choice",
                      "recompute": "the solver's choice", "zero": "0",
-                     "sequence_parallel": "off", "offload": "off"}
+                     "sequence_parallel": "off", "loss_parallel": "the solver's choice",
+                     "offload": "off"}
 """What ``autopar compare`` scores for each configuration option left out
 (:meth:`autopar.Spec.for_estimate`)."""
 
@@ -133,6 +134,8 @@ def _add_spec_args(g: argparse._ActionsContainer,
     g.add_argument("--zero", type=int, metavar="{0,1,2,3}", help="ZeRO stage")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                    help="norms and pointwise ops on sequence shards (with tp)")
+    g.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction,
+                   help="the loss on logits split along the vocabulary over tp (with tp)")
     g.add_argument("--offload", action=argparse.BooleanOptionalAction,
                    help="parameters, gradients and optimizer state in host memory (with "
                    "--zero 3)")

@@ -248,6 +248,10 @@ class Plan:
         loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``
             (:func:`autopar.strategies.rules.loss_reduction`); the runtime scales a
             summed loss so that averaging over ranks and micro-batches keeps the sum.
+        loss_parallel: the loss is computed on logits split along their classes over
+            ``tp`` (:mod:`autopar.strategies.loss_parallel`): the model's output
+            leaves split so, and the runtime computes the loss, forward and
+            backward, under :func:`autopar.runtime.dtensor_layout.class_parallel_loss`.
     """
 
     model: str
@@ -281,6 +285,7 @@ class Plan:
     experts: dict[str, ExpertPlan] = field(default_factory=dict)
     context: ContextPlan | None = None
     model_hash: str = ""
+    loss_parallel: bool = False
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -411,6 +416,9 @@ def _check_plan(plan: Plan) -> None:
         if mode not in RECOMPUTE:
             raise PlanFormatError(f"block {block!r} has recomputation {mode!r}; expected one of "
                                   f"{', '.join(RECOMPUTE)}")
+    if plan.loss_parallel and plan.degree("tp") == 1:
+        raise PlanFormatError("loss_parallel is true, but the plan has no tp axis to split "
+                              "the logits' classes over; set it false or re-plan")
     if plan.loss_reduction not in ("mean", "sum"):
         raise PlanFormatError(f"loss_reduction {plan.loss_reduction!r} is not 'mean' or 'sum'")
     if plan.offload and plan.zero != 3:

@@ -254,7 +254,8 @@ def plan_summary(plan: Plan) -> str:
            else ""),
         f"recompute {recompute_text(plan)}",
         f"tensor p. {'tp=' + str(plan.degree('tp')) if plan.degree('tp') > 1 else 'none'}"
-        f"{', sequence parallel' if plan.sequence_parallel else ''}",
+        f"{', sequence parallel' if plan.sequence_parallel else ''}"
+        f"{', loss on vocabulary-split logits' if plan.loss_parallel else ''}",
         *_context_lines(plan),
         f"precision {plan.precision}, optimizer {plan.optimizer}",
         "",

@@ -93,7 +93,8 @@ class StrategyPricer(ParamPricer):
         if ep is not None and ns.out[ep] != ns.raw_out[ep]:  # an expert module's tokens
             a2a += out_comm - self.output_comm(n, ns.raw_out,  # sent back over ep
                                                with_axis(ns.out, ns.raw_out, ep))
-        comm = out_comm + terms.tp + self._grad_sum(n, ns) + routed
+        comm = out_comm + terms.tp + self._grad_sum(n, ns) + routed + \
+            self.statistics_comm(n, ns)
         cp = self.cp_attention(n, ns.ins)
         if cp is not None:
             comm += cp.exposed_s
@@ -121,6 +122,29 @@ class StrategyPricer(ParamPricer):
             found = self._attention[key] = cp_attention(self.st.cp_variant, cp, shape,
                                                         self.st.hw, self.links[a])
         return found
+
+    def statistics_comm(self, n: OpNode, ns: NodeStrategy) -> float:
+        """Seconds per micro-batch of the all-reduces an op that splits an
+        ``allreduced`` label (loss parallelism, :mod:`autopar.strategies.loss_parallel`)
+        makes its result whole with: ``statistics`` all-reduces of one fp32 value per
+        row of its first input over each axis that splits the label, in the forward
+        (the backward needs none)."""
+        rule = self.an.rules[n.name]
+        if not rule.allreduced or not n.inputs:
+            return 0.0
+        total = 0.0
+        for a, lab in enumerate(ns.labels):
+            if lab is None or lab not in rule.allreduced:
+                continue
+            m = self.meta(n.inputs[0])
+            shape = local_shape(m.shape, ns.ins[0], self.mesh.sizes)
+            d = rule.ins[0].index(lab)
+            rows = 1
+            for k, size in enumerate(shape):
+                rows *= size if k != d else 1
+            total += rule.statistics * collective_time("all_reduce", 4.0 * rows,
+                                                       self.mesh.sizes[a], self.links[a])
+        return total
 
     def routed_exchange(self, n: OpNode, ns: NodeStrategy) -> float:
         """Seconds per micro-batch of a routed expert module's all-to-alls, charged on its

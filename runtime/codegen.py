@@ -219,8 +219,14 @@ def _tp_section(plan: Plan, facts: ModelFacts) -> str:
     sp = " and sequence" if plan.sequence_parallel else ""
     pieces = ("\n    register_piecewise_sharding()  # fused projections split per head"
               if piecewise(layout) else "")
+    gather, last_arg = ")", ""
+    if plan.loss_parallel and plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+        gather = ", gather=not last)  # the last stage's logits leave split along their classes"
+        last_arg = ", last: bool"
+    elif plan.loss_parallel:
+        gather = ", gather=False)  # the logits leave split along their classes: the loss reads them so"
     return T.APPLY_TP.substitute(
-        sp_text=sp, tp=plan.degree("tp"), piecewise=pieces,
+        sp_text=sp, tp=plan.degree("tp"), piecewise=pieces, gather=gather, last_arg=last_arg,
         params=_table(params, param_notes, " " * 4), inputs=_table(inputs, input_notes, " " * 4),
         outputs=_table(outputs, output_notes, " " * 4))
 
@@ -399,6 +405,7 @@ _IMPORTS = MappingProxyType({  # name used in the program -> the import that pro
     "re": "import re", "operator": "import operator", "sys": "import sys",
     "warnings": "import warnings",
     "fc": "import torch.distributed._functional_collectives as fc",
+    "torch_loss": "import torch.distributed.tensor.parallel.loss as torch_loss",
 })
 _FROM = MappingProxyType({  # name -> module, for `from module import a, b`
     "Iterator": "collections.abc", "Mapping": "collections.abc",
@@ -549,9 +556,12 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         layout.append(f'apply_ep({target}, build_expert_mesh(device_type)["ep"])')
     if plan.degree("tp") > 1:
         sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts)]
+        if plan.loss_parallel:
+            sections.insert(-1, T.LOSS_PARALLEL.template)
         if piecewise(tp_layout(plan, facts.model)):
             sections.insert(-1, T.PIECEWISE.template)
-        layout.append(f'apply_tp({target}, mesh["tp"])')
+        last = ", index == len(graphs) - 1" if pipelined and plan.loss_parallel else ""
+        layout.append(f'apply_tp({target}, mesh["tp"]{last})')
     if plan.experts:
         layout.append(f'shard_experts({target}, build_expert_mesh(device_type), mesh["tp"])')
     if any(m != "none" for m in plan.recompute.values()):
@@ -603,6 +613,8 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         tp = plan.degree("tp") > 1
         fb = (T.FORWARD_BACKWARD_CP_TP if tp else T.FORWARD_BACKWARD_CP) if cp > 1 else \
             T.FORWARD_BACKWARD_TP if tp else T.FORWARD_BACKWARD
+        if tp:
+            fb = fb.substitute(T.LOSS_MODES[plan.loss_parallel])
         before = ("    inputs, targets = split_sequences(inputs, targets, mesh)  "
                   "# this rank's tokens\n") if cp > 1 else ""
         sections.append(T.TRAIN_STEP.substitute(sync=sync, after=after, forward_backward=fb,

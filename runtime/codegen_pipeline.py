@@ -18,6 +18,7 @@ import torch
 
 from autopar.plans import Plan
 from autopar.runtime import codegen_pipeline_templates as PT
+from autopar.runtime import codegen_templates as T
 from autopar.runtime.pipeline import (SCHEDULE_CLASSES, SINGLE_STAGE_SCHEDULES,
                                       ZERO_BUBBLE_SCHEDULES, check_pipeline, split_for_plan,
                                       stage_blocks)
@@ -92,9 +93,11 @@ def _schedule(plan: Plan) -> str:
     single = name in SINGLE_STAGE_SCHEDULES
     n, v = len(plan.pipeline.stages), plan.pipeline.virtual_stages
     detail = f"{n} stages, {v} per pp rank"
+    loss = "lambda out, y: gather_output(loss_fn(out, y))" \
+        if plan.loss_parallel else "loss_fn"
     return PT.SCHEDULE.substitute(cls=cls, schedule=name, detail=detail,
                                   plural="" if single else "s",
-                                  stage_arg="stages[0]" if single else "stages")
+                                  stage_arg="stages[0]" if single else "stages", loss_fn=loss)
 
 
 def pipeline_text(plan: Plan, facts: ModelFacts, layout: list[str], partial_grads: bool,
@@ -129,7 +132,7 @@ def pipeline_text(plan: Plan, facts: ModelFacts, layout: list[str], partial_grad
     if tied:
         after += "    sync_tied(stages, tied, grads=True)  # copies get the sum of their grads\n"
     tied_arg = "\n" + " " * 15 + "tied: list[dist.ProcessGroup | None]," if tied else ""
-    call = PT.STEP_CALL_TP if tp else PT.STEP_CALL
+    call = PT.STEP_CALL_TP.substitute(T.LOSS_MODES[plan.loss_parallel]) if tp else PT.STEP_CALL
     if plan.degree("cp") > 1:
         call = PT.STEP_CALL_CP.substitute(
             wrap="    with plain_as_replicated():  # tensors a stage makes meet DTensors\n"

@@ -141,7 +141,7 @@ def build_schedule(stages: list[PipelineStage]) -> $cls:
     schedule divides gradients by the micro-batch count (scale_grads), so they are
     those of the mean over this rank's micro-batches."""
     return $cls(
-        $stage_arg, n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn, scale_grads=True)''')
+        $stage_arg, n_microbatches=NUM_MICROBATCHES, loss_fn=$loss_fn, scale_grads=True)''')
 """The plan's ``torch.distributed.pipelining`` schedule."""
 
 PIPELINE_STEP = Template('''\
@@ -182,10 +182,10 @@ CP_STAGE_SHAPES = '''\
 """The stages of a context-parallel plan are exported for one rank's share of each
 sequence."""
 
-STEP_CALL_TP = (
-    "    with plain_as_replicated():  # tensors a stage makes meet DTensors as replicated\n"
+STEP_CALL_TP = Template(
+    "    with plain_as_replicated()$lp:  # tensors a stage makes meet DTensors as replicated\n"
     "        schedule.step(target=targets[part], losses=losses, **batch)\n")
-"""The schedule's step under tensor parallelism."""
+"""The schedule's step under tensor parallelism (``$lp``: loss parallelism's mode)."""
 
 OWN_OUTPUTS = Template(inspect.getsource(_pipeline._own_outputs))
 """Stage outputs the zero-bubble schedules may detach in place (tensor parallelism)."""

@@ -29,6 +29,7 @@ __all__ = ["PROGRAM", "HEADER", "BUILD_MODEL", "BUILD_MESH", "DTENSOR_LAYOUT", "
            "EXPERT_MESH", "EXPERT_PARALLEL", "CONTEXT_PARALLEL", "CONSTANTS",
            "MATERIALIZE", "PARTIAL_GRADS", "DATA", "LOSS", "USER_LOSS", "TRAIN_STEP",
            "FORWARD_BACKWARD", "FORWARD_BACKWARD_TP", "FORWARD_BACKWARD_CP", "FORWARD_BACKWARD_CP_TP",
+           "LOSS_MODES", "LOSS_PARALLEL",
            "CHECKPOINT", "STATE_MODULES",
            "BUILD", "MAIN"]
 
@@ -177,7 +178,7 @@ DTENSOR_LAYOUT = Template("\n\n".join(inspect.getsource(f) for f in (
     _layout.any_index, _layout.lookup, _layout.ReplicateUnsharded, _layout.plain_as_replicated,
     _layout.place_parameters, _layout._Relayout, _layout._redistribute, _layout._first_tensor,
     _layout._input_hook, _layout._output_hook,
-    _layout.relayout_modules, _layout._to_dtensor, _layout._to_local, _layout.distribute_io,
+    _layout.relayout_modules, _layout._to_dtensor, _layout.gather_output, _layout.distribute_io,
     _layout._attention_strategies, _layout.register_cpu_attention_sharding)))
 """DTensors from input to output: the runtime's own functions
 (:mod:`autopar.runtime.dtensor_layout`), copied into the program."""
@@ -190,7 +191,7 @@ PIECEWISE = Template("\n\n".join(inspect.getsource(f) for f in (
 (:mod:`autopar.runtime.piecewise`), copied into the program."""
 
 APPLY_TP = Template('''\
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh$last_arg) -> None:
     """Tensor$sp_text parallelism over tp=$tp. Every parameter becomes a DTensor (split as
     listed, "*" standing for any block index; the rest replicated); activations stay
     DTensors through the model's own code, so its shapes are global; the listed modules'
@@ -199,7 +200,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     register_cpu_attention_sharding()$piecewise
     place_parameters(model, tp_mesh, $params)
     relayout_modules(model, inputs=$inputs, outputs=$outputs)
-    distribute_io(model, tp_mesh)''')
+    distribute_io(model, tp_mesh$gather''')
 """Tensor parallelism: the plan's tables applied by the runtime's functions."""
 
 SELECTIVE_POLICY = Template('''\
@@ -368,13 +369,14 @@ FORWARD_BACKWARD = '''\
 '''
 """A micro-batch's forward and backward."""
 
-FORWARD_BACKWARD_TP = '''\
-        with plain_as_replicated():  # tensors the forward makes meet DTensors as replicated
+FORWARD_BACKWARD_TP = Template('''\
+        with plain_as_replicated()$lp:  # tensors the forward makes meet DTensors as replicated
             output = model(*(x[part] for x in inputs))
-            loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
+            loss = $loss / NUM_MICROBATCHES
             loss.backward()
-'''
-"""A micro-batch's forward and backward under tensor parallelism."""
+''')
+"""A micro-batch's forward and backward under tensor parallelism (``$lp``, ``$loss``:
+:data:`LOSS_MODES`)."""
 
 FORWARD_BACKWARD_CP = '''\
         # this rank's share of every sequence: attention over the cp group, its positions
@@ -385,15 +387,29 @@ FORWARD_BACKWARD_CP = '''\
 '''
 """A micro-batch's forward and backward under context parallelism."""
 
-FORWARD_BACKWARD_CP_TP = '''\
-        with plain_as_replicated():  # tensors the forward makes meet DTensors as replicated
+FORWARD_BACKWARD_CP_TP = Template('''\
+        with plain_as_replicated()$lp:  # tensors the forward makes meet DTensors as replicated
             # this rank's share of every sequence: attention over the cp group, its positions
             with SequenceShards(mesh.get_group("cp"), CP_VARIANT, SEQ_LEN):
                 output = model(*(x[part] for x in inputs))
-            loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
+            loss = $loss / NUM_MICROBATCHES
             loss.backward()
-'''
-"""A micro-batch's forward and backward under context and tensor parallelism."""
+''')
+"""A micro-batch's forward and backward under context and tensor parallelism
+(``$lp``, ``$loss``: :data:`LOSS_MODES`)."""
+
+LOSS_MODES = {
+    False: {"lp": "", "loss": "loss_fn(output, targets[part])"},
+    True: {"lp": ", class_parallel_loss()",
+           "loss": "gather_output(loss_fn(output, targets[part]))"},
+}
+"""The substitutions of the tensor-parallel forward and backward without and with loss
+parallelism (the loss on logits split along their classes: ``plan.loss_parallel``)."""
+
+LOSS_PARALLEL = Template("\n\n".join(inspect.getsource(f) for f in (
+    _layout._splits_classes, _layout._when_classes_split, _layout.class_parallel_loss)))
+"""Loss parallelism: the runtime's own functions (:mod:`autopar.runtime.dtensor_layout`),
+copied into the program."""
 
 CHECKPOINT = Template("\n\n\n".join(inspect.getsource(f) for f in (
     _ck.state_names, _ck.checkpoint_record, _ck.optimizer_record, _ck.canonical_tensors,

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed.tensor.parallel.loss as torch_loss
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -31,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["place_parameters", "relayout_modules", "distribute_io", "plain_as_replicated",
-           "tp_context", "ReplicatedBeforeAutograd",
+           "tp_context", "ReplicatedBeforeAutograd", "class_parallel_loss", "gather_output",
            "ReplicateUnsharded",
            "register_cpu_attention_sharding", "any_index", "lookup"]
 
@@ -215,26 +216,30 @@ def _to_dtensor(mesh: DeviceMesh, x: Any) -> Any:
     return x
 
 
-def _to_local(x: Any) -> Any:
+def gather_output(x: Any) -> Any:
+    """``x`` (a tensor, or tensors in a tuple, list or dict) with every DTensor made a
+    whole local tensor (replicated, then its local copy)."""
     if isinstance(x, DTensor):
         return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
     if isinstance(x, (tuple, list)):
-        return type(x)(_to_local(v) for v in x)
+        return type(x)(gather_output(v) for v in x)
     if isinstance(x, dict):  # a dict, or a Hugging Face ModelOutput (a dict subclass)
         for key in list(x.keys()):
-            x[key] = _to_local(x[key])
+            x[key] = gather_output(x[key])
     return x
 
 
-def distribute_io(model: nn.Module, mesh: DeviceMesh) -> None:
+def distribute_io(model: nn.Module, mesh: DeviceMesh, gather: bool = True) -> None:
     """The model's tensor inputs (positional and keyword) enter as replicated DTensors
-    on ``mesh``; its output leaves as replicated local tensors."""
+    on ``mesh``; its output leaves as replicated local tensors (:func:`gather_output`),
+    or, not ``gather``, as the DTensors it is: a loss-parallel plan's logits split
+    along their classes, which the loss reads so (:func:`class_parallel_loss`)."""
     def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
         return (tuple(_to_dtensor(mesh, a) for a in args),
                 {k: _to_dtensor(mesh, v) for k, v in kwargs.items()})
 
     def post(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        return _to_local(output)
+        return gather_output(output) if gather else output
 
     # The output leaves as DTensor.to_local()'s view, and FSDP2 (torch 2.13) warns that
     # an in-place op on a view its root returns would silently drop its pre-backward
@@ -245,6 +250,59 @@ def distribute_io(model: nn.Module, mesh: DeviceMesh) -> None:
         rf"FSDP2-wrapped module \(FSDP{re.escape(type(model).__name__)}\) returned a view"))
     model.register_forward_pre_hook(pre, with_kwargs=True)
     model.register_forward_hook(post, with_kwargs=True)
+
+
+def _splits_classes(op_call: Any, args: tuple) -> bool:
+    """Whether a log-softmax or NLL loss op (forward or backward) reads logits split
+    along their classes: the dim a log-softmax normalizes, dim 1 (0 for 1-d logits)
+    of an NLL loss."""
+    name = op_call.overloadpacket.__name__
+    pos = 0 if name in ("_log_softmax", "nll_loss_forward", "nll_loss2d_forward") else 1
+    x = args[pos]
+    if not isinstance(x, DTensor):
+        return False
+    if name.startswith("_log_softmax"):
+        dim = args[pos + 1] % x.dim()
+    else:
+        dim = 0 if x.dim() == 1 else 1
+    return any(p.is_shard(dim) for p in x.placements)
+
+
+def _when_classes_split(handler: Any, op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``handler`` (torch's loss-parallel kernel of ``op_call``) on logits split
+    along their classes, and ``op_call`` as DTensor runs it otherwise."""
+    if _splits_classes(op_call, args):
+        return handler(op_call, args, kwargs)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    mine = handlers.pop(op_call)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = mine
+
+
+@contextlib.contextmanager
+def class_parallel_loss() -> Iterator[None]:
+    """Compute log-softmax and NLL losses (cross-entropy is both) on logits split
+    along their classes without gathering them, forward and backward: torch's
+    ``loss_parallel`` kernels (all-reduces of each row's maximum, sum of exponentials
+    and target logit), used only where the classes are split, so that any other
+    log-softmax of the model runs as DTensor runs it. (The kernels are DTensor's
+    custom op handlers, a private table in torch 2.11 to 2.13, which torch's own
+    ``loss_parallel`` fills alike.) A class-split log-softmax must feed an NLL loss
+    alone, as the planner ensures: its backward is fused into the loss's."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    before = {op: handlers.get(op) for op in torch_loss.customized_loss_ops}
+    for op, handler in torch_loss.customized_loss_ops.items():
+        handlers[op] = functools.partial(_when_classes_split, handler)
+    try:
+        yield
+    finally:
+        for op, handler in before.items():
+            if handler is None:
+                handlers.pop(op, None)
+            else:
+                handlers[op] = handler
 
 
 def _attention_strategies(n_tensors: int, masked: bool, n_scalars: int) -> list:

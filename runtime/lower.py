@@ -232,7 +232,7 @@ def lower_pipeline(model: nn.Module, plan: Plan, device: torch.device, loss_fn: 
     for g in local:
         if not meta:
             g.module.to(device)
-        parallelize_stage(g.module, plan, meshes)
+        parallelize_stage(g.module, plan, meshes, last=g.index == len(graphs) - 1)
         if meta:
             materialize_stage(g.module, device, model)
     groups = tied_process_groups(plan, tied)

@@ -21,7 +21,8 @@ from autopar.runtime.checkpoint_state import state_names
 from autopar.runtime.context_mode import SequenceShards, split_batch
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
-from autopar.runtime.dtensor_layout import ReplicatedBeforeAutograd, tp_context
+from autopar.runtime.dtensor_layout import (ReplicatedBeforeAutograd, class_parallel_loss,
+                                            gather_output, tp_context)
 from autopar.runtime.tensor_parallel import (reduce_partial_gradients,
                                              reduce_partial_gradients_when_accumulated)
 
@@ -139,11 +140,20 @@ class ParallelModel(nn.Module):
             reduce_partial_gradients_when_accumulated(self.module)
             self._hooked = True
         with ReplicatedBeforeAutograd():  # a plain loss.backward() meets DTensors only
-            return self._forward(*inputs, **kwargs)
+            if not self.plan.loss_parallel:
+                return self._forward(*inputs, **kwargs)
+            with class_parallel_loss():  # a loss inside the model; the logits gathered
+                return gather_output(self._forward(*inputs, **kwargs))
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with tp_context(self.plan.degree("tp")), self.sequence_shards():
             return self.module(*inputs, **kwargs)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Where the plan computes the loss on logits split along their classes
+        (``plan.loss_parallel``), the mode a step's forward, loss and backward run
+        in (:func:`~autopar.runtime.dtensor_layout.class_parallel_loss`); else nothing."""
+        return class_parallel_loss() if self.plan.loss_parallel else contextlib.nullcontext()
 
     def data_shard(self) -> DataShard:
         """Which shard of every global batch this rank trains on, when each rank
@@ -243,7 +253,7 @@ class ParallelModel(nn.Module):
                 self.module.set_requires_gradient_sync(i == n - 1)
             part = slice(i * mb, (i + 1) * mb)
             local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
-            with tp_context(tp):  # plain tensors the forward makes meet DTensors
+            with tp_context(tp), self.loss_context():  # plain tensors meet DTensors
                 loss = self._loss(self._forward(*local), targets[part]) / n
                 loss.backward()
             total += loss.detach().float()
@@ -341,7 +351,9 @@ def loss_scale(plan: Plan) -> float:
 def _loss(loss_fn: LossFn | None, output: Any, targets: torch.Tensor,
           scale: float = 1.0) -> torch.Tensor:
     """``loss_fn(output, targets)``, or cross-entropy over the output's logits, times
-    ``scale`` (:func:`loss_scale`)."""
+    ``scale`` (:func:`loss_scale`), a local tensor (a loss-parallel plan's loss is a
+    DTensor until here)."""
     loss = loss_fn(output, targets) if loss_fn is not None else \
         default_loss(first_tensor(output), targets)
+    loss = gather_output(loss)
     return loss * scale if scale != 1.0 else loss

@@ -180,7 +180,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> 
         register_piecewise_sharding()
     place_parameters(model, tp_mesh, _placements(layout.params))
     relayout_modules(model, _placements(layout.inputs), _placements(layout.outputs))
-    distribute_io(model, tp_mesh)
+    distribute_io(model, tp_mesh, gather=not plan.loss_parallel)
     return layout
 
 

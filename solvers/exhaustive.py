@@ -300,6 +300,7 @@ def _best_of(an: GraphAnalysis, cands: list[Candidate], **kw) -> BruteForceResul
 def brute_force_search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                        precision: str, optimizer: str, memory_budget: float,
                        sequence_parallel: bool | None = None,
+                       loss_parallel: bool | None = None,
                        recompute: tuple[str, ...] | None = None,
                        offload: bool | None = None) -> BruteForceResult:
     """The fastest feasible plan over the whole space of ``cands``, as
@@ -311,6 +312,7 @@ def brute_force_search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_pe
     Raises NoFeasiblePlanError when no candidate fits."""
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
+              loss_parallel=loss_parallel,
               recompute=recompute)
     best = None
     for tier in tiers(cands, gpus_per_node, offload):

@@ -253,6 +253,7 @@ def tiers(cands: list[Candidate], gpus_per_node: int,
 def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
            precision: str, optimizer: str, memory_budget: float,
            sequence_parallel: bool | None = None, recompute: tuple[str, ...] | None = None,
+           loss_parallel: bool | None = None,
            offload: bool | None = None, time_limit_s: float | None = None, top_k: int = 1,
            progress: Callable[[int, int, float | None], None] | None = None,
            deadline: float | None = None) -> SearchResult:
@@ -283,7 +284,7 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
         deadline = time.perf_counter() + time_limit_s
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
-              recompute=recompute, deadline=deadline, top_k=top_k, progress=progress)
+              loss_parallel=loss_parallel, recompute=recompute, deadline=deadline, top_k=top_k, progress=progress)
     failed: NoFeasiblePlanError | None = None
     passed: list[str] = []
     order = tiers(cands, gpus_per_node, offload) or [[]]
@@ -405,7 +406,7 @@ class Scored:
 def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
             precision: str, optimizer: str, memory_budget: float,
             sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
-            deadline: float | None, top_k: int,
+            deadline: float | None, top_k: int, loss_parallel: bool | None = None,
             progress: Callable[[int, int, float | None], None] | None,
             have_plan: bool = False, unbuilt: list[Candidate] | None = None,
             max_built: int | None = None, seed: list[Scored] | None = None) -> SearchResult:
@@ -424,7 +425,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute,
-                          deadline=_halfway(deadline) if have_plan else None,
+                          loss_parallel=loss_parallel, deadline=_halfway(deadline) if have_plan else None,
                           max_built=max_built)
     if unbuilt is not None:
         unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))
@@ -557,7 +558,8 @@ def _keep(kept: list[Scored], scored: Scored | None, top_k: int) -> list[Scored]
 def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                        optimizer: str, memory_budget: float,
                        sequence_parallel: bool | None = None,
-                       recompute: tuple[str, ...] | None = None) -> Settings:
+                       recompute: tuple[str, ...] | None = None,
+                       loss_parallel: bool | None = None) -> Settings:
     """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh, or
     dp/ep × ep × tp with expert parallelism)."""
     names, sizes = ["dp", "tp"], [c.dp, c.tp]
@@ -568,7 +570,8 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
         sizes.insert(-1, c.cp)
     return Settings(Mesh(tuple(names), tuple(sizes)), c.microbatch_size, c.num_microbatches,
                     c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
-                    sequence_parallel=sequence_parallel, offload=c.offload,
+                    sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                    offload=c.offload,
                     split_experts=c.split_experts, expert_imbalance=c.expert_imbalance,
                     recompute_modes=recompute or RECOMPUTE,
                     cp_variant=c.cp_variant or "allgather", pipelined=c.pp > 1)
@@ -577,7 +580,7 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                precision: str, optimizer: str, memory_budget: float,
                sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
-               deadline: float | None = None,
+               loss_parallel: bool | None = None, deadline: float | None = None,
                max_built: int | None = None) -> dict[tuple, Built | NoFeasiblePlanError]:
     """One intra-op problem per distinct :func:`mesh_key` (or the error saying an op has
     no strategy on that mesh, or that a smaller micro-batch already needs more memory
@@ -619,7 +622,8 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
             continue
         st = candidate_settings(c, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                                 optimizer=optimizer, memory_budget=memory_budget,
-                                sequence_parallel=sequence_parallel, recompute=recompute)
+                                sequence_parallel=sequence_parallel, recompute=recompute,
+                                loss_parallel=loss_parallel)
         built_count += 1
         try:
             built = built_by[key] = build_problem(an, st, layouts)

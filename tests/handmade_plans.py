@@ -53,8 +53,9 @@ def _heads_split(parent: nn.Module, tp: int) -> bool:
 
 
 def module_plan(path: str, module: nn.Module, parent: nn.Module | None, *, tp: int,
-                sp: bool, vocab_parallel: bool) -> ModulePlan:
-    """The hand-written ModulePlan of one module that owns parameters."""
+                sp: bool, vocab_parallel: bool, loss_parallel: bool = False) -> ModulePlan:
+    """The hand-written ModulePlan of one module that owns parameters (the head's
+    logits left split along the vocabulary under ``loss_parallel``)."""
     name = path.rpartition(".")[2]
     seq = "S(1)" if sp else "R"
     kind = type(module).__name__
@@ -66,7 +67,8 @@ def module_plan(path: str, module: nn.Module, parent: nn.Module | None, *, tp: i
     if isinstance(module, nn.Embedding):  # position table: (seq, dim), its dim 0 is the sequence
         return ModulePlan(path, kind, "replicate", "R", "R", "S(0)" if sp else "R")
     if name in HEADS:
-        return ModulePlan(path, kind, "colwise" if vocab_parallel else "replicate", seq, "R", "R")
+        return ModulePlan(path, kind, "colwise" if vocab_parallel else "replicate", seq, "R",
+                          "S(-1)" if loss_parallel else "R")
     split = tp > 1 and parent is not None and _heads_split(parent, tp)
     if name in COLWISE:  # an attention gathers the sequence itself (see attention_plan)
         src = "R" if isinstance(getattr(parent, "head_dim", None), int) else seq
@@ -94,15 +96,17 @@ def megatron_plan(model: nn.Module, *, dp: int = 1, tp: int = 1, zero: int = 0,
                   sequence_parallel: bool = False, vocab_parallel: bool = True,
                   global_batch: int = 8, num_microbatches: int = 1,
                   precision: str = "fp32", recompute: str | dict[str, str] = "none",
-                  offload: bool = False) -> Plan:
+                  offload: bool = False, loss_parallel: bool = False) -> Plan:
     """A hand-written plan for ``model`` on a ``{"dp": dp, "tp": tp}`` mesh;
-    ``recompute`` is one mode for every block or a block path -> mode table."""
+    ``recompute`` is one mode for every block or a block path -> mode table;
+    ``loss_parallel``: the loss on the head's vocabulary-split logits."""
     modules: dict[str, ModulePlan] = {}
     for path, m in model.named_modules():
         if any(True for _ in m.parameters(recurse=False)):
             parent = model.get_submodule(path.rpartition(".")[0]) if path else None
             modules[path] = module_plan(path, m, parent, tp=tp, sp=sequence_parallel,
-                                        vocab_parallel=vocab_parallel)
+                                        vocab_parallel=vocab_parallel,
+                                        loss_parallel=loss_parallel)
         elif sequence_parallel and isinstance(getattr(m, "head_dim", None), int):
             modules[path] = attention_plan(path, m)
     params: dict[str, list[str]] = {}
@@ -120,7 +124,8 @@ def megatron_plan(model: nn.Module, *, dp: int = 1, tp: int = 1, zero: int = 0,
                 num_microbatches=num_microbatches, zero=zero,
                 sequence_parallel=sequence_parallel, precision=precision, optimizer="sgd",
                 params=params, modules=modules, blocks=blocks,
-                recompute=recompute_table(blocks, recompute), offload=offload)
+                recompute=recompute_table(blocks, recompute), offload=offload,
+                loss_parallel=loss_parallel)
 
 
 def recompute_table(blocks: list[str], recompute: str | dict[str, str]) -> dict[str, str]:

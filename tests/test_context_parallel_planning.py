@@ -18,7 +18,9 @@ from tests import foreign_models as fm
 
 CLUSTER = autopar.Cluster("h100-sxm", 1, 4)
 SEQ, BUDGET = 32768, 12e9
-"""GPT-2 small at 32K tokens on 4 H100 with 12 GB each: it fits only with cp."""
+"""GPT-2 small at 32K tokens on 4 H100 with 12 GB each: with its logits whole on every tp
+rank (no loss parallelism, :data:`WHOLE_LOGITS`) it fits only with cp."""
+WHOLE_LOGITS = {"loss_parallel": False}
 
 HANDWRITTEN = ("cp=2: the sequence cannot be split at operator aten.matmul.default in module "
                "'layers.0.attention': it combines positions of the sequence with each other "
@@ -52,11 +54,11 @@ def test_attention_written_by_hand_is_refused_with_where() -> None:
 def test_long_sequences_turn_to_cp_when_nothing_else_fits(gpt2) -> None:
     model, x = gpt2
     with pytest.raises(NoFeasiblePlanError) as err:
-        autopar.plan(model, x, cluster=CLUSTER, memory_budget=BUDGET, cp=1)
+        autopar.plan(model, x, cluster=CLUSTER, memory_budget=BUDGET, cp=1, **WHOLE_LOGITS)
     assert str(err.value).startswith("no plan fits in 12.00 GB per device")
     assert str(err.value).endswith("Context parallelism (leave cp out, or cp > 1) would split "
                                    "each sequence's activations over cp ranks.")
-    plan = autopar.plan(model, x, cluster=CLUSTER, memory_budget=BUDGET)
+    plan = autopar.plan(model, x, cluster=CLUSTER, memory_budget=BUDGET, **WHOLE_LOGITS)
     assert plan.degree("cp") > 1 and plan.memory_per_device_bytes <= BUDGET
     assert plan.context is not None and plan.context.seq_len == SEQ
     assert plan.context.inputs == [1, 1]
@@ -74,8 +76,9 @@ def test_runners_up_rank_the_plans_with_and_without_cp(gpt2) -> None:
     as well: the runners-up rank the plans of both searches, the one without cp
     included, and a short list is the head of the long one."""
     model, x = gpt2
-    every = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=10_000)
-    three = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=3)
+    every = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=10_000,
+                         **WHOLE_LOGITS)
+    three = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=3, **WHOLE_LOGITS)
     assert every.degree("cp") > 1 and three.degree("cp") > 1
     without = [r for r in every.runners_up if r["mesh"].get("cp", 1) == 1]
     assert [r["recompute"] for r in without] == [["full"]]
@@ -90,9 +93,11 @@ def test_a_time_limit_that_cuts_the_cp_search_says_so(gpt2) -> None:
     """With no time at all the search still finds a plan without cp (it recomputes
     every block), and then builds no cp problem: a note says how many it left."""
     model, x = gpt2
-    every = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=10_000)
+    every = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, top_k=10_000,
+                         **WHOLE_LOGITS)
     cp = sum(r["mesh"].get("cp", 1) > 1 for r in every.runners_up) + 1  # the plan has cp
-    plan = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, time_limit_s=0.0)
+    plan = autopar.plan(model, x, cluster=CLUSTER, memory_budget=18e9, time_limit_s=0.0,
+                        **WHOLE_LOGITS)
     assert plan.degree("cp") == 1 and set(plan.recompute.values()) == {"full"}
     assert (f"the time limit ended the search of context parallelism before it built the "
             f"problems of {cp} of {cp} configurations: they are not scored, and the gap "
@@ -117,7 +122,7 @@ def test_the_cli_plans_long_sequences_with_cp_and_says_why(capsys) -> None:
     from autopar.cli import main
 
     common = ["plan", "gpt2-small", "--seq-len", str(SEQ), "--gpu", "h100-sxm",
-              "--gpus-per-node", "4", "--memory-budget", "12GB"]
+              "--gpus-per-node", "4", "--memory-budget", "12GB", "--no-loss-parallel"]
     assert main(common) == 0
     out = capsys.readouterr().out
     assert "\ncontext p. cp=" in out and "\nnote      context parallelism, because" in out

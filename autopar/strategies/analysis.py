@@ -17,6 +17,7 @@ from autopar.memory_choices import fsdp_unit
 from autopar.strategies.batch_flow import FREE, BatchFlow
 from autopar.strategies.experts import ExpertModule, expert_modules
 from autopar.strategies.fused import piecewise_rules
+from autopar.strategies.loss_parallel import class_parallel_rules
 from autopar.strategies.rules import OpRule, constant_rule, rule_for
 from autopar.strategies.sequence_flow import SequenceSplit, sequence_split
 
@@ -89,7 +90,7 @@ def analyze(graph: Graph) -> GraphAnalysis:
     batch_label = flow.label
     batch_dim = {k: (int(v[2:-1]) if v.startswith("S(") else None)
                  for k, v in flow.place.items()}
-    rules = piecewise_rules(graph, rules, batch_dim)
+    rules = class_parallel_rules(graph, piecewise_rules(graph, rules, batch_dim))
     module_ops = _module_ops(graph)
     owner, consumers = param_users(graph)
     saved = {}

@@ -53,11 +53,12 @@ def _placements(labels, assign: tuple[str | None, ...]) -> Placements:
 
 def _choices(rule: OpRule) -> list[str]:
     """The labels a model-parallel axis may split: those of the inputs that are not
-    forbidden and that the output keeps or sums over, and the piecewise splits
-    (``"x/k"``) the rule allows."""
+    forbidden and that the output keeps, sums over or all-reduces statistics of (loss
+    parallelism), and the piecewise splits (``"x/k"``) the rule allows."""
     outs = {split_label(lab)[0] for lab in rule.out}
     names = {split_label(lab)[0] for labs in rule.ins if labs for lab in labs} - rule.forbid
-    labels = [lab for lab in sorted(names) if lab in outs or lab in rule.reduce]
+    labels = [lab for lab in sorted(names)
+              if lab in outs or lab in rule.reduce or lab in rule.allreduced]
     return labels + [f"{lab}/{k}" for lab, k in sorted(rule.pieces) if lab in labels]
 
 
@@ -205,6 +206,8 @@ class StrategySpace:
                     raw.append("R")  # a per-rank label's output is the rank's own result
                 elif carries(rule.out, lab):
                     raw.append(placement_of(rule.out, lab))
+                elif name in rule.allreduced:
+                    raw.append("R")  # made whole by the op's own all-reduces
                 else:
                     raw.append("P")
             raw_t = tuple(raw)
@@ -243,15 +246,28 @@ class StrategySpace:
                 per_axis.append(self._ep_choices(n))
             elif a == self.cp_axis:  # the sequence split, which _sequence places there
                 per_axis.append([None])
-            elif rule.kind in ("creation", "constant") or n.name == self.g.loss:
-                per_axis.append([None])  # the loss is computed whole on every tp rank
+            elif rule.kind in ("creation", "constant"):
+                per_axis.append([None])
+            elif n.name == self.g.loss:  # whole on every tp rank, or class-split
+                per_axis.append(self._loss_choices(rule, labels))
             else:
-                per_axis.append([None] + labels)
+                per_axis.append([None] + [lab for lab in labels if lab not in rule.allreduced
+                                          or self.st.loss_parallel is not False])
         result = []
         for combo in itertools.product(*per_axis):
             if self._divisible(n, rule, combo):
                 result.append(combo)
         return result
+
+    def _loss_choices(self, rule: OpRule, labels: list[str]) -> list[str | None]:
+        """What a model-parallel axis may split of the loss: nothing (it is computed
+        whole on every rank), or its classes (loss parallelism), as the settings'
+        ``loss_parallel`` allows (None: either; True: the classes where the loss can
+        split them)."""
+        classes: list[str | None] = [lab for lab in labels if lab in rule.allreduced]
+        if self.st.loss_parallel is False:
+            return [None]
+        return classes if self.st.loss_parallel and classes else [None] + classes
 
     def _on_cp(self, pl: Placements, place: str) -> Placements:
         """Placements ``pl`` with ``place`` on the context-parallel axis."""
@@ -339,7 +355,7 @@ class StrategySpace:
         for lab, p in zip(combo, place):
             lacks = not carries(labs, lab)
             g.append("P" if p == "R" and lab is not None and lacks
-                     and split_label(lab)[0] not in rule.reduce else p)
+                     and split_label(lab)[0] not in rule.reduce | rule.allreduced else p)
         return tuple(g)
 
     def _deliveries(self, n: OpNode, raw: Placements, nd: int) -> list[Placements]:

@@ -26,6 +26,12 @@ class OpRule:
     ``pieces`` holds (label, k) pairs whose label may also be split so at every dim
     that carries it (the ops from a fused projection to its split). Both come from
     :mod:`autopar.strategies.fused`.
+
+    Labels in ``allreduced`` may be split although the op reduces them in a way that is
+    no sum (loss parallelism: a log-softmax over classes split across ranks): each rank
+    computes on its part, and ``statistics`` all-reduces of one float per row (a
+    maximum, a sum of exponentials, the target's logit) make the result whole. Its
+    output is then replicated where it lacks the label (:mod:`.loss_parallel`).
     """
 
     ins: tuple[Labels | None, ...]
@@ -35,6 +41,8 @@ class OpRule:
     kind: str = "generic"
     per_rank: frozenset[str] = frozenset()
     pieces: frozenset[tuple[str, int]] = frozenset()
+    allreduced: frozenset[str] = frozenset()
+    statistics: int = 0
 
 
 @dataclass

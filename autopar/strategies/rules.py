@@ -507,7 +507,7 @@ _HANDLERS: dict[str, Callable[[OpNode, list, _Fresh], OpRule]] = {
     "_batch_norm_with_update": _channel_norm,
     "softmax": _softmax, "_softmax": _softmax, "log_softmax": _softmax, "_log_softmax": _softmax,
     "cross_entropy_loss": _cross_entropy, "nll_loss": _cross_entropy,
-    "nll_loss_forward": _cross_entropy,
+    "nll_loss_nd": _cross_entropy, "nll_loss_forward": _cross_entropy,
     **{op: _pointwise_loss for op in _POINTWISE_LOSS_REDUCTION_ARG},
     "scaled_dot_product_attention": _sdpa,
     "view": _view, "_unsafe_view": _view, "reshape": _view, "flatten": _view, "unflatten": _view,

@@ -27,6 +27,7 @@ class Settings:
     hw: object
     gpus_per_node: int
     sequence_parallel: bool | None = None
+    loss_parallel: bool | None = None  # the loss on class-split logits (None: the solver's)
     offload: bool = False
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
     split_experts: bool = False  # every expert module split over ep (else the solver's)

@@ -359,26 +359,30 @@ def _to_dtensor(mesh: DeviceMesh, x: Any) -> Any:
     return x
 
 
-def _to_local(x: Any) -> Any:
+def gather_output(x: Any) -> Any:
+    """``x`` (a tensor, or tensors in a tuple, list or dict) with every DTensor made a
+    whole local tensor (replicated, then its local copy)."""
     if isinstance(x, DTensor):
         return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
     if isinstance(x, (tuple, list)):
-        return type(x)(_to_local(v) for v in x)
+        return type(x)(gather_output(v) for v in x)
     if isinstance(x, dict):  # a dict, or a Hugging Face ModelOutput (a dict subclass)
         for key in list(x.keys()):
-            x[key] = _to_local(x[key])
+            x[key] = gather_output(x[key])
     return x
 
 
-def distribute_io(model: nn.Module, mesh: DeviceMesh) -> None:
+def distribute_io(model: nn.Module, mesh: DeviceMesh, gather: bool = True) -> None:
     """The model's tensor inputs (positional and keyword) enter as replicated DTensors
-    on ``mesh``; its output leaves as replicated local tensors."""
+    on ``mesh``; its output leaves as replicated local tensors (:func:`gather_output`),
+    or, not ``gather``, as the DTensors it is: a loss-parallel plan's logits split
+    along their classes, which the loss reads so (:func:`class_parallel_loss`)."""
     def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
         return (tuple(_to_dtensor(mesh, a) for a in args),
                 {k: _to_dtensor(mesh, v) for k, v in kwargs.items()})
 
     def post(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        return _to_local(output)
+        return gather_output(output) if gather else output
 
     # The output leaves as DTensor.to_local()'s view, and FSDP2 (torch 2.13) warns that
     # an in-place op on a view its root returns would silently drop its pre-backward
