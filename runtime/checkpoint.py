@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from autopar.errors import CheckpointError
+from autopar.runtime.agree import agreed
 from autopar.runtime.checkpoint_state import (begin_partial, canonical_tensors, checkpoint_record, commit,
                                               committed_steps, flat_state, load_state,
                                               prune_checkpoints, read_commit, save_state)
@@ -95,11 +96,17 @@ def load(path: str | os.PathLike, model: ParallelModel,
     """Load the checkpoint in folder ``path`` into ``model`` and ``optimizer`` (every
     rank, at once), whatever plan and world size saved it: parameters, buffers and
     optimizer state are resharded onto this plan's layout, tied weights come back as
-    one. Build the optimizer over ``model.parameters()`` first, as for training."""
-    try:
-        meta = load_state(path, _tensors(model, saving=False), optimizer)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
+    one. Build the optimizer over ``model.parameters()`` first, as for training.
+
+    Raises :class:`CheckpointError` on every rank alike when any rank cannot load it (a
+    folder missing or half written, a shard file missing, cut short or unreadable,
+    another model's tensors), naming the folder and the file at fault."""
+    tensors = _tensors(model, saving=False)
+    with agreed(f"loading the checkpoint {path}"):
+        try:
+            meta = load_state(path, tensors, optimizer)
+        except ValueError as e:  # checkpoint_state's messages, torch's errors among them
+            raise CheckpointError(str(e)) from e.__cause__
     return Resumed(step=int(meta["step"]), extra=dict(meta.get("extra") or {}),
                    optimizer_restored=bool(meta["optimizer_restored"]),
                    rng_restored=bool(meta["rng_restored"]), saved_mesh=dict(meta["mesh"]))
@@ -144,9 +151,43 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def resume(self) -> Resumed | None:
-        """Load the last complete checkpoint, if any (None: start from scratch)."""
-        step = self.latest()
-        return None if step is None else load(self.folder(step), self.model, self.optimizer)
+        """Load the newest complete checkpoint that loads (None: there is none, start
+        from scratch). A newer one that fails to load is skipped with a warning naming
+        it and why, and renamed ``step-<n>.unloadable`` (nothing is deleted), so that
+        the saves after the resumed step neither replace nor prune it. Raises
+        :class:`CheckpointError` when checkpoints exist but none loads (all of them
+        left as they are)."""
+        skipped: list[tuple[Path, CheckpointError]] = []
+        for step in reversed(committed_steps(self.root)):
+            try:
+                resumed = load(self.folder(step), self.model, self.optimizer)
+            except CheckpointError as e:
+                skipped.append((self.folder(step), e))
+                continue
+            for folder, error in skipped:
+                aside = self._set_aside(folder)
+                warnings.warn(f"resuming from {self.folder(step)} (step {step}): the newer "
+                              f"checkpoint {folder} does not load, kept as {aside.name}: "
+                              f"{error}", stacklevel=2)
+            return resumed
+        if skipped:
+            raise CheckpointError(f"no checkpoint under {self.root} loads ({len(skipped)} "
+                                  f"tried, all left in place); the newest: {skipped[0][1]}")
+        return None
+
+    def _set_aside(self, folder: Path) -> Path:
+        """Rename the checkpoint ``folder`` that does not load to the first free name
+        ``<folder>.unloadable[-k]`` (rank 0; every rank waits), out of the steps that
+        saves replace and pruning removes; return the new path."""
+        aside, k = folder.with_name(folder.name + ".unloadable"), 1
+        while aside.exists():
+            k += 1
+            aside = folder.with_name(f"{folder.name}.unloadable-{k}")
+        dist.barrier()  # every rank has looked before rank 0 renames
+        if dist.get_rank() == 0:
+            os.replace(folder, aside)
+        dist.barrier()
+        return aside
 
     def step(self, step: int, extra: Mapping[str, Any] | None = None) -> bool:
         """Save after ``step`` if it is a multiple of ``every``; True if it saved."""

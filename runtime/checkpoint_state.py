@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 __all__ = ["state_names", "canonical_tensors", "optimizer_record", "checkpoint_record",
-           "init_optimizer_state", "flat_state", "read_commit", "commit", "begin_partial", "save_state", "load_state",
+           "init_optimizer_state", "flat_state", "read_commit", "commit", "begin_partial",
+           "save_state", "damaged_file", "unreadable", "load_state",
            "committed_steps", "prune_checkpoints", "attempt_store"]
 
 
@@ -252,6 +253,47 @@ def _check_shapes(state: Mapping[str, torch.Tensor], saved: Mapping[str, Any],
                              "another model?")
 
 
+def damaged_file(folder: Path, storage: Mapping[Any, Any]) -> str | None:
+    """What is wrong with the first shard file of checkpoint ``folder`` that DCP's index
+    (``storage``: its ``storage_data``, each item's file, offset and length) lists but
+    that is missing or shorter than the bytes the index places in it; None when every
+    file is there in full."""
+    need: dict[str, int] = {}
+    for item in storage.values():
+        end = item.offset + item.length
+        need[item.relative_path] = max(need.get(item.relative_path, 0), end)
+    for name in sorted(need):
+        file = folder / name
+        if not file.is_file():
+            return f"its file {name} is missing (its index lists it)"
+        size = file.stat().st_size
+        if size < need[name]:
+            return (f"its file {name} has {size} bytes, fewer than the {need[name]} its index "
+                    "lists: it was cut short (a full disk, or a copy that stopped)")
+    return None
+
+
+def unreadable(folder: Path, error: BaseException,
+               storage: Mapping[Any, Any] | None) -> ValueError:
+    """The ValueError for checkpoint ``folder`` whose files DCP could not read: it names
+    the file at fault: DCP's index ``.metadata`` (``storage`` None: the index itself
+    failed), a shard file that is missing or cut short (:func:`damaged_file`), or the
+    file ``error`` names; else it quotes the first failing rank's exception."""
+    what = damaged_file(folder, storage) if storage is not None else None
+    if what is None:
+        cause = error
+        failures = getattr(error, "failures", None)  # CheckpointException: rank -> (error, trace)
+        if isinstance(failures, dict) and failures:
+            cause = failures[min(failures)][0]
+        line = (str(cause).strip().splitlines() or [""])[0]
+        named = getattr(cause, "filename", None)
+        file = "its index file .metadata" if storage is None else \
+            f"its file {Path(named).name}" if named else "its shard files"
+        what = f"reading {file} raised {type(cause).__name__}: {line}"
+    return ValueError(f"cannot load the checkpoint {folder}: {what}; load an earlier "
+                      "checkpoint, or copy this one again")
+
+
 def load_state(path: str | os.PathLike, tensors: Mapping[str, Sequence[torch.Tensor]],
                optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Fill ``tensors`` (every copy) and the optimizer's state from the committed
@@ -261,7 +303,11 @@ def load_state(path: str | os.PathLike, tensors: Mapping[str, Sequence[torch.Ten
     ``rng_restored`` added."""
     folder = Path(path)
     meta = read_commit(folder)
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    try:
+        index = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged index raises any type
+        raise unreadable(folder, e, None) from e
+    saved = index.state_dict_metadata
     has_optim = any(k.startswith("optim.") for k in saved)
     if optimizer is not None and has_optim:
         init_optimizer_state(optimizer)
@@ -272,7 +318,10 @@ def load_state(path: str | os.PathLike, tensors: Mapping[str, Sequence[torch.Ten
     state.update({k: v.clone() for k, v in rng.items() if k in saved})
     _check_shapes(state, saved, folder)
     state = {k: v for k, v in state.items() if k in saved}
-    dcp.load(state, checkpoint_id=str(folder))
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except (Exception, dcp.CheckpointException) as e:  # the latter derives from BaseException
+        raise unreadable(folder, e, index.storage_data) from e
     for key, t in originals.items():  # loaded into a chunkable copy: back into place
         if key in state:
             _copy_into(t, state[key])

@@ -414,7 +414,8 @@ copied into the program."""
 CHECKPOINT = Template("\n\n\n".join(inspect.getsource(f) for f in (
     _ck.state_names, _ck.checkpoint_record, _ck.optimizer_record, _ck.canonical_tensors,
     _ck.init_optimizer_state, _ck._chunkable, _ck.flat_state, _ck._copy_into,
-    _ck.read_commit, _ck.commit, _ck.begin_partial, _ck.save_state, _ck._check_shapes, _ck.load_state, _ck.committed_steps,
+    _ck.read_commit, _ck.commit, _ck.begin_partial, _ck.save_state, _ck._check_shapes,
+    _ck.damaged_file, _ck.unreadable, _ck.load_state, _ck.committed_steps,
     _ck.prune_checkpoints, _ck.attempt_store)).replace("$", "$$") + '''
 
 

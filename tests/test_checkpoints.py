@@ -4,8 +4,9 @@ head, heads split) is saved, loaded under pp2 on 2 ranks (1f1b, and zbv, where t
 tied embedding and head of GPT are two copies on one rank), under ZeRO-3 dp4 with
 full recomputation, and from Hugging Face GPT-2's tp2 plan into its pp2 plan; the
 next 3 steps' losses and the final parameters equal an uninterrupted single-process
-run's to 1e-6 (in float64). Also: a half-written folder is never loaded, the plain-model file
-converts both ways, and the other mistakes get their messages."""
+run's to 1e-6 (in float64). Also: a half-written folder is never loaded, a folder with a
+shard file cut short raises CheckpointError and resume() falls back past it, the
+plain-model file converts both ways, and the other mistakes get their messages."""
 
 from __future__ import annotations
 
@@ -293,3 +294,89 @@ def test_a_fused_projection_split_piecewise_saves_and_loads(rank_pool: RankPool,
     got = rank_pool.run(4, train, "nano", fused.to_json(), folder, False)[0]["losses"]
     got += rank_pool.run(4, train, "nano", plain.to_json(), folder, True)[0]["losses"]
     assert got == pytest.approx(want, abs=TOL)
+
+
+def _cut_job(root: str) -> dict:
+    """dp2 Llama, SGD: save steps 1 and 2 with a Checkpointer, cut step 2's largest shard
+    file to half its bytes, then on a fresh model load step 2 directly, resume, save
+    step 2 again, and resume from a root holding only the cut copy; what each did."""
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    x, y = foreign_models.example_batch()
+    plan = megatron_plan(make("llama"), dp=2)
+    pm = autopar.parallelize(make("llama"), plan=plan)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    ckpt = autopar.Checkpointer(root, pm, opt, keep=5)
+    after_1 = None
+    for step in (1, 2):
+        pm.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(step)
+        after_1 = after_1 or {n: p.detach().clone() for n, p in pm.state_dict().items()}
+    cut = Path(ckpt.folder(2))
+    shard = max(cut.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    whole = shard.stat().st_size
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shard.write_bytes(shard.read_bytes()[:whole // 2])
+        shutil.copytree(cut, Path(root + "-only-cut") / cut.name)
+        shutil.copytree(cut, Path(root + "-index") / cut.name)
+        index = Path(root + "-index") / cut.name / ".metadata"
+        index.write_bytes(index.read_bytes()[:100])
+    dist.barrier()
+    out: dict = {"shard": shard.name, "whole": whole, "half": whole // 2}
+    pm = autopar.parallelize(make("llama"), plan=plan)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    for key, folder in (("direct", cut), ("index", Path(root + "-index") / cut.name)):
+        try:
+            autopar.load(folder, pm, opt)
+        except autopar.CheckpointError as e:
+            out[key] = str(e)
+    ckpt = autopar.Checkpointer(root, pm, opt, keep=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["resumed"] = ckpt.resume().step
+    out["warnings"] = [str(w.message) for w in caught]
+    out["equal"] = all(torch.equal(t, after_1[n]) for n, t in pm.state_dict().items())
+    ckpt.save(2)  # keep=1: prunes step 1, never the cut folder
+    out["folders"] = sorted(os.listdir(root))
+    out["cut_size"] = (Path(root) / "step-00000002.unloadable" / shard.name).stat().st_size
+    try:
+        autopar.Checkpointer(root + "-only-cut", pm, opt).resume()
+    except autopar.CheckpointError as e:
+        out["none"] = str(e)
+    return out
+
+
+@pytest.mark.multirank
+def test_resume_falls_back_past_a_cut_shard(rank_pool: RankPool, tmp_path: Path) -> None:
+    """A shard file of the newest checkpoint cut short (torch raises its
+    CheckpointException, a BaseException): loading it raises CheckpointError naming the
+    folder and file; resume() warns and loads the step before, with its parameters; the
+    cut folder is kept aside, untouched, through later saves and pruning."""
+    root = str(tmp_path / "ckpt")
+    got = rank_pool.run(2, _cut_job, root)
+    assert got[0] == got[1]
+    got = got[0]
+    cut = tmp_path / "ckpt" / "step-00000002"
+    why = (f"cannot load the checkpoint {cut}: its file {got['shard']} has {got['half']} "
+           f"bytes, fewer than the {got['whole']} its index lists: it was cut short (a full "
+           "disk, or a copy that stopped); load an earlier checkpoint, or copy this one again")
+    assert got["direct"] == why
+    assert got["index"] == (f"cannot load the checkpoint {tmp_path / 'ckpt-index'}/step-00000002"
+                            ": reading its index file .metadata raised UnpicklingError: pickle "
+                            "data was truncated; load an earlier checkpoint, or copy this one "
+                            "again")
+    assert got["resumed"] == 1 and got["equal"]
+    assert got["warnings"] == [f"resuming from {tmp_path / 'ckpt'}/step-00000001 (step 1): the "
+                               f"newer checkpoint {cut} does not load, kept as "
+                               f"step-00000002.unloadable: {why}"]
+    assert got["folders"] == ["step-00000002", "step-00000002.unloadable"]
+    assert got["cut_size"] == got["half"]
+    only = tmp_path / "ckpt-only-cut"
+    assert got["none"] == (f"no checkpoint under {only} loads (1 tried, all left in place); the "
+                           f"newest: {why.replace(str(cut), str(only / 'step-00000002'))}")
