@@ -40,7 +40,8 @@ SPLIT_STAGES = Template("\n\n\n".join(inspect.getsource(f) for f in (
     _export.StageSplitError, _export.outlined_paths, _export.export_program,
     _export._called_once, _export._owner, _export._leaf_paths, _export._Outliner,
     _export.outlined_graph, _export.retarget_devices, _split._pinned, _split.assign_stages,
-    _split._live, _split.stage_graph, _split.cut_program, _split._model_device)) + '''
+    _split._live, _split.stage_graph, _split._contiguous, _split.cut_program,
+    _split._model_device)) + '''
 
 
 def split_stages(model: nn.Module,

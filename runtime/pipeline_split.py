@@ -167,8 +167,21 @@ def stage_graph(graph: fx.Graph, stage: dict[fx.Node, int | None], index: int,
             raise StageSplitError(
                 f"'{n.name}' ({type(val).__name__}) is made before stage {index + 1} and read on "
                 "it or later; pipeline stages hand on tensors only, so compute it inside a block")
-    g.output(tuple(env[n] for n in sent))
+    g.output(tuple(_contiguous(g, env[n]) for n in sent))
     return g
+
+
+def _contiguous(g: fx.Graph, node: fx.Node) -> fx.Node:
+    """``node``, or a contiguous copy of it where its value is a strided view (T5's
+    position bias, a permuted embedding): the next stage receives into a buffer of the
+    sent strides, and gloo sends and receives contiguous tensors only."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+        return node
+    copy = g.call_function(torch.ops.aten.contiguous.default, (node,),
+                           name=f"{node.name}_contiguous")
+    copy.meta = dict(node.meta, val=val.contiguous())
+    return copy
 
 
 def cut_program(model: nn.Module, ep: torch.export.ExportedProgram,

@@ -1,9 +1,10 @@
 """Models written by others plan for data parallelism (issue 18, item 8): PyTorch's
 ``nn.TransformerEncoder`` (batch-first or sequence-first), Hugging Face OPT, Falcon,
 Mixtral and Qwen2-MoE, a Llama whose GQA uses ``repeat_interleave`` (which also gets
-per-kv-head tensor-parallel strategies), and a model with an operator autopar has no
-rule for. Their 2-rank data-parallel training equals a single process; a true batch
-statistic still refuses with a clear message."""
+per-kv-head tensor-parallel strategies), a model with an operator autopar has no
+rule for, and T5's attention bias broadcast along the batch (issue 40, item 4). Their
+2-rank data-parallel training equals a single process; a true batch statistic, or a
+replicated tensor lined up with the batch, still refuses with a clear message."""
 
 from __future__ import annotations
 
@@ -84,6 +85,45 @@ class GatedLM(nn.Module):
         return self.head(gate(F.gelu(self.up(self.emb(tokens))), self.gate))
 
 
+class BiasedAttention(nn.Module):
+    """T5's pattern: one relative-position bias (1, H, T, T) looked up from a parameter,
+    broadcast in every block against a mask made from the inputs' shape (B, 1, T, T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.rel = nn.Embedding(2 * SEQ, 4)
+        self.qkv = nn.ModuleList(nn.Linear(32, 96) for _ in range(2))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, t = tokens.shape
+        pos = torch.arange(t, device=tokens.device)
+        bias = self.rel(pos[None, :] - pos[:, None] + SEQ).permute(2, 0, 1).unsqueeze(0)
+        keep = torch.ones(b, 1, t, t, dtype=torch.bool, device=tokens.device)
+        h = self.emb(tokens)
+        for qkv in self.qkv:
+            q, k, v = qkv(h).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            mask = torch.where(keep, bias, float("-inf"))
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            h = h + att.transpose(1, 2).reshape(b, t, 32)
+        return self.head(h)
+
+
+class RowsAsSamples(nn.Module):
+    """Adds a table's columns, one per sample of the global batch, to a tensor made
+    from the batch's shape: each rank would need the rows of its own samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.head = nn.Linear(35, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        side = table.t() + torch.zeros(tokens.shape[0], 3, device=tokens.device)
+        return self.head(torch.cat([self.emb(tokens).mean(1), side], 1))
+
+
 def hf(kind: str) -> nn.Module:
     """A tiny Hugging Face causal LM of family ``kind`` (dropout off)."""
     t = pytest.importorskip("transformers")
@@ -102,7 +142,7 @@ def hf(kind: str) -> nn.Module:
 
 
 MODELS = {"encoder": lambda: EncoderLM(True), "encoder-seq-first": lambda: EncoderLM(False),
-          "tiny-llama": TinyLlama, "gated": GatedLM,
+          "tiny-llama": TinyLlama, "gated": GatedLM, "biased": BiasedAttention,
           **{k: (lambda k=k: hf(k)) for k in ("opt", "falcon", "mixtral", "qwen2moe")}}
 
 
@@ -163,6 +203,40 @@ def test_position_embeddings_of_shape_made_ids_follow_the_batch() -> None:
     assert pos and all(an.batch_dim[n.name] == 0 for n in pos)
 
 
+def test_a_bias_broadcast_along_the_batch_stays_replicated() -> None:
+    """The bias (batch dim 1) is replicated; the masks it makes with the shape-made
+    ``keep`` (batch dim B) follow the batch in both blocks, not only in the first,
+    whose mask settled the bias replicated before the second read it. Context
+    parallelism is refused for the mask, which is not causal."""
+    x, _ = data()
+    an = analyze(capture(make("biased"), (x,)))
+    g = an.graph
+    bias = [n for n in g.nodes if n.target == "aten.unsqueeze.default"
+            and n.out.shape == (1, 4, SEQ, SEQ)]
+    masks = [g.node(n.inputs[3]) for n in g.nodes
+             if n.target == "aten.scaled_dot_product_attention.default"]
+    assert len(bias) == 1 and an.batch_dim[bias[0].name] is None
+    assert len(masks) == 2 and all(an.batch_dim[m.name] == 0 for m in masks)
+    assert an.sequence.refusal == (  # the sequence flow names the mask, not the bias
+        "the sequence cannot be split at operator aten.scaled_dot_product_attention.default "
+        "in module '<root>': it reads an attention mask that is not causal; the "
+        "context-parallel variants run causal or unmasked attention only. Context "
+        "parallelism needs attention through F.scaled_dot_product_attention and every "
+        "other op to work token by token")
+
+
+def test_a_replicated_tensor_sized_like_the_batch_still_refuses() -> None:
+    x, _ = data()
+    with pytest.raises(UnsupportedOpError) as e:
+        autopar.plan(RowsAsSamples(), (x, torch.randn(3, BATCH_SIZE)), cluster=CPU4,
+                     precision="fp32", dp=4, tp=1, pp=1)
+    assert str(e.value) == (
+        "operator aten.add.Tensor in module '<root>' cannot run data-parallel: it combines "
+        "the batch with input 0, which is not split along the batch (inputs placed ['R']). "
+        "Compute it per sample, or move it out of the model's forward (e.g. into the loss "
+        "function).")
+
+
 def _built(kind: str, dp: int, tp: int):
     x, _ = data()
     an = analyze(capture(make(kind), (x,)))
@@ -213,7 +287,7 @@ def test_a_batch_statistic_still_refuses_data_parallelism() -> None:
                  pp=1)
 
 
-RUN_KINDS = ("encoder-seq-first", "opt", "gated")
+RUN_KINDS = ("encoder-seq-first", "opt", "gated", "biased")
 
 
 def reference(kind: str) -> list[float]:

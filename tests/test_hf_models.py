@@ -1,14 +1,17 @@
 """Hugging Face models built from ``transformers`` configs: they capture (on ``meta``),
 their repeated blocks are found, they plan, and their parallel training equals a
-single-process run. Skipped when ``transformers`` is not installed."""
+single-process run; T5 (its relative-position bias broadcast along the batch) under
+auto, dp2 x tp2 and pp2 x dp2. Skipped when ``transformers`` is not installed."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import pytest
 import torch
 
 import autopar
-from autopar.capture import capture
+from autopar.capture import capture, default_loss
 from autopar.demo import reference_step, sgd_losses
 from autopar.strategies.analysis import analyze
 from tests.dist_utils import RankPool
@@ -184,3 +187,112 @@ def test_gpt2_7b_conv1d_is_split_at_megatrons_layout() -> None:
     assert plan.memory_per_device_bytes < 80e9
     assert plan.params["transformer.h.0.mlp.c_fc.weight"][-1] == "S(1)"
     assert plan.params["transformer.h.0.mlp.c_proj.weight"][-1] == "S(0)"
+
+
+def t5() -> torch.nn.Module:
+    """A T5 of 2 encoder and 2 decoder blocks without dropout, returning the logits for
+    (source tokens, decoder input tokens); the same weights on every call."""
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                num_decoder_layers=2, num_heads=4,
+                                relative_attention_num_buckets=8,
+                                relative_attention_max_distance=SEQ, dropout_rate=0.0,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                                use_cache=False)
+    torch.manual_seed(0)
+    return _Seq2SeqLogits(transformers.T5ForConditionalGeneration(cfg))
+
+
+class _Seq2SeqLogits(torch.nn.Module):
+    """A user's wrapper of an encoder-decoder: the logits of teacher-forced decoding."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=src, decoder_input_ids=tgt).logits
+
+
+def seq2seq_data() -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(source, decoder input: the targets shifted right after a start token), targets."""
+    x, y = data()
+    return (x, torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)), y
+
+
+def grads_by_name(modules: list[torch.nn.Module],
+                  names: tuple[dict[str, str], frozenset[str]]) -> dict[str, torch.Tensor]:
+    """The full gradient of each parameter ``modules`` hold, under the plain model's
+    name (a ParallelModel's ``state_modules()[0]`` and ``names``; a tied weight under
+    its first name): a collective over the ranks that share a parameter."""
+    from autopar.runtime.checkpoint_state import canonical_tensors
+
+    out = {}
+    for name, held in sorted(canonical_tensors(modules, *names).items()):
+        grad = held[0].grad
+        if grad is not None:
+            out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+    return out
+
+
+T5_SPACES = {"auto": {}, "dp2tp2": {"dp": 2, "tp": 2}, "pp2dp2": {"pp": 2, "dp": 2}}
+
+
+def sgd_first_grads(params: Any, step: Callable[[], torch.Tensor],
+                    grads: Callable[[], dict[str, torch.Tensor]]
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The losses of :data:`STEPS` SGD steps (``step()`` runs one forward and backward
+    and returns the loss) and ``grads()`` after the first backward."""
+    opt = torch.optim.SGD(params, lr=LR)
+    losses, first = [], {}
+    for i in range(STEPS):
+        losses.append(float(step()))
+        if i == 0:
+            first = grads()
+        opt.step()
+        opt.zero_grad()
+    return losses, first
+
+
+def train_t5() -> dict[str, tuple[list[float], dict[str, torch.Tensor], dict[str, int]]]:
+    """On each of 4 ranks, T5 under each of :data:`T5_SPACES`: the losses of 3 SGD steps,
+    the first step's gradients this rank holds, and the mesh."""
+    xs, y = seq2seq_data()
+    out = {}
+    for key, space in T5_SPACES.items():
+        pm = autopar.parallelize(t5(), xs, precision="fp32", **space)
+        losses, grads = sgd_first_grads(pm.parameters(), lambda: pm.step(xs, y),
+                                        lambda: grads_by_name(pm.state_modules()[0], pm.names))
+        out[key] = (losses, grads, pm.plan.mesh)
+    return out
+
+
+def _t5_step(model: torch.nn.Module, xs: tuple[torch.Tensor, ...],
+             y: torch.Tensor) -> torch.Tensor:
+    """One single-process forward and backward of T5 with the default loss."""
+    loss = default_loss(model(*xs), y)
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_t5_trains_under_auto_tensor_and_pipeline_parallelism(rank_pool: RankPool) -> None:
+    """T5's relative-position bias, broadcast along the batch, stays replicated while the
+    masks it makes follow the batch: auto, dp2 x tp2 and pp2 x dp2 (a stage hands the
+    decoder's bias, a permuted view, on contiguous) train as one process does: the
+    losses of 3 SGD steps and the first step's gradients to 1e-5."""
+    xs, y = seq2seq_data()
+    model = t5()
+    want, want_grads = sgd_first_grads(
+        model.parameters(), lambda: _t5_step(model, xs, y),
+        lambda: {n: p.grad.clone() for n, p in model.named_parameters()})
+    got = rank_pool.run(4, train_t5, timeout_s=600)
+    for key in T5_SPACES:
+        losses, _, mesh = got[0][key]
+        assert losses == pytest.approx(want, abs=1e-5), (key, mesh)
+        grads = {n: g for rank in got for n, g in rank[key][1].items()}
+        assert set(grads) == set(want_grads), key
+        for name, g in grads.items():
+            assert torch.allclose(g, want_grads[name], atol=1e-5, rtol=0), (key, name)
+    assert got[0]["dp2tp2"][2] == {"dp": 2, "tp": 2}
+    assert got[0]["pp2dp2"][2] == {"pp": 2, "dp": 2, "tp": 1}

@@ -80,6 +80,12 @@ def _message(n: OpNode, why: str) -> str:
             f"forward (e.g. into the loss function).")
 
 
+def _mixing(n: OpNode, pos: int, fixed: list[tuple[int, str]]) -> str:
+    """The refusal of op ``n`` combining the batch with its replicated input ``pos``."""
+    return _message(n, f"it combines the batch with input {pos}, which is not split along "
+                       f"the batch (inputs placed {[q for _, q in fixed]})")
+
+
 @dataclass
 class BatchFlow:
     """The batch split followed through a graph (docs/strategies.md, section
@@ -112,12 +118,28 @@ class BatchFlow:
             raise UnsupportedOpError(_message(n, "it reads a value summed over the batch "
                                                  "(e.g. a batch statistic)"))
         if all(p == "R" for _, p in fixed):
+            if self._sized_like_batch(n):  # its split, if any, is its consumers' to say
+                self.place[n.name] = PENDING
+                return
             self._settle(n, rule, None, pending, 1)
             return
         label = self._match(rule, fixed)
         found = label is not None and self._check(n, rule, label, fixed, pending)
         if not found:
             self._follow(n, rule, fixed, pending)
+
+    def _sized_like_batch(self, n: OpNode) -> bool:
+        """Whether op ``n`` reads a constant with a dim sized like the batch (a mask made
+        from the inputs' shape): each rank makes it from its own samples, so ``n``
+        combining it with replicated inputs (broadcast along the batch, such as T5's
+        relative-position bias) carries the batch where its consumer needs it."""
+        size = self.extent or self.graph.batch_size
+        for i in n.inputs:
+            node = self.graph.node(i)
+            if self.place[i] == FREE and node.kind != "param" and node.out is not None \
+                    and size in node.out.shape:
+                return True
+        return False
 
     def finish(self) -> None:
         """Replicate what no consumer settled."""
@@ -188,6 +210,11 @@ class BatchFlow:
         if label == BATCH:  # its inputs are placed as it needs: the dim is the batch
             rule = relabel(rule, [self.graph.node(i).out for i in node.inputs], {},
                            _dim(want))
+        fixed = [(pos, self.place[i]) for pos, i in enumerate(node.inputs)
+                 if self.place[i] not in (FREE, PENDING)]
+        for pos, p in fixed:  # a replicated input it reads must be broadcast along the split
+            if place_of(rule.ins[pos], label) != p:
+                raise UnsupportedOpError(_mixing(node, pos, fixed))
         pending = [pos for pos, i in enumerate(node.inputs) if self.place[i] == PENDING]
         self._settle(node, rule, label, pending, inner)
 
@@ -235,9 +262,7 @@ class BatchFlow:
                  if rule.ins[pos] is not None and (d := _dim(p)) is not None}
         for pos, p in fixed:
             if p == "R" and rule.ins[pos] is not None and batch & set(rule.ins[pos]):
-                raise UnsupportedOpError(_message(
-                    n, f"it combines the batch with input {pos}, which is not split "
-                       f"along the batch (inputs placed {[q for _, q in fixed]})"))
+                raise UnsupportedOpError(_mixing(n, pos, fixed))
 
     def _out_dim(self, n: OpNode, split: list[tuple[int, str]]) -> tuple[int, int] | None:
         """(dim, inner) of the output's batch: through a reshape exactly; otherwise the
