@@ -26,6 +26,7 @@ from autopar.sharding import Mesh
 from autopar.strategies.analysis import analyze
 from autopar.strategies.settings import Settings
 from tests.dist_utils import RankPool
+from tests.foreign_models import NanoGPT, lm_loss
 from tests.test_codegen import MODELS, SEED, emit_to, reference_losses, torchrun, write_batch
 from tests.test_parallel_equivalence import LR, STEPS, data, make
 
@@ -145,10 +146,14 @@ CASES = [  # (model, loss, forced space) on 4 ranks
     ("gpt", None, {"pp": 2, "dp": 1, "tp": 2}),
     ("llama", nll_of_log_softmax, {"dp": 2, "tp": 2, "sequence_parallel": True}),
     ("hf-llama", None, {"dp": 2, "tp": 2}),
+    ("nano", lm_loss, {"dp": 1, "tp": 4}),  # the tied head as F.linear in the root
 ]
 
 
 def _model(kind: str) -> torch.nn.Module:
+    if kind == "nano":
+        torch.manual_seed(0)
+        return NanoGPT()
     return hf_llama() if kind == "hf-llama" else make(kind)
 
 
@@ -201,7 +206,7 @@ def test_training_on_class_split_logits_equals_one_process(rank_pool: RankPool) 
         assert split, (kind, space)
         assert losses == pytest.approx(reference(kind, loss_fn), abs=1e-5), (kind, space)
     for rank in got:  # every rank holding the loss ran the class-split kernel each step
-        assert [k for _, _, k in rank][:2] + [rank[3][2], rank[4][2]] == [STEPS] * 4
+        assert [k for _, _, k in rank][:2] + [r[2] for r in rank[3:]] == [STEPS] * 5
     pp = sorted(r[2][2] for r in got)  # pp: the last stage's ranks, once per micro-batch
     assert pp[:2] == [0, 0] and pp[2] == pp[3] >= STEPS
 

@@ -330,11 +330,16 @@ class StrategySpace:
 
     def _local_partial_grad(self, n: OpNode, grads: tuple[Placements, ...]) -> bool:
         """A partial gradient of a replicated input is reduced where the lowering
-        re-lays out, at a module's boundary (priced on the edge); strategies that leave
-        one elsewhere are not offered."""
+        re-lays out, at a module's boundary (priced on the edge): in a module's own op,
+        or where the input is a module's output (a tied head applied with ``F.linear``
+        in the root reads the final norm's output: its gradient is reduced as it
+        enters the norm's backward); strategies that leave one elsewhere are not
+        offered."""
         if n.name in self.an.module_ops or n.name in self.an.output_ops:
             return False
-        return any(self.node(i).requires_grad and any(g[a] == "P" for a in self.free)
+        bounded = self.an.module_ops | self.an.output_ops
+        return any(self.node(i).requires_grad and i not in bounded
+                   and any(g[a] == "P" for a in self.free)
                    for i, g in zip(n.inputs, grads) if self.node(i).kind != "param")
 
     def _sp_allowed(self, n: OpNode, rule: OpRule, ins: tuple[Placements, ...]) -> bool:
