@@ -98,11 +98,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-AUTO_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2),
-                  ("zbv", 2))
-"""Schedules the search tries by itself, with their virtual stages per rank. GPipe is
-left out: it takes the time of 1F1B with more activation memory (Narayanan et al.,
-SC'21 §2.2), so it never wins; ask for it with ``schedule="gpipe"``."""
+AUTO_SCHEDULES = (("1f1b", 1), *((s, v) for s in ("interleaved_1f1b", "interleaved_zero_bubble")
+                                  for v in (2, 3, 4)), ("zbv", 2))
+"""Schedules the search tries by itself, with their virtual stages per rank: the
+interleaved ones with 2 to 4 chunks per rank (Megatron-LM's published runs use 2 and 3,
+benchmarks/reference_configs.json; each more chunk shrinks the bubble and adds a stage
+boundary to cross per micro-batch, and the stage split needs pp x v blocks), ZBV with its 2.
+GPipe is left out: it takes the time of 1F1B with more activation memory (Narayanan et
+al., SC'21 §2.2), so it never wins; ask for it with ``schedule="gpipe"``."""
 
 
 def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int | None = None,

@@ -195,3 +195,37 @@ def test_stage_ranks_must_follow_the_schedule() -> None:
     assert error_of(check_pipeline, model, plan) == (
         "the 'zbv' schedule places stages on pp ranks [0, 1, 1, 0], but the plan places them "
         "on [0, 1, 0, 1]; fix the stages' ranks")
+
+
+DEEP = {  # (schedule, chunks per rank) on pp=2 over an 8-block GPT
+    "interleaved 1f1b v3": ("interleaved_1f1b", 3),
+    "interleaved zero-bubble v4": ("interleaved_zero_bubble", 4),
+}
+
+
+def deep_gpt() -> torch.nn.Module:
+    """The tiny GPT with 8 blocks, the same weights on every call."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, max_seq_len=SEQ, dim=32, n_layers=8, n_heads=4))
+
+
+def train_deep(cases: list[tuple[str, int]]) -> list[tuple[list[float], int]]:
+    """Each planned pipeline's losses and its chunks per rank."""
+    import autopar
+    out = []
+    for schedule, v in cases:
+        x, _ = global_batch()
+        pm = autopar.parallelize(deep_gpt(), (x,), precision="fp32", pp=2, dp=1, tp=1,
+                                 schedule=schedule, virtual_stages=v, microbatch_size=2)
+        out.append((train_steps(pm), pm.plan.pipeline.virtual_stages))
+    return out
+
+
+def test_deeper_interleaving_trains_as_one_process(rank_pool: RankPool) -> None:
+    """Three and four chunks per rank (6 and 8 stages on 2 ranks) as the planner cuts
+    them train as one process does."""
+    got = rank_pool.run(2, train_deep, list(DEEP.values()), timeout_s=300)[0]
+    want, _ = single_process_run(deep_gpt())
+    for (name, (_, v)), (losses, chunks) in zip(DEEP.items(), got):
+        assert chunks == v, name
+        assert losses == pytest.approx(want, abs=TOL), name

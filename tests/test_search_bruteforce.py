@@ -212,6 +212,10 @@ CANDIDATES = {  # case -> (instance, candidate)
     "split-blind-to-dp-sync": (MLP_SLOW_DP, Candidate(2, 1, 2, 2, 0, 2, "1f1b", 1)),
     # the first rank's in-flight count forces recomputation an uneven split does not need
     "ilp-memory-model": (GPT_07, Candidate(2, 1, 1, 4, 0, 2, "zbv", 2)),  # m >= 4 stages
+    # deeper interleaving: 3 and 4 chunks per rank, 6 and 8 stages of the 8 blocks
+    "interleaved-v3-zero-bubble": (GPT_07, Candidate(2, 1, 1, 4, 0, 2,
+                                                     "interleaved_zero_bubble", 3)),
+    "interleaved-v4": (GPT_07, Candidate(2, 1, 1, 4, 0, 2, "interleaved_1f1b", 4)),
     # a replicated block output doubles the transfer over the slow pp link
     "ilp-blind-to-p2p": (MLP_SLOW, Candidate(1, 2, 4, 2, 0, 2, "1f1b", 1)),
 }
