@@ -221,10 +221,10 @@ def _tp_section(plan: Plan, facts: ModelFacts) -> str:
               if piecewise(layout) else "")
     gather, last_arg = ")", ""
     if plan.loss_parallel and plan.pipeline is not None and len(plan.pipeline.stages) > 1:
-        gather = ", gather=not last)  # the last stage's logits leave split along their classes"
+        gather = ", gather=not last)  # the last stage's logits stay split"
         last_arg = ", last: bool"
     elif plan.loss_parallel:
-        gather = ", gather=False)  # the logits leave split along their classes: the loss reads them so"
+        gather = ", gather=False)  # the logits stay split by vocabulary for the loss"
     return T.APPLY_TP.substitute(
         sp_text=sp, tp=plan.degree("tp"), piecewise=pieces, gather=gather, last_arg=last_arg,
         params=_table(params, param_notes, " " * 4), inputs=_table(inputs, input_notes, " " * 4),

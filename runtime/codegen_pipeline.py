@@ -93,11 +93,11 @@ def _schedule(plan: Plan) -> str:
     single = name in SINGLE_STAGE_SCHEDULES
     n, v = len(plan.pipeline.stages), plan.pipeline.virtual_stages
     detail = f"{n} stages, {v} per pp rank"
-    loss = "lambda out, y: gather_output(loss_fn(out, y))" \
-        if plan.loss_parallel else "loss_fn"
-    return PT.SCHEDULE.substitute(cls=cls, schedule=name, detail=detail,
+    loss = "whole_loss" if plan.loss_parallel else "loss_fn"
+    text = PT.SCHEDULE.substitute(cls=cls, schedule=name, detail=detail,
                                   plural="" if single else "s",
                                   stage_arg="stages[0]" if single else "stages", loss_fn=loss)
+    return PT.WHOLE_LOSS.template + "\n\n\n" + text if plan.loss_parallel else text
 
 
 def pipeline_text(plan: Plan, facts: ModelFacts, layout: list[str], partial_grads: bool,

@@ -19,7 +19,7 @@ from autopar.runtime import pipeline as _pipeline
 from autopar.runtime import pipeline_export as _export
 from autopar.runtime import pipeline_split as _split
 
-__all__ = ["LOCAL_MODULES", "SPLIT_STAGES", "TIED", "MATERIALIZE_STAGE", "SCHEDULE",
+__all__ = ["LOCAL_MODULES", "SPLIT_STAGES", "TIED", "MATERIALIZE_STAGE", "SCHEDULE", "WHOLE_LOSS",
            "PIPELINE_STEP", "STEP_CALL", "STEP_CALL_TP", "STEP_CALL_CP", "CP_STAGE_SHAPES",
            "OWN_OUTPUTS", "BUILD", "STATE_MODULES"]
 
@@ -145,6 +145,13 @@ def build_schedule(stages: list[PipelineStage]) -> $cls:
         $stage_arg, n_microbatches=NUM_MICROBATCHES, loss_fn=$loss_fn, scale_grads=True)''')
 """The plan's ``torch.distributed.pipelining`` schedule."""
 
+WHOLE_LOSS = Template('''\
+def whole_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """loss_fn's value as a local tensor: on logits split along the vocabulary it is a
+    DTensor (loss parallelism)."""
+    return gather_output(loss_fn(output, targets))''')
+"""The schedule's loss under loss parallelism."""
+
 PIPELINE_STEP = Template('''\
 def train_step(schedule: Any, stages: dict[int, nn.Module],$tied_arg mesh: DeviceMesh,
                input_names: list[str], inputs: tuple[torch.Tensor, ...],
@@ -184,7 +191,8 @@ CP_STAGE_SHAPES = '''\
 sequence."""
 
 STEP_CALL_TP = Template(
-    "    with plain_as_replicated()$lp:  # tensors a stage makes meet DTensors as replicated\n"
+    "    # tensors a stage makes meet DTensors as replicated\n"
+    "    with plain_as_replicated()$lp:\n"
     "        schedule.step(target=targets[part], losses=losses, **batch)\n")
 """The schedule's step under tensor parallelism (``$lp``: loss parallelism's mode)."""
 

@@ -370,7 +370,8 @@ FORWARD_BACKWARD = '''\
 """A micro-batch's forward and backward."""
 
 FORWARD_BACKWARD_TP = Template('''\
-        with plain_as_replicated()$lp:  # tensors the forward makes meet DTensors as replicated
+        # tensors the forward makes meet DTensors as replicated
+        with plain_as_replicated()$lp:
             output = model(*(x[part] for x in inputs))
             loss = $loss / NUM_MICROBATCHES
             loss.backward()
@@ -388,7 +389,8 @@ FORWARD_BACKWARD_CP = '''\
 """A micro-batch's forward and backward under context parallelism."""
 
 FORWARD_BACKWARD_CP_TP = Template('''\
-        with plain_as_replicated()$lp:  # tensors the forward makes meet DTensors as replicated
+        # tensors the forward makes meet DTensors as replicated
+        with plain_as_replicated()$lp:
             # this rank's share of every sequence: attention over the cp group, its positions
             with SequenceShards(mesh.get_group("cp"), CP_VARIANT, SEQ_LEN):
                 output = model(*(x[part] for x in inputs))

@@ -31,9 +31,9 @@ GOLDEN = TESTS / "golden" / "gpt_dp2_tp2_zero3_selective.py"
 BATCH, SEQ, VOCAB, SEED, TOL = 8, 16, 128, 0, 1e-5
 
 CASES = {  # name -> (factory, megatron_plan arguments, optimizer, lr)
-    "gpt dp2 tp2 sequence-parallel zero3 full-recompute 2 micro-batches": (
+    "gpt dp2 tp2 sequence-parallel loss-parallel zero3 full-recompute 2 micro-batches": (
         "tiny_gpt", dict(dp=2, tp=2, sequence_parallel=True, zero=3, recompute="full",
-                         num_microbatches=2), "sgd", 0.1),
+                         num_microbatches=2, loss_parallel=True), "sgd", 0.1),
     "llama dp2 tp2 zero3 selective-recompute": (
         "tiny_llama", dict(dp=2, tp=2, zero=3, recompute="selective"), "adamw", 1e-2),
 }

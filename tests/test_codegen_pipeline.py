@@ -19,9 +19,9 @@ STEPS = 3
 CASES = {  # name -> (factory, pipeline_plan arguments, optimizer, lr)
     "gpt pp2 dp2 1f1b (tied embedding across stages)": (
         "tiny_gpt", dict(pp=2, dp=2, schedule="1f1b"), "sgd", 0.1),
-    "llama pp2 tp2 interleaved 1f1b": (
+    "llama pp2 tp2 interleaved 1f1b, loss on vocabulary-split logits": (
         "tiny_llama", dict(pp=2, tp=2, schedule="interleaved_1f1b", virtual_stages=1,
-                           num_microbatches=2), "adamw", 1e-2),
+                           num_microbatches=2, loss_parallel=True), "adamw", 1e-2),
     "llama pp2 dp2 zero3 gpipe full recompute": (
         "tiny_llama", dict(pp=2, dp=2, zero=3, schedule="gpipe", recompute="full"), "sgd", 0.1),
 }

@@ -601,7 +601,8 @@ def train_step(model: nn.Module, mesh: DeviceMesh, inputs: tuple[torch.Tensor, .
     total = torch.zeros((), device=device)
     for i in range(NUM_MICROBATCHES):
         part = slice(start + i * MICROBATCH_SIZE, start + (i + 1) * MICROBATCH_SIZE)
-        with plain_as_replicated():  # tensors the forward makes meet DTensors as replicated
+        # tensors the forward makes meet DTensors as replicated
+        with plain_as_replicated():
             output = model(*(x[part] for x in inputs))
             loss = loss_fn(output, targets[part]) / NUM_MICROBATCHES
             loss.backward()
