@@ -195,10 +195,12 @@ def _module_comment(mp: ModulePlan, model: nn.Module) -> str:
     return f"{style}{kind}, {_seconds(mp.time_s)}"
 
 
-def _tp_section(plan: Plan, facts: ModelFacts) -> str:
+def _tp_section(plan: Plan, facts: ModelFacts, pipelined: bool) -> str:
     """``apply_tp``: the tables of :func:`~autopar.runtime.tensor_parallel.tp_layout`,
     written once for all blocks where they agree, applied by the runtime's own
-    functions (:mod:`autopar.runtime.dtensor_layout`, copied into the program)."""
+    functions (:mod:`autopar.runtime.dtensor_layout`, copied into the program); in a
+    ``pipelined`` program it lays out each stage, the last one's logits alone left
+    split under loss parallelism."""
     model = facts.model
     layout = tp_layout(plan, model)
     params = _per_block(layout.params, [n for n, _ in model.named_parameters(
@@ -220,7 +222,7 @@ def _tp_section(plan: Plan, facts: ModelFacts) -> str:
     pieces = ("\n    register_piecewise_sharding()  # fused projections split per head"
               if piecewise(layout) else "")
     gather, last_arg = ")", ""
-    if plan.loss_parallel and plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+    if plan.loss_parallel and pipelined:
         gather = ", gather=not last)  # the last stage's logits stay split"
         last_arg = ", last: bool"
     elif plan.loss_parallel:
@@ -555,7 +557,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         sections += _ep_sections(plan)
         layout.append(f'apply_ep({target}, build_expert_mesh(device_type)["ep"])')
     if plan.degree("tp") > 1:
-        sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts)]
+        sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts, pipelined)]
         if plan.loss_parallel:
             sections.insert(-1, T.LOSS_PARALLEL.template)
         if piecewise(tp_layout(plan, facts.model)):

@@ -32,7 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["place_parameters", "relayout_modules", "distribute_io", "plain_as_replicated",
-           "tp_context", "ReplicatedBeforeAutograd", "class_parallel_loss", "gather_output",
+           "tp_context", "ReplicatedBeforeAutograd", "class_parallel_loss", "loss_context",
+           "gather_output",
            "ReplicateUnsharded",
            "register_cpu_attention_sharding", "any_index", "lookup"]
 
@@ -303,6 +304,12 @@ def class_parallel_loss() -> Iterator[None]:
                 handlers.pop(op, None)
             else:
                 handlers[op] = handler
+
+
+def loss_context(loss_parallel: bool) -> contextlib.AbstractContextManager:
+    """:func:`class_parallel_loss` where the plan computes the loss on class-split
+    logits (``plan.loss_parallel``), else nothing."""
+    return class_parallel_loss() if loss_parallel else contextlib.nullcontext()
 
 
 def _attention_strategies(n_tensors: int, masked: bool, n_scalars: int) -> list:

@@ -21,8 +21,8 @@ from autopar.runtime.checkpoint_state import state_names
 from autopar.runtime.context_mode import SequenceShards, split_batch
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
-from autopar.runtime.dtensor_layout import (ReplicatedBeforeAutograd, class_parallel_loss,
-                                            gather_output, tp_context)
+from autopar.runtime.dtensor_layout import (ReplicatedBeforeAutograd, gather_output,
+                                            loss_context, tp_context)
 from autopar.runtime.tensor_parallel import (reduce_partial_gradients,
                                              reduce_partial_gradients_when_accumulated)
 
@@ -139,21 +139,14 @@ class ParallelModel(nn.Module):
             # the user's backward has no step() to reduce partial gradients after it
             reduce_partial_gradients_when_accumulated(self.module)
             self._hooked = True
-        with ReplicatedBeforeAutograd():  # a plain loss.backward() meets DTensors only
-            if not self.plan.loss_parallel:
-                return self._forward(*inputs, **kwargs)
-            with class_parallel_loss():  # a loss inside the model; the logits gathered
-                return gather_output(self._forward(*inputs, **kwargs))
+        lp = self.plan.loss_parallel  # a loss inside the model splits; the logits gathered
+        with ReplicatedBeforeAutograd(), loss_context(lp):  # loss.backward() meets DTensors
+            output = self._forward(*inputs, **kwargs)
+        return gather_output(output) if lp else output
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with tp_context(self.plan.degree("tp")), self.sequence_shards():
             return self.module(*inputs, **kwargs)
-
-    def loss_context(self) -> contextlib.AbstractContextManager:
-        """Where the plan computes the loss on logits split along their classes
-        (``plan.loss_parallel``), the mode a step's forward, loss and backward run
-        in (:func:`~autopar.runtime.dtensor_layout.class_parallel_loss`); else nothing."""
-        return class_parallel_loss() if self.plan.loss_parallel else contextlib.nullcontext()
 
     def data_shard(self) -> DataShard:
         """Which shard of every global batch this rank trains on, when each rank
@@ -253,7 +246,8 @@ class ParallelModel(nn.Module):
                 self.module.set_requires_gradient_sync(i == n - 1)
             part = slice(i * mb, (i + 1) * mb)
             local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
-            with tp_context(tp), self.loss_context():  # plain tensors meet DTensors
+            # plain tensors the forward makes meet DTensors; a loss-parallel loss splits
+            with tp_context(tp), loss_context(plan.loss_parallel):
                 loss = self._loss(self._forward(*local), targets[part]) / n
                 loss.backward()
             total += loss.detach().float()

@@ -35,7 +35,7 @@ from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.data_parallel import apply_data_parallel
 from autopar.runtime.experts import apply_expert_parallel, shard_plan_experts
-from autopar.runtime.dtensor_layout import class_parallel_loss, tp_context
+from autopar.runtime.dtensor_layout import loss_context, tp_context
 from autopar.runtime.context_mode import SequenceShards, split_batch
 from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
@@ -283,8 +283,8 @@ class PipelineRuntime:
         self._check_shapes(xs)
         kwargs = {name: x.to(self.device) for name, x in zip(self.input_names, xs)}
         losses: list[torch.Tensor] = []
-        lp = class_parallel_loss() if plan.loss_parallel else contextlib.nullcontext()
-        with tp_context(plan.degree("tp")), sequences, lp:  # a stage's tensors meet DTensors
+        # tensors a stage makes meet DTensors; a loss-parallel last stage's loss splits
+        with tp_context(plan.degree("tp")), sequences, loss_context(plan.loss_parallel):
             self.schedule.step(target=targets.to(self.device), losses=losses, **kwargs)
         for m in self.modules:
             if not isinstance(m, FSDPModule):
@@ -343,7 +343,8 @@ def parallelize_stage(module: nn.Module, plan: Plan, meshes: PlanMeshes,
     after its input gradients, ZeRO-3 keeps each block's parameters gathered from
     forward to backward (as ZeRO-2 does): with FSDP2 resharding after forward, the
     split backward gave wrong weight gradients (torch 2.13)."""
-    sub = dataclasses.replace(stage_plan(plan, module), loss_parallel=plan.loss_parallel and last)
+    sub = dataclasses.replace(stage_plan(plan, module),
+                              loss_parallel=plan.loss_parallel and last)
     assert plan.pipeline is not None
     if plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
         sub = dataclasses.replace(sub, zero=min(sub.zero, 2))

@@ -287,7 +287,8 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
         deadline = time.perf_counter() + time_limit_s
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
-              loss_parallel=loss_parallel, recompute=recompute, deadline=deadline, top_k=top_k, progress=progress)
+              loss_parallel=loss_parallel, recompute=recompute, deadline=deadline, top_k=top_k,
+              progress=progress)
     failed: NoFeasiblePlanError | None = None
     passed: list[str] = []
     order = tiers(cands, gpus_per_node, offload) or [[]]
@@ -428,7 +429,8 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute,
-                          loss_parallel=loss_parallel, deadline=_halfway(deadline) if have_plan else None,
+                          loss_parallel=loss_parallel,
+                          deadline=_halfway(deadline) if have_plan else None,
                           max_built=max_built)
     if unbuilt is not None:
         unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))

@@ -86,8 +86,8 @@ def layout_key(st: Settings) -> tuple:
     sizes = tuple(min(n, 2) if name == "dp" else n
                   for name, n in zip(st.mesh.names, st.mesh.sizes))
     return (st.mesh.names, sizes, st.microbatch_size, st.precision, id(st.hw),
-            st.gpus_per_node, st.overlap, st.sequence_parallel, st.loss_parallel, st.recompute_modes,
-            st.split_experts, st.expert_imbalance, st.cp_variant)
+            st.gpus_per_node, st.overlap, st.sequence_parallel, st.loss_parallel,
+            st.recompute_modes, st.split_experts, st.expert_imbalance, st.cp_variant)
 
 
 def strategy_cost(name: str, price: StrategyPrice) -> StrategyCost:

@@ -10,6 +10,9 @@ emitted programs."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,8 +122,10 @@ def test_a_plan_without_tp_cannot_split_the_loss() -> None:
         autopar.Plan.from_json(plan.to_json())
 
 
-def _count_class_split_kernels() -> dict[str, int]:
-    """Count the calls of torch's class-split log-softmax kernel in this process."""
+@contextlib.contextmanager
+def counting_class_split_kernels() -> Iterator[dict[str, int]]:
+    """Count the calls of torch's class-split log-softmax kernel in this process while
+    inside; the kernel table is restored after."""
     import torch.distributed.tensor.parallel.loss as torch_loss
     op = torch.ops.aten._log_softmax.default
     counts = {"log_softmax": 0}
@@ -130,7 +135,10 @@ def _count_class_split_kernels() -> dict[str, int]:
         counts["log_softmax"] += 1
         return inner(*args)
     torch_loss.customized_loss_ops[op] = counting
-    return counts
+    try:
+        yield counts
+    finally:
+        torch_loss.customized_loss_ops[op] = inner
 
 
 def hf_llama() -> torch.nn.Module:
@@ -158,15 +166,15 @@ def _model(kind: str) -> torch.nn.Module:
 def train_cases(cases: list) -> list[tuple[list[float], bool, int]]:
     """Each case's SGD losses through ``pm.step``, whether its plan split the loss, and
     how many class-split log-softmaxes ran on this rank."""
-    counts = _count_class_split_kernels()
     out = []
-    for kind, loss_fn, space in cases:
-        before = counts["log_softmax"]
-        x, y = data()
-        pm = autopar.parallelize(_model(kind), (x,), precision="fp32", loss_fn=loss_fn,
-                                 loss_parallel=True, **space)
-        losses = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
-        out.append((losses, pm.plan.loss_parallel, counts["log_softmax"] - before))
+    with counting_class_split_kernels() as counts:
+        for kind, loss_fn, space in cases:
+            before = counts["log_softmax"]
+            x, y = data()
+            pm = autopar.parallelize(_model(kind), (x,), precision="fp32", loss_fn=loss_fn,
+                                     loss_parallel=True, **space)
+            losses = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
+            out.append((losses, pm.plan.loss_parallel, counts["log_softmax"] - before))
     return out
 
 

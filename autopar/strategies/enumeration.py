@@ -236,6 +236,8 @@ class StrategySpace:
     def assignments(self, n: OpNode, rule: OpRule) -> list[tuple[str | None, ...]]:
         """Every legal label-per-axis assignment of op ``n``."""
         labels = _choices(rule)
+        if self.st.loss_parallel is False:  # no loss on class-split logits
+            labels = [lab for lab in labels if lab not in rule.allreduced]
         per_axis: list[list[str | None]] = []
         for a, size in enumerate(self.mesh.sizes):
             if size == 1:
@@ -251,8 +253,7 @@ class StrategySpace:
             elif n.name == self.g.loss:  # whole on every tp rank, or class-split
                 per_axis.append(self._loss_choices(rule, labels))
             else:
-                per_axis.append([None] + [lab for lab in labels if lab not in rule.allreduced
-                                          or self.st.loss_parallel is not False])
+                per_axis.append([None] + labels)
         result = []
         for combo in itertools.product(*per_axis):
             if self._divisible(n, rule, combo):
@@ -260,13 +261,11 @@ class StrategySpace:
         return result
 
     def _loss_choices(self, rule: OpRule, labels: list[str]) -> list[str | None]:
-        """What a model-parallel axis may split of the loss: nothing (it is computed
-        whole on every rank), or its classes (loss parallelism), as the settings'
-        ``loss_parallel`` allows (None: either; True: the classes where the loss can
-        split them)."""
+        """What a model-parallel axis may split of the loss, of ``labels`` (those the
+        settings allow): nothing (it is computed whole on every rank), or its classes
+        (loss parallelism); with the settings' ``loss_parallel`` True, the classes
+        alone where the loss can split them."""
         classes: list[str | None] = [lab for lab in labels if lab in rule.allreduced]
-        if self.st.loss_parallel is False:
-            return [None]
         return classes if self.st.loss_parallel and classes else [None] + classes
 
     def _on_cp(self, pl: Placements, place: str) -> Placements:
