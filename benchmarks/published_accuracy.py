@@ -196,37 +196,64 @@ def profile_of(row: dict[str, Any]) -> str:
     return "h100-sxm-500w" if h["power_limit_w"] == 500 else "h100-sxm"
 
 
-def measure(row: dict[str, Any]) -> dict[str, Any]:
-    """Price one row in this process: predicted step time, MFU, memory per GPU, whether
-    it fits the profile's memory (if not, it is priced again without a memory limit)."""
+LINK_PROBE = 0.8
+"""Share of a link's bandwidth :func:`measure` re-prices a row at to find the seconds of
+exposed communication on that link (``terms=True``): with exposed time ``E`` at the
+nominal bandwidth, the step at ``η`` of it is ``step + E·(1/η - 1)``."""
+
+
+def _estimate(row: dict[str, Any], out: dict[str, Any], **links: float):
+    """``autopar.estimate`` of the row's configuration on its cluster, ``links`` the
+    Cluster's bandwidth overrides (GB/s); priced without a memory limit where no plan
+    fits (``out["fits"]`` set False)."""
     import autopar
     from autopar.errors import NoFeasiblePlanError
 
     model, inputs = build_model(row)
-    gpus = row["hardware"]["gpus"]
-    cluster = autopar.Cluster(profile_of(row), gpus // 8, 8)
+    cluster = autopar.Cluster(profile_of(row), row["hardware"]["gpus"] // 8, 8, **links)
     precision = "fp16" if row["parallel"]["precision"] == "fp16" else "bf16"
     kw = dict(cluster=cluster, global_batch=row["parallel"]["global_batch"],
               precision=precision, optimizer="adamw")
+    if out.get("fits", True):
+        try:
+            return autopar.estimate(model, inputs, spec_of(row), **kw)
+        except NoFeasiblePlanError as e:
+            out.update(fits=False, memory_error=str(e).split(":")[0])
+    return autopar.estimate(model, inputs, spec_of(row), memory_budget=UNBOUNDED_BYTES, **kw)
+
+
+def measure(row: dict[str, Any], terms: bool = False) -> dict[str, Any]:
+    """Price one row in this process: predicted step time, MFU, memory per GPU, whether
+    it fits the profile's memory (if not, it is priced again without a memory limit),
+    and the step's terms (``breakdown``). With ``terms``, also the seconds of exposed
+    communication on each link level (``exposed_link_s``: ``intra_node``,
+    ``inter_node``), from the row re-priced with that link at :data:`LINK_PROBE` of its
+    bandwidth, for :mod:`calibrate`."""
+    from autopar.cost_models.hardware import load_profile
+
     t0 = time.perf_counter()
     out: dict[str, Any] = {"spec": repr(spec_of(row)), "fits": True}
     try:
-        try:
-            plan = autopar.estimate(model, inputs, spec_of(row), **kw)
-        except NoFeasiblePlanError as e:
-            out.update(fits=False, memory_error=str(e).split(":")[0])
-            plan = autopar.estimate(model, inputs, spec_of(row), memory_budget=UNBOUNDED_BYTES, **kw)
+        plan = _estimate(row, out)
         out.update(predicted_step_s=plan.step_time_s, predicted_mfu=plan.mfu,
-                   predicted_memory_gib=plan.memory_per_device_bytes / 2**30)
+                   predicted_memory_gib=plan.memory_per_device_bytes / 2**30,
+                   breakdown=plan.breakdown)
+        if terms:
+            hw = load_profile(profile_of(row))
+            out["exposed_link_s"] = {
+                name: (_estimate(row, out, **{f"{name}_bandwidth": link.bandwidth / 1e9 * LINK_PROBE})
+                       .step_time_s - plan.step_time_s) / (1 / LINK_PROBE - 1)
+                for name, link in (("intra_node", hw.intra_node), ("inter_node", hw.inter_node))}
     except Exception as e:  # noqa: BLE001 — reported in the row
         out["error"] = f"{type(e).__name__}: {e}"
     out["estimate_s"] = time.perf_counter() - t0
     return out
 
 
-def _child(row_id: str, path: str) -> dict[str, Any]:
+def _child(row_id: str, path: str, terms: bool = False) -> dict[str, Any]:
     """Run :func:`measure` on one row in a fresh interpreter."""
-    done = subprocess.run([sys.executable, __file__, "--child", row_id, "--runs", path],
+    done = subprocess.run([sys.executable, __file__, "--child", row_id, "--runs", path,
+                           *(["--terms"] if terms else [])],
                           capture_output=True, text=True, check=False)
     if done.returncode:
         lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
@@ -235,10 +262,11 @@ def _child(row_id: str, path: str) -> dict[str, Any]:
 
 
 def score(rows: list[dict[str, Any]], sources: dict[str, Any], jobs: int, path: Path,
-          price=None) -> list[dict[str, Any]]:
+          price=None, terms: bool = False) -> list[dict[str, Any]]:
     """Every row's result: published and predicted step time, error, or the reason it is
-    not scored. ``price(row) -> dict`` defaults to a fresh process per row."""
-    price = price or (lambda r: _child(r["id"], str(path)))
+    not scored. ``price(row) -> dict`` defaults to a fresh process per row
+    (:func:`measure`, with ``terms``)."""
+    price = price or (lambda r: _child(r["id"], str(path), terms))
     todo = [r for r in rows if why_not_scored(r, sources) is None]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         priced = dict(zip([r["id"] for r in todo], pool.map(price, todo)))
@@ -320,18 +348,21 @@ def main() -> int:
     ap.add_argument("--only", help="score only the row with this id")
     ap.add_argument("--source", help="score only the rows of this source")
     ap.add_argument("--jobs", type=int, default=1, help="rows priced at once (processes)")
+    ap.add_argument("--terms", action="store_true",
+                    help="also price each row with slower links (3 estimates a row), "
+                         "for benchmarks/calibrate.py")
     ap.add_argument("--runs", default=str(RUNS), help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     data = load(Path(args.runs))
     rows = data["rows"]
     if args.child:
-        print(json.dumps(measure(next(r for r in rows if r["id"] == args.child))))
+        print(json.dumps(measure(next(r for r in rows if r["id"] == args.child), args.terms)))
         return 0
     rows = [r for r in rows if (not args.only or r["id"] == args.only)
             and (not args.source or r["source"] == args.source)]
     t0 = time.perf_counter()
-    results = score(rows, data["sources"], args.jobs, Path(args.runs))
+    results = score(rows, data["sources"], args.jobs, Path(args.runs), terms=args.terms)
     print(f"{'row':<34} {'GPUs':>6} {'pub s':>9} {'pred s':>9}  error")
     for r in results:
         print(_line(r))

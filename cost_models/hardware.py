@@ -118,8 +118,10 @@ class HardwareProfile:
     ``step_error_pct`` (worst one-GPU training step), ``layer_mape_pct`` and
     ``term_mape_pct`` (per term: gemm, attention, memory) of
     ``benchmarks/layer_accuracy.py``, with ``date``, ``source`` and optionally
-    ``scope`` (which cases the figures cover); empty for a profile never checked on its
-    GPU (:func:`accuracy_text`)."""
+    ``scope`` (which cases the figures cover); ``published_runs``: the median and max
+    |error| (``median_abs_pct``, ``max_abs_pct``) of the prices of ``runs`` published
+    multi-GPU runs from ``sources`` sources on this GPU (``benchmarks/calibrate.py``);
+    empty for a profile never checked (:func:`accuracy_text`)."""
 
     host_overhead_s: dict[str, float] = field(default_factory=dict)
     """Host seconds the parallel wrappers add (:mod:`autopar.cost_models.profiling.host_wrappers`):
@@ -576,12 +578,25 @@ def _accuracy(data: dict, origin: str) -> dict[str, Any]:
     return dict(acc)
 
 
+def published_runs_text(record: dict[str, Any]) -> str:
+    """The ``published_runs`` part of an accuracy record as words: how far the profile's
+    prices fell from published multi-GPU runs on its GPU."""
+    return (f"published multi-GPU runs priced within {record['median_abs_pct']:.0f}% "
+            f"(median; max {record['max_abs_pct']:.0f}%) over {record['runs']} run(s) "
+            f"from {record['sources']} source(s)")
+
+
 def accuracy_text(name: str, accuracy: dict[str, Any]) -> str:
     """One line on how far to trust a plan's figures on profile ``name``."""
-    if not accuracy and "(measured:" in name:
-        return (f"profile {name}: kernel rates measured on its GPU, never checked against "
-                "whole training steps there")
-    if not accuracy:
+    runs = accuracy.get("published_runs")
+    tail = f"; {published_runs_text(runs)}" if runs else ""
+    if not accuracy.keys() - {"published_runs", "source", "date"}:
+        if "(measured:" in name:
+            return (f"profile {name}: kernel rates measured on its GPU, never checked against "
+                    "whole training steps there" + tail)
+        if runs:
+            return (f"profile {name}: datasheet and first-principles figures, never measured "
+                    "on its GPU" + tail)
         return (f"profile {name} was never checked against runs on its GPU: its figures "
                 "are datasheet and first-principles estimates")
     parts = []
@@ -593,13 +608,14 @@ def accuracy_text(name: str, accuracy: dict[str, Any]) -> str:
         parts.append(f"layers MAPE {accuracy['layer_mape_pct']:.1f}%"
                      + (f" ({detail})" if detail else "")
                      + (f", {accuracy['scope']}" if "scope" in accuracy else ""))
-    return f"profile {name} measured {accuracy.get('date', '?')}: " + "; ".join(parts)
+    return f"profile {name} measured {accuracy.get('date', '?')}: " + "; ".join(parts) + tail
 
 
 def _derived(data: dict, origin: str, seen: tuple[str, ...] = ()) -> dict:
     """A profile naming a shipped ``base`` profile is that profile with its own fields
     over it: a field replaces the base's, except a table (no ``value`` of its own:
-    ``matmul_efficiency``, a link) whose entries replace the base's one by one; a field
+    ``matmul_efficiency``, a link; not ``accuracy``, the checks of the derived figures)
+    whose entries replace the base's one by one; a field
     set to ``null`` is dropped (``"tables": null``: not the base's measurements). The
     ``tables`` file of a base is read from the shipped folder. A profile with tables of
     its own (``autopar profile`` writes them) does not take the base's ``accuracy``:
@@ -618,7 +634,8 @@ def _derived(data: dict, origin: str, seen: tuple[str, ...] = ()) -> dict:
             continue
         if v is None:
             out.pop(k, None)
-        elif isinstance(v, dict) and "value" not in v and isinstance(out.get(k), dict):
+        elif isinstance(v, dict) and "value" not in v and isinstance(out.get(k), dict) \
+                and k != "accuracy":  # checks of these figures replace the base's
             out[k] = {**out[k], **v}
         else:
             out[k] = v

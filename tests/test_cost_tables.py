@@ -174,7 +174,8 @@ def test_h200_profile_prices_memory_bound_ops_at_its_own_bandwidth():
 
 def test_plan_summary_states_the_profiles_measured_error():
     """A plan on a profile checked against runs says how far its figures held; one on
-    a datasheet-only profile says it was never checked."""
+    a datasheet-only profile says it was never measured, and each how far the prices
+    of published multi-GPU runs on its GPU fell from their step times."""
     from autopar.examples.mlp import MLP
 
     x = torch.randn(8, 784)
@@ -187,8 +188,13 @@ def test_plan_summary_states_the_profiles_measured_error():
     assert (f"(profile h100-sxm measured {acc['date']}: one-GPU steps within "
             f"{acc['step_error_pct']:.1f}%; layers MAPE {acc['layer_mape_pct']:.1f}%") \
         in lines["h100-sxm"]
-    assert ("(profile a100-80g was never checked against runs on its GPU: its figures are "
-            "datasheet and first-principles estimates)") in lines["a100-80g"]
+    runs = H100.accuracy["published_runs"]
+    assert (f"; published multi-GPU runs priced within {runs['median_abs_pct']}% (median; max "
+            f"{runs['max_abs_pct']}%) over {runs['runs']} run(s) from {runs['sources']} "
+            "source(s))") in lines["h100-sxm"]
+    assert ("(profile a100-80g: datasheet and first-principles figures, never measured on its "
+            "GPU; published multi-GPU runs priced within 26% (median; max 28%) over 4 run(s) "
+            "from 2 source(s))") in lines["a100-80g"]
 
 
 def test_accuracy_record_needs_its_source(tmp_path):
