@@ -113,6 +113,11 @@ def why_not_scored(row: dict[str, Any], sources: dict[str, Any]) -> str | None:
     if a["family"] != "gpt" and (a["hidden"] // a["heads"]) % 2:
         return (f"autopar's Llama/MoE attention needs an even head width hidden/heads for "
                 f"its rotary embedding: {a['hidden']}/{a['heads']} = {a['hidden'] // a['heads']}")
+    if p["ep"] > 1 and p["tp"] > 1 and sources[row["source"]].get("expert_tensor_parallel") == 1:
+        return (f"Megatron-Core folds EP {p['ep']} over TP x DP ranks (expert TP 1), inside a "
+                f"node; autopar's ep splits experts over DP ranks only, so ep={p['ep']} beside "
+                f"tp={p['tp']} spans {p['ep'] * p['tp']} ranks and its all-to-all crosses nodes: "
+                "a different layout")
     if p["ep"] > 1 and p["dp"] % p["ep"]:
         return (f"EP {p['ep']} does not divide DP {p['dp']}: Megatron-Core spreads experts over "
                 f"TP x DP ranks (expert TP 1), autopar's ep splits them over DP ranks only")

@@ -103,6 +103,10 @@ def test_unscoreable_rows_say_why(pa, data) -> None:
     assert "fp8" in pa.why_not_scored(_row(data, "tt-70b-2d-fp8"), src)
     assert "context and expert" in pa.why_not_scored(_row(data, "zoo-qwen3-235b-32k-cp2"), src)
     assert "global batch" in pa.why_not_scored(_row(data, "opt-175b"), src)
+    assert pa.why_not_scored(_row(data, "zoo-qwen3-235b-ep8-fsdp"), src) == (
+        "Megatron-Core folds EP 8 over TP x DP ranks (expert TP 1), inside a node; autopar's "
+        "ep splits experts over DP ranks only, so ep=8 beside tp=2 spans 16 ranks and its "
+        "all-to-all crosses nodes: a different layout")
     assert pa.why_not_scored(_row(data, "bloom-176b"), src) is None
 
 
