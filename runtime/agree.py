@@ -35,7 +35,7 @@ COLLECTIVE_TIMEOUT_S = 300.0
 """Seconds a collective of the process group autopar starts waits for a peer:
 torchtitan's ``comm.init_timeout_seconds`` (300), its timeout for initialization and
 the first step. The other ranks wait up to this long for rank 0's plan: the slowest
-plan README.md reports (Llama 3 8B at long sequences, "Long sequences") took 82 s."""
+plan docs/guide.md reports (Llama 3 8B at long sequences, "Long sequences") took 82 s."""
 
 TIMEOUT_ENV = "AUTOPAR_COLLECTIVE_TIMEOUT_S"
 """The environment variable that replaces :data:`COLLECTIVE_TIMEOUT_S`."""
