@@ -1,6 +1,7 @@
 """The ``autopar`` command line: ``plan`` a model for a cluster, ``compare`` a hand-written
-configuration with the plan, ``codegen`` a plan into a torchrun program, ``profile`` this
-machine, ``demo`` a local run."""
+configuration with the plan, ``codegen`` a plan into a torchrun program, ``train`` a
+language model under its plan, convert a ``checkpoint``, ``profile`` this machine,
+``demo`` a local run, list the zoo's ``models``."""
 
 from __future__ import annotations
 
@@ -180,7 +181,10 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from autopar import __version__
+
     ap = argparse.ArgumentParser(prog="autopar", description=__doc__.replace("``", ""))
+    ap.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the best plan for a model on a cluster")
     p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory "

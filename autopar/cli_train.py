@@ -35,11 +35,21 @@ class TrainArgs:
     compile: bool = False
 
 
+class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each option's default, except where it is None: there the
+    option's own help says what leaving it out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     """The ``autopar train`` subcommand."""
     d = TrainArgs()
     p = sub.add_parser("train", help="plan and train a language model on local processes "
-                       "or under torchrun", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       "or under torchrun", formatter_class=DefaultsShown,
                        description="Plan a language model for the processes it runs on "
                        "and train it, each rank reading its own shard of the data, logging "
                        "loss, tokens/s, MFU and memory per step, checkpointing every k steps.")
@@ -57,7 +67,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW's learning rate")
     p.add_argument("--seed", type=int, default=d.seed, help="the weights' seed")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="save here every --checkpoint-every steps and resume from here")
+                   help="save here every --checkpoint-every steps and resume from here "
+                   "(default: no checkpoints)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="steps between checkpoints")
     p.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")

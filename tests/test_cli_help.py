@@ -4,6 +4,7 @@ what it is and what leaving it out means."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,25 @@ def test_help_lists_every_command_without_importing_torch():
     for command in ("plan", "compare", "models", "demo", "codegen", "profile"):
         assert command in text
     assert "``" not in text
+
+
+def test_version_and_train_help_say_what_they_are() -> None:
+    """``--version`` names the package; ``train --help`` shows a default once, and none
+    where leaving the option out means something the help says."""
+    from autopar import __version__
+    from autopar.cli import _build_parser
+
+    description = _build_parser().description
+    for command in ("plan", "compare", "codegen", "train", "checkpoint", "profile", "demo",
+                    "models"):
+        assert re.search(rf"\b{command}\b", description), command
+    version = subprocess.run([sys.executable, "-c", "from autopar.cli import main; "
+                              "main(['--version'])"], capture_output=True, text=True)
+    assert version.stdout.strip() == f"autopar {__version__}", version.stderr
+    text = subprocess.run([sys.executable, "-c", "from autopar.cli import main; "
+                           "main(['train', '--help'])"], capture_output=True, text=True).stdout
+    assert "(default: None)" not in text and "(default: the model's)" in text
+    assert text.count("(default: 0.003)") == 1
 
 
 def test_every_plan_and_compare_option_says_what_it_is():
