@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
+from autopar.batch_default import asked_source, example_source
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.spec import Spec, check_choice, split_space
@@ -400,6 +401,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
         return p
 
     plan = make(res.built, res.solution, res.candidate, res.pipeline)
+    plan.batch_source = example_source("global_batch=") if global_batch is None else asked_source(
+        "global_batch=")
     plan.runners_up = [runner_up(plan, make(r.built, r.solution, r.candidate, r.pipeline))
                        for r in res.runners_up]
     plan.solver["memory_budget_bytes"] = budget
@@ -493,6 +496,8 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
                        precision=precision, optimizer=optimizer, memory_budget=memory_budget,
                        spec=scored, example_targets=example_targets,
                        expert_imbalance=expert_imbalance)
+    if global_batch is None:
+        p.batch_source = example_source("global_batch=")
     p.notes.append(f"scored hand-written configuration {scored}")
     return p
 

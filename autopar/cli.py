@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from autopar.cli_checkpoint import add_checkpoint_parser, cmd_checkpoint
 from autopar.cli_train import add_train_parser, cmd_train
+from autopar.batch_default import (TOKENS_PER_DEVICE, asked_source, default_global_batch,
+                                   default_source, example_source)
 from autopar.errors import AutoparError, ConfigError
 
 if TYPE_CHECKING:
@@ -26,8 +28,8 @@ if TYPE_CHECKING:
 
 
 ZOO_EXAMPLE_BATCH = 2
-"""Samples in the example inputs of a zoo model, and so its global batch where
-``--global-batch`` is left out."""
+"""Samples in the example inputs autopar builds for a zoo model (to capture it; the
+plan's global batch is set apart from them, :func:`_global_batch`)."""
 
 
 def parse_bytes(text: str) -> float:
@@ -70,8 +72,11 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 def _add_workload_args(p: argparse._ActionsContainer) -> None:
     """Batch, sequence length, precision, optimizer and memory budget options."""
     p.add_argument("--global-batch", type=int,
-                   help="samples per optimizer step (default: the example inputs' batch, "
-                        f"{ZOO_EXAMPLE_BATCH} for zoo models)")
+                   help="sequences (samples) per optimizer step over all devices (default: "
+                        f"for a zoo language model {TOKENS_PER_DEVICE:,} tokens per device "
+                        "in whole sequences, at least one, times the devices, the middle "
+                        "of the published runs in benchmarks/published_runs.json; for a "
+                        "factory or the mlp, its example inputs' batch)")
     p.add_argument("--seq-len", type=int,
                    help="sequence length of zoo models (default: the model's training length)")
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
@@ -260,7 +265,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     check_outputs(args.report, args.plots)
     model, inputs, targets = _load_model(args.model, args.seq_len)
-    plan = autopar.plan(model, inputs, cluster=cluster, global_batch=args.global_batch,
+    batch, source = _global_batch(args, cluster, inputs)
+    plan = autopar.plan(model, inputs, cluster=cluster, global_batch=batch,
                         precision=args.precision, optimizer=args.optimizer,
                         memory_budget=args.memory_budget, example_targets=targets,
                         space=_spec_from_args(args), top_k=args.top_k,
@@ -270,8 +276,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sys.stderr.write("\n")
     if ":" not in args.model:
         plan.model = args.model
-    if args.global_batch is None:
-        plan.notes.append(_example_batch_note(args.model, plan.global_batch))
+    plan.batch_source = source
     print(plan.summary())
     print(f"\nplanned in {time.perf_counter() - t0:.1f} s")
     if args.json:
@@ -282,12 +287,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _example_batch_note(model: str, batch: int) -> str:
-    """Why a plan made without ``--global-batch`` has the batch it has."""
-    where = "the factory's example inputs" if ":" in model else \
-        f"the example inputs autopar builds for zoo models ({ZOO_EXAMPLE_BATCH} samples)"
-    return (f"global batch {batch} is the batch of {where}; pass --global-batch with the "
-            f"samples per optimizer step you train with")
+def _global_batch(args: argparse.Namespace, cluster: Cluster,
+                  inputs: tuple[torch.Tensor, ...]) -> tuple[int | None, str]:
+    """The global batch to plan for and where it came from (:attr:`Plan.batch_source`):
+    ``--global-batch``; for a zoo model that reads token ids, the default rule of
+    :mod:`autopar.batch_default`; else None, the example inputs' batch."""
+    if args.global_batch is not None:
+        return args.global_batch, asked_source("--global-batch")
+    x = inputs[0] if inputs else None
+    if ":" in args.model or x is None or x.is_floating_point() or x.dim() != 2:
+        return None, example_source("--global-batch")
+    seq = int(x.shape[1])
+    return default_global_batch(cluster.world_size, seq), \
+        default_source(cluster.world_size, seq)
 
 
 def _check_writable(path: str, what: str) -> None:
@@ -354,15 +366,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cluster = _cluster_from_args(args)
     model, inputs, targets = _load_model(args.model, args.seq_len)
+    batch, source = _global_batch(args, cluster, inputs)
     result = autopar.compare(model, inputs, _spec_from_args(args), cluster=cluster,
-                             global_batch=args.global_batch, precision=args.precision,
+                             global_batch=batch, precision=args.precision,
                              optimizer=args.optimizer, memory_budget=args.memory_budget,
                              example_targets=targets, expert_imbalance=args.expert_imbalance)
     name = args.model if ":" not in args.model else result.planned.model
     print(f"autopar compare for {name} on {cluster.nodes} node(s) x {cluster.gpus_per_node} "
           f"{args.gpu}, global batch {result.planned.global_batch}")
-    if args.global_batch is None:
-        print(_example_batch_note(args.model, result.planned.global_batch))
+    result.planned.batch_source = source
+    from autopar.summary import batch_text
+
+    print(batch_text(result.planned))
     print()
     print(result.table())
     print(f"\ncompared in {time.perf_counter() - t0:.1f} s")
@@ -427,9 +442,9 @@ def _write_zoo_model(name: str, plan: Plan, output: str) -> str:
     standalone file beside ``output``; return its ``path:build`` spec."""
     from autopar.examples.zoo_source import model_source
 
-    shape = plan.inputs[0]["shape"] if plan.inputs else []
-    seq_len = int(shape[1]) if len(shape) == 2 and plan.inputs[0].get("dtype") == "int64" \
-        else None
+    from autopar.summary import sequence_length
+
+    seq_len = sequence_length(plan)
     path = output.removesuffix(".py") + "_model.py"
     _write(path, model_source(name, seq_len), "the model")
     print(f"wrote {path}: the zoo's {name}, which the program builds")

@@ -200,6 +200,10 @@ class Plan:
         mesh: ordered mesh axes and their sizes, e.g. ``{"dp": 4, "tp": 2}``, or
             ``{"pp": 4, "dp": 2, "tp": 8}`` with pipelining (``pp`` outermost).
         global_batch: samples per optimizer step over all ranks.
+        batch_source: where ``global_batch`` came from, in words the summary prints
+            (:mod:`autopar.batch_default`): "the example inputs' batch; global_batch=
+            sets it", "as asked, global_batch=", or the CLI's default rule; empty in
+            plans written before it was recorded.
         microbatch_size: samples per forward/backward pass on one data-parallel rank.
         num_microbatches: micro-batches per optimizer step on one data-parallel rank
             (gradient-accumulation steps, or the pipeline's micro-batches).
@@ -286,6 +290,7 @@ class Plan:
     context: ContextPlan | None = None
     model_hash: str = ""
     loss_parallel: bool = False
+    batch_source: str = ""
     version: int = PLAN_FORMAT_VERSION
 
     @property

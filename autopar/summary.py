@@ -234,6 +234,25 @@ def _device_text(c: dict) -> str:
     return f"{name} ({kind}profile {PurePath(str(path)).name})"
 
 
+def batch_text(plan: Plan) -> str:
+    """What the global batch holds and where it came from: '64 sequences x 8,192
+    tokens = 524,288 tokens per step (as asked, --global-batch)' (samples,
+    for a model that reads no token ids)."""
+    seq = sequence_length(plan)
+    size = (f"{plan.global_batch:,} sequences x {seq:,} tokens = "
+            f"{plan.global_batch * seq:,} tokens per step" if seq else
+            f"{plan.global_batch:,} samples per step")
+    return size + (f" ({plan.batch_source})" if plan.batch_source else "")
+
+
+def sequence_length(plan: Plan) -> int | None:
+    """Tokens per sequence of the plan's inputs: the second dim of its first input
+    when that is 2-D int64 token ids (None otherwise, or for a plan without inputs)."""
+    first = plan.inputs[0] if plan.inputs else {}
+    shape = first.get("shape", [])
+    return int(shape[1]) if len(shape) == 2 and first.get("dtype") == "int64" else None
+
+
 def plan_summary(plan: Plan) -> str:
     """The multi-line summary printed by ``autopar plan`` and ``Plan.summary()``."""
     c = plan.cluster
@@ -249,6 +268,7 @@ def plan_summary(plan: Plan) -> str:
         f"batch     global {plan.global_batch} = dp {plan.data_parallel} x micro-batch "
         f"{plan.microbatch_size} x {plan.num_microbatches} "
         f"{'pipeline micro-batches' if plan.pipeline else 'accumulation step(s)'}",
+        f"          {batch_text(plan)}",
         f"data par. ZeRO-{plan.zero} ({ZERO_TEXT.get(plan.zero, '')})"
         + (", CPU offload of parameters, gradients and optimizer state" if plan.offload
            else ""),
