@@ -401,6 +401,12 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
         return p
 
     plan = make(res.built, res.solution, res.candidate, res.pipeline)
+    if res.set_aside is not None:
+        from autopar.summary import set_aside_note
+
+        a = res.set_aside
+        plan.notes.append(set_aside_note(plan, make(a.built, a.solution, a.candidate,
+                                                    a.pipeline)))
     plan.batch_source = example_source("global_batch=") if global_batch is None else asked_source(
         "global_batch=")
     plan.runners_up = [runner_up(plan, make(r.built, r.solution, r.candidate, r.pipeline))

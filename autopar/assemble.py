@@ -281,4 +281,5 @@ def runner_up(best: Plan, other: Plan) -> dict:
             "recompute": sorted(set(other.recompute.values())) or ["none"],
             "step_time_s": other.step_time_s, "memory_bytes": other.memory_per_device_bytes,
             "mfu": other.mfu, "breakdown": dict(other.breakdown),
-            "why": term_differences(best, other, of_loser=True).removeprefix(": ")}
+            "why": term_differences(best, other, of_loser=True).removeprefix(": "),
+            "tp_splits_nothing": other.splits_nothing("tp")}

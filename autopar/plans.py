@@ -241,7 +241,8 @@ class Plan:
             ``microbatch_size``, ``num_microbatches``, ``zero``, ``offload``,
             ``sequence_parallel``, ``schedule``, ``virtual_stages``, ``recompute`` (the
             modes its blocks use), ``step_time_s``, ``memory_bytes``, ``mfu``,
-            ``breakdown`` and ``why`` (the step-time terms it loses on).
+            ``breakdown``, ``why`` (the step-time terms it loses on) and
+            ``tp_splits_nothing`` (:meth:`splits_nothing`; absent in older plans).
         inputs: the shape (one global batch, batch first) and dtype of each of the
             model's inputs the plan was made for, e.g. ``{"shape": [8, 1024], "dtype":
             "int64"}``: a pipeline's stages are exported for these shapes.
@@ -314,6 +315,16 @@ class Plan:
     def degree(self, axis: str) -> int:
         """Size of mesh axis ``axis`` (1 when the mesh has no such axis)."""
         return int(self.mesh.get(axis, 1))
+
+    def splits_nothing(self, axis: str = "tp") -> bool:
+        """True when mesh axis ``axis`` has more than one rank and every parameter and
+        activation is replicated (``R``) along it: its ranks repeat each other's work
+        on the same samples (:mod:`autopar.solvers.idle_axis`)."""
+        if self.degree(axis) <= 1 or axis not in self.stage_mesh:
+            return False
+        a = list(self.stage_mesh).index(axis)
+        return all(len(pl) <= a or pl[a] == "R"
+                   for pl in (*self.params.values(), *self.activations.values()))
 
     @property
     def data_parallel(self) -> int:

@@ -9,7 +9,7 @@ from types import MappingProxyType
 from autopar.cost_models.hardware import CPU_PROFILE_NOTE, accuracy_text
 from autopar.plans import Plan
 from autopar.solvers.cost_terms import STEP_TERMS
-from autopar.units_text import fmt_bytes
+from autopar.units_text import count_text, fmt_bytes
 
 
 
@@ -234,6 +234,32 @@ def _device_text(c: dict) -> str:
     return f"{name} ({kind}profile {PurePath(str(path)).name})"
 
 
+def idle_tp_text(plan: Plan) -> str:
+    """For a plan whose tp splits nothing, what that means: ' splits nothing: every
+    module replicated, so the 4 ranks of each tp group repeat one rank's work on the
+    same samples, as 1 rank would' (else '')."""
+    if not plan.splits_nothing("tp"):
+        return ""
+    t, fewer = plan.degree("tp"), count_text(plan.world_size // plan.degree("tp"), "rank")
+    return (f" splits nothing: every module replicated, so the {t} ranks of each tp group "
+            f"repeat one rank's work on the same samples, as {fewer} would")
+
+
+def set_aside_note(plan: Plan, aside: Plan) -> str:
+    """Why ``plan`` was chosen over the faster ``aside``, whose tp splits nothing
+    (:mod:`autopar.solvers.idle_axis`), and what to do about it."""
+    t, world = aside.degree("tp"), aside.world_size
+    mesh = " x ".join(f"{k}={v}" for k, v in aside.mesh.items())
+    return (f"{mesh} was predicted {fmt_time(aside.step_time_s)}, faster than this plan's "
+            f"{fmt_time(plan.step_time_s)}, but its tp splits nothing: every module "
+            f"replicated, the {t} ranks of each tp group repeating one rank's work on the "
+            f"same samples. The planner prefers a layout that uses every rank; this one is "
+            f"slower{term_differences(aside, plan, of_loser=True)}. The model runs at least "
+            f"as fast on {count_text(world // t, 'device')} as on these {world}: plan and "
+            f"train on fewer, or pass --tp {t} (tp={t}) for the replicated layout")
+
+
+
 def batch_text(plan: Plan) -> str:
     """What the global batch holds and where it came from: '64 sequences x 8,192
     tokens = 524,288 tokens per step (as asked, --global-batch)' (samples,
@@ -275,7 +301,8 @@ def plan_summary(plan: Plan) -> str:
         f"recompute {recompute_text(plan)}",
         f"tensor p. {'tp=' + str(plan.degree('tp')) if plan.degree('tp') > 1 else 'none'}"
         f"{', sequence parallel' if plan.sequence_parallel else ''}"
-        f"{', loss on vocabulary-split logits' if plan.loss_parallel else ''}",
+        f"{', loss on vocabulary-split logits' if plan.loss_parallel else ''}"
+        f"{idle_tp_text(plan)}",
         *_context_lines(plan),
         f"precision {plan.precision}, optimizer {plan.optimizer}",
         "",
@@ -346,7 +373,8 @@ def _runners_up_lines(plan: Plan) -> list[str]:
             if r["schedule"] else ""
         config = (f"{mesh}, mb {r['microbatch_size']}x{r['num_microbatches']}, "
                   f"ZeRO-{r['zero']}{' offload' if r['offload'] else ''}"
-                  f"{', sp' if r['sequence_parallel'] else ''}{sched}, "
+                  f"{', sp' if r['sequence_parallel'] else ''}"
+                  f"{', tp splits nothing' if r.get('tp_splits_nothing') else ''}{sched}, "
                   f"recompute {'/'.join(r['recompute'])}")
         slower = r["step_time_s"] / plan.step_time_s - 1 if plan.step_time_s else 0.0
         rows.append([str(k), config, f"{fmt_time(r['step_time_s'])} (+{slower * 100:.1f}%)",

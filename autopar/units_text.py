@@ -1,4 +1,4 @@
-"""Memory as a person reads it: decimal units, 1 GB = 10^9 bytes.
+"""Memory and counts as a person reads them: decimal units, 1 GB = 10^9 bytes; "4 ranks".
 
 Every text autopar writes for a reader (``Plan.summary()``, ``autopar compare``'s
 table, the command line, error messages) gives memory in GB, or in MB / kB / B when it
@@ -21,3 +21,8 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def count_text(n: int, word: str) -> str:
+    """``n`` and ``word``, plural unless ``n`` is 1: '1 rank', '4 ranks'."""
+    return f"{n} {word}" + ("" if n == 1 else "s")

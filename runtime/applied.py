@@ -11,15 +11,12 @@ from collections import Counter
 from torch import nn
 
 from autopar.plans import Plan
+from autopar.units_text import count_text
 
 __all__ = ["LOGGER", "log_applied"]
 
 LOGGER = "autopar.runtime"
 """The name of the logger the runtime reports on."""
-
-
-def _n(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _counted(counter: Counter) -> str:
@@ -50,12 +47,14 @@ def log_applied(model: nn.Module, plan: Plan, device: str, fsdp: bool,
                      if p in held and mp.style != "replicate")
     if tp > 1:
         log.info("Applied tensor parallelism (tp=%d) to %s: %s", tp,
-                 _n(sum(styles.values()), "module"), _counted(styles) or "all replicated")
+                 count_text(sum(styles.values()), "module"),
+                 _counted(styles) or "all replicated")
     modes = Counter(m for b, m in plan.recompute.items() if b in held and m != "none")
     if modes:
-        log.info("Applied activation checkpointing to %s: %s", _n(sum(modes.values()), "block"),
-                 _counted(modes))
+        log.info("Applied activation checkpointing to %s: %s",
+                 count_text(sum(modes.values()), "block"), _counted(modes))
     if fsdp:
         units = [b for b in plan.blocks if b in held]
         log.info("Applied FSDP2 (ZeRO-%d%s, %s precision) to %s and the root", plan.zero,
-                 ", offload" if plan.offload else "", plan.precision, _n(len(units), "block"))
+                 ", offload" if plan.offload else "", plan.precision,
+                 count_text(len(units), "block"))

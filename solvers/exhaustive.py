@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
+from autopar.solvers.idle_axis import splits_nothing
 from autopar.solvers.intra_op_ilp import Solution
 from autopar.solvers.outer_search import Candidate, candidate_settings, mesh_key, tiers
 from autopar.solvers.pipelined_candidate import (boundary_p2p, rank_host_time, rank_transients,
@@ -263,8 +264,11 @@ class BruteForceResult:
 
 
 def _best_of(an: GraphAnalysis, cands: list[Candidate], **kw) -> BruteForceResult | None:
-    """Every candidate of ``cands`` solved exhaustively; None when none fits."""
+    """Every candidate of ``cands`` solved exhaustively; the fastest whose layout splits
+    something over tp (:mod:`autopar.solvers.idle_axis`), else the fastest; None when
+    none fits."""
     best: BruteForceResult | None = None
+    best_idle = False
     times: dict[Candidate, float | None] = {}
     built_by: dict[tuple, Built | NoFeasiblePlanError] = {}
     for c in cands:
@@ -290,8 +294,9 @@ def _best_of(an: GraphAnalysis, cands: list[Candidate], **kw) -> BruteForceResul
             times[c] = None
             continue
         times[c] = found[0]
-        if best is None or found[0] < best.step_time_s:
-            best = BruteForceResult(c, *found, built=built)
+        idle = splits_nothing(built, found[1])
+        if best is None or (idle, found[0]) < (best_idle, best.step_time_s):
+            best, best_idle = BruteForceResult(c, *found, built=built), idle
     if best is not None:
         best.times = times
     return best

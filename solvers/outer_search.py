@@ -23,6 +23,7 @@ from autopar.graph import Graph
 from autopar.sharding import Mesh
 from autopar.units_text import fmt_bytes
 from autopar.solvers.bounds import combo_bounds, pipeline_stage_bound, step_bound
+from autopar.solvers.idle_axis import splits_nothing
 from autopar.solvers.intra_op_ilp import Solution, SolverTimeout, solve_ilp
 from autopar.memory_choices import RECOMPUTE
 from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, in_flight,
@@ -91,6 +92,7 @@ class SearchResult:
     step_time_s: float = 0.0  # the best plan's
     gap_bound_s: float | None = None  # least bound of what a time limit left unproven
     notes: list[str] = field(default_factory=list)  # what the search left out, in words
+    set_aside: "Scored | None" = None  # a faster layout whose tp splits nothing (idle_axis)
 
 
 def divisors(n: int) -> list[int]:
@@ -334,13 +336,15 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     unbuilt: list[Candidate] = []
     t0 = time.perf_counter()
     budget = kw["deadline"] is None  # its own CP_TIER_PROBLEMS, not the caller's limit
-    mine = Scored(res.step_time_s, res.built, res.solution, c, res.pipeline)
+    mine = Scored(res.step_time_s, res.built, res.solution, c, res.pipeline,
+                  idle=splits_nothing(res.built, res.solution.choice))
+    seed = [mine] + res.runners_up + ([res.set_aside] if res.set_aside else [])
     other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt,
                     max_built=CP_TIER_PROBLEMS if budget else None,
-                    seed=[mine] + res.runners_up)
+                    seed=seed)
     _note_cut(res, unbuilt, len(split), budget)
     if other.candidate is c:  # still the plan; the runners-up of both tiers ranked
-        res.runners_up = other.runners_up
+        res.runners_up, res.set_aside = other.runners_up, other.set_aside
         _set_gap(res, other.gap_bound_s)
         won = res
     else:
@@ -405,6 +409,7 @@ class Scored:
     pipeline: PipelineOutcome | None = None
     bound_s: float = 0.0  # the candidate's lower bound on its step time
     rank: int = 0  # its place in the search's order of bounds (ties go to the first)
+    idle: bool = False  # its layout splits nothing over tp (solvers.idle_axis)
 
 
 def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
@@ -421,9 +426,11 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     search kept, fastest first, which prune this one from its start and stay in its
     ranking (ahead of its own on ties); its result may be ``seed[0]`` itself."""
     t0 = time.perf_counter()
-    kept = list(seed or [])  # the top_k fastest so far, fastest first
-    for i, s in enumerate(kept):
-        s.rank = i - len(kept)
+    kept: list[Scored] = []  # the top_k fastest so far, fastest first
+    idle: list[Scored] = []  # the same of those whose layout splits nothing over tp
+    for i, s in enumerate(seed or []):
+        s.rank = i - len(seed)
+        kept, idle = _place(kept, idle, s, top_k)
     outcomes: list[Outcome] = []
     infeasible: list[tuple[Candidate, Built]] = []
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
@@ -444,7 +451,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
 
     def out_of_time() -> bool:
         """Whether the deadline has passed and a plan is in hand (here or the caller's)."""
-        return deadline is not None and bool(kept or have_plan) and \
+        return deadline is not None and bool(kept or idle or have_plan) and \
             time.perf_counter() > deadline
 
     def score(k: int, refine: bool, beat: float | None = None) -> Scored | None:
@@ -465,6 +472,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             return None
         if scored is not None:
             scored.bound_s, scored.rank = bound[k], rank[k]
+            scored.idle = splits_nothing(scored.built, scored.solution.choice)
             if scored.solution.status == "Stopped":  # its own bound is on F: no pipeline
                 own = scored.solution.stats.get("lower_bound_s", 0.0) if c.pp == 1 else 0.0
                 unproven.append(max(bound[k], own))
@@ -485,9 +493,10 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         except RefineLater:
             later.append(k)
             continue
-        kept = _keep(kept, scored, top_k)
+        kept, idle = _place(kept, idle, scored, top_k)
         if progress is not None:
-            progress(done + 1, len(order), kept[0].step_time_s if kept else None)
+            plan = (kept or idle)[:1]  # what would be returned now
+            progress(done + 1, len(order), plan[0].step_time_s if plan else None)
     for i, j in enumerate(later):  # the deferred searches, in their bounds' order
         if out_of_time():
             unproven.extend(bound[x] for x in later[i:])
@@ -495,8 +504,11 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         if kept and kept[0].step_time_s <= bound[j] < _limit(kept, top_k):
             outcomes.append(Outcome(cands[j], None, None, RUNNER_UP_UNREFINED))
             continue
-        kept = _keep(kept, score(j, refine=True, beat=kept[0].step_time_s if kept else None),
-                     top_k)
+        kept, idle = _place(kept, idle, score(j, refine=True,
+                                             beat=kept[0].step_time_s if kept else None),
+                            top_k)
+    if not kept:  # nothing else: the layouts that split nothing
+        kept, idle = idle[:top_k], []
     if not kept and have_plan and unproven:
         raise _OutOfTime(min(unproven))
     if not kept:
@@ -516,9 +528,15 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                               schedule=c.schedule, virtual_stages=c.virtual_stages) or \
                 best.pipeline
             best = Scored(po.step_time_s, best.built, po.solution, c, po, best.bound_s,
-                          best.rank)
+                          best.rank, best.idle)
+    others = kept[1:]  # the runners-up: those slower than the plan, idle or not
+    for s in idle:
+        if s.step_time_s >= best.step_time_s:
+            others = _keep(others, s, top_k - 1)
     res = SearchResult(best.built, best.solution, outcomes, time.perf_counter() - t0,
-                       best.candidate, best.pipeline, kept[1:], step_time_s=best.step_time_s)
+                       best.candidate, best.pipeline, others, step_time_s=best.step_time_s)
+    if idle and idle[0].step_time_s < best.step_time_s:
+        res.set_aside = idle[0]
     res.solution.stats["candidates"] = len(outcomes)
     res.solution.stats["search_s"] = res.time_s
     _set_gap(res, min(unproven) if unproven else None)
@@ -543,6 +561,17 @@ RUNNER_UP_PRUNED = ("pruned: no recomputation and stage split of it beats the pl
 def _limit(kept: list[Scored], top_k: int) -> float:
     """The step time a plan must beat to enter ``kept`` (inf while it has room)."""
     return kept[-1].step_time_s if len(kept) >= top_k else float("inf")
+
+
+def _place(kept: list[Scored], idle: list[Scored], scored: Scored | None,
+           top_k: int) -> tuple[list[Scored], list[Scored]]:
+    """``(kept, idle)`` with ``scored`` kept (:func:`_keep`) in ``kept``, or, when its
+    layout splits nothing over tp (:mod:`autopar.solvers.idle_axis`: set aside while a
+    layout that uses its ranks exists), in ``idle``, which keeps every one: those
+    faster than the plan are no runners-up, and how many that is is known at the end."""
+    if scored is not None and scored.idle:
+        return kept, _keep(idle, scored, len(idle) + 1)
+    return _keep(kept, scored, top_k), idle
 
 
 def _keep(kept: list[Scored], scored: Scored | None, top_k: int) -> list[Scored]:
