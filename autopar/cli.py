@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from autopar.cli_checkpoint import add_checkpoint_parser, cmd_checkpoint
+from autopar.cli_options import (ESTIMATE_DEFAULTS, add_memory_budget_arg, add_spec_args,
+                                 spec_from_args)
 from autopar.cli_train import add_train_parser, cmd_train
 from autopar.batch_default import (TOKENS_PER_DEVICE, asked_source, default_global_batch,
                                    default_source, example_source)
@@ -24,37 +26,11 @@ if TYPE_CHECKING:
 
     from autopar.cluster import Cluster
     from autopar.plans import Plan
-    from autopar.spec import Spec
 
 
 ZOO_EXAMPLE_BATCH = 2
 """Samples in the example inputs autopar builds for a zoo model (to capture it; the
 plan's global batch is set apart from them, :func:`_global_batch`)."""
-
-
-def parse_bytes(text: str) -> float:
-    """``"40GB"`` -> 4e10, ``"80GiB"`` -> 80·2^30, a plain number is bytes."""
-    m = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"memory size {text!r} is not like '40GB', '80GiB' or a byte count")
-    value, unit = float(m.group(1)), (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return value * scale
-
-
-def _option_value(parse: Callable[[str], float]) -> Callable[[str], float]:
-    """``parse`` for an argparse ``type=``: its ConfigError becomes argparse's own error
-    line (``argument --memory-budget: memory size '40XB' is not like ...``)."""
-
-    def parsed(text: str) -> float:
-        try:
-            return parse(text)
-        except ConfigError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    parsed.__name__ = parse.__name__
-    return parsed
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -84,9 +60,7 @@ def _add_workload_args(p: argparse._ActionsContainer) -> None:
                         "(default: %(default)s)")
     p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw", "sgd"],
                    help="the optimizer whose state is kept and stepped (default: %(default)s)")
-    p.add_argument("--memory-budget", type=_option_value(parse_bytes),
-                   help="per device, e.g. 40GB (default: the GPU's memory less the "
-                        "profile's reserve)")
+    add_memory_budget_arg(p)
     p.add_argument("--expert-imbalance", type=float, default=1.0,
                    help="dropless experts under expert parallelism: the busiest ep rank's "
                         "tokens over the mean (default: %(default)s, an even spread)")
@@ -101,76 +75,6 @@ def _cluster_from_args(args: argparse.Namespace) -> Cluster:
                            inter_node_bandwidth=args.inter_node_bandwidth)
 
 
-ESTIMATE_DEFAULTS = {"dp": "the devices the other degrees leave", "tp": "1", "pp": "1",
-                     "cp": "1", "cp_variant": "allgather", "ep": "1",
-                     "microbatch_size": "the largest that gives pp micro-batches",
-                     "schedule": "1f1b", "virtual_stages": "the solver's choice",
-                     "recompute": "the solver's choice", "zero": "0",
-                     "sequence_parallel": "off", "loss_parallel": "the solver's choice",
-                     "offload": "off"}
-"""What ``autopar compare`` scores for each configuration option left out
-(:meth:`autopar.Spec.for_estimate`)."""
-
-
-def _add_spec_args(g: argparse._ActionsContainer,
-                   defaults: dict[str, str] | None = None) -> None:
-    """One option per field of :class:`autopar.Spec`, by the field's name; each left out
-    is None, which the help calls ``defaults[field]`` (default: the solver's choice).
-    The values are checked by Spec itself."""
-    from autopar.plans import RECOMPUTE, SCHEDULES
-
-    g = _DefaultsNoted(g, defaults or {})
-
-    g.add_argument("--dp", type=int, help="data-parallel degree")
-    g.add_argument("--tp", type=int, help="tensor-parallel degree")
-    g.add_argument("--pp", type=int, help="pipeline-parallel degree")
-    g.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over "
-                   "cp ranks")
-    g.add_argument("--cp-variant", metavar="{allgather,ring,ulysses}",
-                   help="how attention reaches the keys of the other cp ranks")
-    g.add_argument("--ep", type=int, help="expert-parallel degree: the experts split over ep "
-                   "of the dp ranks (ep divides dp)")
-    g.add_argument("--microbatch-size", "--microbatch", type=int, dest="microbatch_size",
-                   help="samples per forward/backward pass on one data-parallel rank")
-    g.add_argument("--schedule", metavar="{" + ",".join(SCHEDULES) + "}",
-                   help="pipeline schedule")
-    g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
-    g.add_argument("--recompute", metavar="{" + ",".join(RECOMPUTE) + "}",
-                   help="recomputation of every block")
-    g.add_argument("--zero", type=int, metavar="{0,1,2,3}", help="ZeRO stage")
-    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
-                   help="norms and pointwise ops on sequence shards (with tp)")
-    g.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction,
-                   help="the loss on logits split along the vocabulary over tp (with tp)")
-    g.add_argument("--offload", action=argparse.BooleanOptionalAction,
-                   help="parameters, gradients and optimizer state in host memory (with "
-                   "--zero 3)")
-
-
-class _DefaultsNoted:
-    """An argument group whose ``add_argument`` appends ``(default: ...)`` to the help:
-    the text for the option's field in ``defaults``, else the solver's choice."""
-
-    def __init__(self, group: argparse._ActionsContainer, defaults: dict[str, str]) -> None:
-        self.group, self.defaults = group, defaults
-
-    def add_argument(self, *names: str, **kwargs) -> argparse.Action:
-        """``group.add_argument`` with the default named in the help."""
-        field = kwargs.get("dest") or names[0].lstrip("-").replace("-", "_")
-        text = self.defaults.get(field, "the solver's choice")
-        kwargs["help"] = f"{kwargs.get('help', '')} (default: {text})".lstrip()
-        return self.group.add_argument(*names, **kwargs)
-
-
-def _spec_from_args(args: argparse.Namespace) -> Spec:
-    """The :class:`autopar.Spec` named by the options of :func:`_add_spec_args`."""
-    from dataclasses import fields
-
-    from autopar.spec import Spec
-
-    return Spec(**{f.name: getattr(args, f.name) for f in fields(Spec)})
-
-
 def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
     """``autopar compare MODEL``: the cluster and workload, then the hand-written
     configuration (as :func:`autopar.estimate` scores it)."""
@@ -178,7 +82,7 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="a zoo name (see `autopar models`) or path/to/file.py:factory")
     _add_cluster_args(p)
     _add_workload_args(p.add_argument_group("workload"))
-    _add_spec_args(p.add_argument_group(
+    add_spec_args(p.add_argument_group(
         "hand-written configuration (left out, as autopar.estimate fills it: degrees 1, "
         "except --dp, which fills the world; --zero 0; --schedule 1f1b; the largest "
         "micro-batch that gives pp micro-batches; recomputation the solver's)"),
@@ -196,7 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    "(returning a model, (model, inputs) or (model, inputs, targets))")
     _add_cluster_args(p)
     _add_workload_args(p.add_argument_group("workload"))
-    _add_spec_args(p.add_argument_group(
+    add_spec_args(p.add_argument_group(
         "search space (each option fixes one choice; left out, the solver chooses)"))
     p.add_argument("--top-k", "--top", type=int, default=1, metavar="N", dest="top_k",
                    help="also list the next N-1 fastest configurations and why they lost "
@@ -269,7 +173,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = autopar.plan(model, inputs, cluster=cluster, global_batch=batch,
                         precision=args.precision, optimizer=args.optimizer,
                         memory_budget=args.memory_budget, example_targets=targets,
-                        space=_spec_from_args(args), top_k=args.top_k,
+                        space=spec_from_args(args), top_k=args.top_k,
                         expert_imbalance=args.expert_imbalance,
                         time_limit_s=args.time_limit_s, progress=_progress_line(sys.stderr))
     if sys.stderr.isatty():
@@ -367,7 +271,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cluster = _cluster_from_args(args)
     model, inputs, targets = _load_model(args.model, args.seq_len)
     batch, source = _global_batch(args, cluster, inputs)
-    result = autopar.compare(model, inputs, _spec_from_args(args), cluster=cluster,
+    result = autopar.compare(model, inputs, spec_from_args(args), cluster=cluster,
                              global_batch=batch, precision=args.precision,
                              optimizer=args.optimizer, memory_budget=args.memory_budget,
                              example_targets=targets, expert_imbalance=args.expert_imbalance)

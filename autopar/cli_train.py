@@ -10,8 +10,13 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from autopar.cli_options import add_memory_budget_arg, add_spec_args, spec_argv, spec_from_args
 from autopar.errors import AutoparError, ConfigError
+
+if TYPE_CHECKING:
+    from autopar.spec import Spec
 
 __all__ = ["TrainArgs", "add_train_parser", "cmd_train", "main"]
 
@@ -33,6 +38,8 @@ class TrainArgs:
     log_every: int = 1
     precision: str = "bf16"
     compile: bool = False
+    space: Spec | None = None  # the plan's search space (--dp, --tp, ...; None: all free)
+    memory_budget: float | None = None  # bytes per device (None: the device's)
 
 
 class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
@@ -79,6 +86,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch.compile each of the plan's blocks (plans without a pipeline)")
     p.add_argument("--nproc-per-node", type=int, default=1,
                    help="outside torchrun: start torchrun with this many local processes")
+    plan = p.add_argument_group("the plan (as `autopar plan` takes them; each option fixes "
+                                "one choice, left out the solver chooses)")
+    add_memory_budget_arg(plan)
+    add_spec_args(plan)
 
 
 def _args(ns: argparse.Namespace) -> TrainArgs:
@@ -91,7 +102,8 @@ def _args(ns: argparse.Namespace) -> TrainArgs:
                      global_batch=ns.global_batch, seq_len=ns.seq_len, lr=ns.lr, seed=ns.seed,
                      checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
                      keep=ns.keep, log_every=ns.log_every, precision=ns.precision,
-                     compile=ns.compile)
+                     compile=ns.compile, space=spec_from_args(ns),
+                     memory_budget=ns.memory_budget)
 
 
 def _argv(a: TrainArgs) -> list[str]:
@@ -106,7 +118,9 @@ def _argv(a: TrainArgs) -> list[str]:
         out += ["--checkpoint-dir", a.checkpoint_dir]
     if a.compile:
         out.append("--compile")
-    return out
+    if a.memory_budget is not None:
+        out += ["--memory-budget", repr(a.memory_budget)]
+    return out + (spec_argv(a.space) if a.space is not None else [])
 
 
 def cmd_train(ns: argparse.Namespace) -> int:

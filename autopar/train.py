@@ -18,8 +18,10 @@ import torch
 
 from autopar.cli_train import TrainArgs
 from autopar.errors import ConfigError
+from autopar.units_text import fmt_bytes
 
-__all__ = ["builtin_text", "load_tokens", "shard_batch", "build", "train"]
+__all__ = ["builtin_text", "load_tokens", "shard_batch", "build", "train", "memory_text",
+           "cpu_memory_note"]
 
 
 def builtin_text(chars: int = 200_000, seed: int = 0) -> str:
@@ -135,11 +137,26 @@ def _hugging_face(args: TrainArgs, device: str) -> tuple[torch.nn.Module, int, i
     return model, int(config.vocab_size), args.seq_len or min(int(longest), 128)
 
 
-def _memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank: the allocator's on a GPU, the process's on a CPU."""
+def memory_text(device: torch.device, predicted_bytes: float) -> str:
+    """This rank's peak memory, named for what it measures: on a GPU torch's peak
+    allocation, beside the plan's prediction of it ("peak allocated by torch 12.30 GB
+    (predicted 13.10 GB)"); on a CPU the process's peak resident set, which holds the
+    interpreter and libraries besides the tensors the plan predicts, so it stands alone
+    ("process peak RSS 376.46 MB"; :func:`cpu_memory_note` says so once)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return (f"peak allocated by torch {fmt_bytes(torch.cuda.max_memory_allocated(device))}"
+                f" (predicted {fmt_bytes(predicted_bytes)})")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
+    return f"process peak RSS {fmt_bytes(rss)}"
+
+
+def cpu_memory_note(predicted_bytes: float) -> str:
+    """What a CPU run's logged memory is, against the plan's prediction."""
+    return (f"memory: on CPU the log shows the process's peak resident set (RSS: the "
+            f"interpreter, torch's libraries and every tensor); the plan's "
+            f"{fmt_bytes(predicted_bytes)} per device counts tensors alone (parameters, "
+            f"gradients, optimizer state, activations), which a GPU run logs as torch's "
+            f"peak allocation")
 
 
 def train(args: TrainArgs) -> list[float]:
@@ -147,7 +164,6 @@ def train(args: TrainArgs) -> list[float]:
     import torch.distributed as dist
 
     import autopar
-    from autopar.units_text import fmt_bytes
 
     if int(os.environ.get("RANK", "0")) == 0:  # what the runtime applied, as torchtitan logs
         logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stdout)
@@ -157,8 +173,10 @@ def train(args: TrainArgs) -> list[float]:
     example = shard_batch(tokens, 0, args.global_batch, seq, 0, 1)
     pm = autopar.parallelize(model, (example[0],), example_targets=example[1],
                              global_batch=args.global_batch, precision=args.precision,
-                             compile=args.compile)
+                             compile=args.compile, space=args.space,
+                             memory_budget=args.memory_budget)
     rank = dist.get_rank()
+    pm.plan.batch_source = f"autopar train's --global-batch, default {TrainArgs.global_batch}"
     if rank == 0:
         print(pm.plan.summary(), flush=True)
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
@@ -170,6 +188,8 @@ def train(args: TrainArgs) -> list[float]:
         print(f"resumed from step {first} ({args.checkpoint_dir})", flush=True)
     shard, plan = pm.data_shard(), pm.plan
     flops_s = plan.mfu * plan.step_time_s  # model FLOPs / (world x peak), in seconds
+    if rank == 0 and pm.device.type != "cuda":
+        print(cpu_memory_note(plan.memory_per_device_bytes), flush=True)
     losses = []
     for step in range(first + 1, args.steps + 1):
         x, y = shard_batch(tokens, step, args.global_batch, seq, shard.index, shard.count)
@@ -184,7 +204,8 @@ def train(args: TrainArgs) -> list[float]:
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             tps = args.global_batch * seq / elapsed / dist.get_world_size()
             print(f"step {step:>5}  loss {loss:8.4f}  tokens/s/rank {tps:10,.0f}  "
-                  f"mfu {flops_s / elapsed:6.1%}  memory {fmt_bytes(_memory_bytes(pm.device))}"
+                  f"mfu {flops_s / elapsed:6.1%}  "
+                  f"{memory_text(pm.device, plan.memory_per_device_bytes)}"
                   f"  time {elapsed * 1e3:8.1f} ms (predicted {plan.step_time_s * 1e3:.1f} ms)",
                   flush=True)
         if ckpt is not None:

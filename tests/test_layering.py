@@ -22,7 +22,7 @@ layer name        modules
 6     runtime     autopar.runtime.*
 7     api         autopar (the package's __init__), autopar.api, autopar.compare,
                   autopar.cli, autopar.cli_checkpoint, autopar.demo, autopar.launch,
-                  autopar.train, autopar.cli_train
+                  autopar.train, autopar.cli_train, autopar.cli_options
 8     examples    autopar.examples.*: imported by autopar.cli, autopar.demo and
                   autopar.train alone
 ====  ==========  ===========================================================
@@ -53,7 +53,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and
               "autopar.report_png", "autopar.batch_default")),
     ("runtime", ("autopar.runtime.*",)),
     ("api", ("autopar", "autopar.api", "autopar.compare", "autopar.cli", "autopar.cli_checkpoint",
-             "autopar.demo", "autopar.launch", "autopar.train", "autopar.cli_train")),
+             "autopar.demo", "autopar.launch", "autopar.train", "autopar.cli_train",
+             "autopar.cli_options")),
     ("examples", ("autopar.examples.*",)),
 ]
 EXAMPLES = len(LAYERS) - 1

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.cli import _build_parser, _spec_from_args, main
+from autopar.cli import _build_parser, main
+from autopar.cli_options import spec_from_args
 from autopar.errors import ConfigError
 from autopar.examples import zoo
 from autopar.spec import Spec, split_space
@@ -137,10 +138,10 @@ def test_the_cli_has_an_option_per_spec_field_by_its_name():
     assert set(values) == {f.name for f in fields(Spec)}
     options = [a for k, v in values.items() for a in (
         [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)])]
-    for command in ("plan", "compare"):
+    for command in ("plan", "compare", "train"):
         args = parser.parse_args([command, "tiny-gpt", *options])
-        assert _spec_from_args(args) == Spec(**values)
-        assert _spec_from_args(parser.parse_args([command, "tiny-gpt"])) == Spec()
+        assert spec_from_args(args) == Spec(**values)
+        assert spec_from_args(parser.parse_args([command, "tiny-gpt"])) == Spec()
 
 
 def test_memory_is_written_in_decimal_units(gpt):
