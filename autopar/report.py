@@ -19,7 +19,8 @@ from autopar.report_figures import (MEMORY_KINDS, alternatives, layout_rows, leg
                                     memory_figure, mesh_figure, timeline_figure)
 from autopar.report_svg import PALETTE, alternatives_svg, memory_svg, mesh_svg, timeline_svg
 from autopar.solvers.cost_terms import STEP_TERMS
-from autopar.summary import ZERO_TEXT, fmt_time, recompute_text, term_label
+from autopar.summary import (ZERO_TEXT, batch_text, fmt_time, idle_tp_text, recompute_text,
+                             term_label)
 from autopar.units_text import fmt_bytes
 
 STYLE = """
@@ -119,11 +120,13 @@ def _overview(plan: Plan) -> str:
         ["mesh", mesh],
         ["batch", f"global {plan.global_batch} = dp {plan.data_parallel} x micro-batch "
                   f"{plan.microbatch_size} x {plan.num_microbatches} "
-                  + ("pipeline micro-batches" if pipe else "accumulation step(s)")],
+                  + ("pipeline micro-batches" if pipe else "accumulation step(s)")
+                  + f"; {batch_text(plan)}"],
         ["data parallel", f"ZeRO-{plan.zero} ({ZERO_TEXT.get(plan.zero, '')})"
                           + (", CPU offload" if plan.offload else "")],
         ["tensor parallel", (f"tp={plan.degree('tp')}" if plan.degree("tp") > 1 else "none")
-                            + (", sequence parallel" if plan.sequence_parallel else "")],
+                            + (", sequence parallel" if plan.sequence_parallel else "")
+                            + idle_tp_text(plan)],
         ["pipeline", f"pp={plan.degree('pp')}, {pipe.schedule}"
                      + (f", {pipe.virtual_stages} chunks per rank"
                         if pipe.virtual_stages > 1 else "")
