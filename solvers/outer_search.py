@@ -1,7 +1,8 @@
 """The outer search: every factorization of the world into pp x dp x tp, every
 micro-batch size, ZeRO stage and pipeline schedule; one intra-op ILP per candidate
 (and, with pipelining, one stage DP per schedule); the fastest feasible wins
-(:func:`search`). Recomputation is chosen inside each ILP (one mode per distinct
+(:func:`search`), one whose tp splits nothing only if no other exists
+(:mod:`.idle_axis`). Recomputation is chosen inside each ILP (one mode per distinct
 layer), not here.
 
 :func:`candidates` lists the space and :func:`tiers` the order it is tried in: CPU
