@@ -187,13 +187,18 @@ def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
         if em.kind == "routed":  # split whenever the mesh has ep
             out[path] = ExpertPlan(path, em.experts, -1, -1, 0, params, kind="routed")
             continue
-        if em.output not in chosen or not chosen[em.output].raw_out[a].startswith("S("):
+        raw = chosen[em.output].raw_out[a] if em.output in chosen else "R"
+        batch = an.batch_dim.get(em.output) or 0
+        if em.kind == "gathered":  # split by expert, the output op sums a rank's experts
+            if raw == "P":
+                gate = max(em.entries.values())
+                out[path] = ExpertPlan(path, em.experts, gate, -1, batch, params,
+                                       kind="gathered")
             continue
-        if shard_dim(chosen[em.output].raw_out[a]) != em.out_dim:
+        if not raw.startswith("S(") or shard_dim(raw) != em.out_dim:
             continue
         entry = next(iter(em.entries))
-        out[path] = ExpertPlan(path, em.experts, em.entries[entry], em.out_dim,
-                               an.batch_dim.get(em.output) or 0, params)
+        out[path] = ExpertPlan(path, em.experts, em.entries[entry], em.out_dim, batch, params)
     return out
 
 

@@ -86,9 +86,14 @@ class ExpertPlan:
         batch_dim: the batch dim of both.
         params: local parameter name -> its expert dim.
         kind: "stacked" (its input and output hold slots per expert: an all-to-all
-            regroups them) or "routed" (a dropless module fed tokens, their experts'
-            indices and weights, as Hugging Face's ``MixtralExperts``: each token row
-            is sent to its experts' ranks and back; the dims above are then -1).
+            regroups them), "gathered" (every expert runs on every token and a gate
+            combines them: the ep group's tokens are all-gathered in, the gate
+            exchanged to this rank's experts, and the output, a partial sum over them,
+            reduce-scattered back; ``input_dim`` is the gate's expert dim,
+            ``output_dim`` -1) or "routed" (a dropless module fed tokens, their
+            experts' indices and weights, as Hugging Face's ``MixtralExperts``: each
+            token row is sent to its experts' ranks and back; the dims above are then
+            -1).
     """
 
     path: str

@@ -250,19 +250,20 @@ def build_expert_mesh(device_type: str) -> DeviceMesh:
 
 EXPERT_PARALLEL = Template("\n\n".join(inspect.getsource(f) for f in (
     _routed.exchange_rows, _routed.routed_args, _routed.route_tokens,
-    _experts.ScaleGrad, _experts.exchange, _experts.keep_own_experts,
-    _experts.split_experts, _experts.shard_expert_weights)) + '''
+    _experts.ScaleGrad, _experts.over_ep, _experts.exchange, _experts.gather_tokens,
+    _experts.keep_own_experts, _experts.split_experts, _experts.shard_expert_weights)) + '''
 
 
 EXPERTS = $table
 """Expert modules: path -> (batch dim, expert dim of its input, of its output,
-{parameter: expert dim})."""
+{parameter: expert dim}); -1 for both dims marks a routed module, for the output's
+alone a gathered one (every expert on every token, a gate combining them)."""
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Expert parallelism over ep=$ep: each listed module keeps 1/$ep of its experts
-    and its tokens cross ep by all-to-all on the way in and out; predicted all-to-all
-    $a2a per step."""
+    and its tokens cross ep on the way in and out (all-to-all; for a gathered module
+    all-gather in, reduce-scatter out); predicted token exchange $a2a per step."""
     split_experts(model, EXPERTS, ep_mesh)
 
 

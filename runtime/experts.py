@@ -20,15 +20,15 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from autopar.errors import LoweringError
 from autopar.plans import Plan
 from autopar.runtime.routed_experts import route_tokens
 
 __all__ = ["check_experts", "apply_expert_parallel", "expert_table", "split_experts",
-           "keep_own_experts", "exchange", "ScaleGrad", "shard_expert_weights",
-           "shard_plan_experts"]
+           "keep_own_experts", "over_ep", "exchange", "gather_tokens", "ScaleGrad",
+           "shard_expert_weights", "shard_plan_experts"]
 
 
 def check_experts(model: nn.Module, plan: Plan) -> None:
@@ -54,15 +54,56 @@ def check_experts(model: nn.Module, plan: Plan) -> None:
                                 f"does not divide; re-plan with an ep that divides them")
 
 
+def over_ep(x: torch.Tensor, mesh: DeviceMesh, src: Placement, dst: Placement,
+            grad: Placement | None = None) -> torch.Tensor:
+    """Redistribute local tensor ``x`` over ``mesh`` from ``src`` to ``dst`` (a DTensor
+    redistribution; differentiable, the gradient handed back as ``grad``, by default
+    ``dst``). A tensor-parallel activation (a DTensor) moves its local piece and keeps
+    its own layout."""
+    if isinstance(x, DTensor):
+        moved = over_ep(x.to_local(), mesh, src, dst, grad)
+        return DTensor.from_local(moved, x.device_mesh, x.placements, run_check=False)
+    d = DTensor.from_local(x, mesh, [src], run_check=False).redistribute(mesh, [dst])
+    return d.to_local(grad_placements=None if grad is None else [grad])
+
+
 def exchange(x: torch.Tensor, mesh: DeviceMesh, src: int, dst: int) -> torch.Tensor:
     """All-to-all ``x`` over ``mesh``: from split along dim ``src`` to split along dim
     ``dst`` (local tensors in and out; differentiable)."""
-    if isinstance(x, DTensor):  # a tensor-parallel activation: exchange its local piece
-        spec, local = x, x.to_local()
-        moved = exchange(local, mesh, src, dst)
-        return DTensor.from_local(moved, spec.device_mesh, spec.placements, run_check=False)
-    d = DTensor.from_local(x, mesh, [Shard(src)], run_check=False)
-    return d.redistribute(mesh, [Shard(dst)]).to_local()
+    return over_ep(x, mesh, Shard(src), Shard(dst))
+
+
+def gather_tokens(module: nn.Module, params: Mapping[str, int], batch: int, gate: int,
+                  mesh: DeviceMesh, scale: type) -> None:
+    """All-gather dispatch around a gathered expert module (every expert on every
+    token, a gate combining them; its parameters, name -> expert dim, already cut to
+    this ep rank's experts): each tensor argument is all-gathered over ``mesh`` along dim ``batch``
+    (its gradient, this rank's experts' share, reduce-scattered back), but the gate
+    (the argument holding every expert along dim ``gate``), which is exchanged to the
+    ep group's tokens of this rank's experts; the output, a partial sum over this
+    rank's experts, is reduce-scattered back to the tokens' ranks. ``scale`` is the
+    gradient-scaling function (:class:`ScaleGrad`)."""
+    ep = mesh.size()
+    name, dim = next(iter(params.items()))
+    experts = getattr(module, name).shape[dim] * ep
+
+    def dispatch(_: nn.Module, args: tuple) -> tuple:
+        out = []
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                out.append(a)
+            elif a.dim() > gate and a.shape[gate] == experts:
+                out.append(scale.apply(exchange(a, mesh, batch, gate), float(ep)))
+            else:
+                out.append(scale.apply(over_ep(a, mesh, Shard(batch), Replicate(), Partial()),
+                                       float(ep)))
+        return tuple(out)
+
+    def combine(_: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return over_ep(scale.apply(out, 1.0 / ep), mesh, Partial(), Shard(batch))
+
+    module.register_forward_pre_hook(dispatch)
+    module.register_forward_hook(combine)
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -93,7 +134,8 @@ def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Map
     """For each module path of ``table`` -> (batch dim, expert dim of its input, of its
     output, {parameter: expert dim}): keep this rank's experts and move the module's
     tokens by all-to-all over ``mesh`` (the ``ep`` axis) at its boundary; expert dims
-    of -1 mark a routed module (:func:`~autopar.runtime.routed_experts.route_tokens`).
+    of -1 mark a routed module (:func:`~autopar.runtime.routed_experts.route_tokens`),
+    an output expert dim of -1 alone a gathered one (:func:`gather_tokens`).
     Modules the model (or this pipeline stage) does not hold are skipped."""
     paths = dict(model.named_modules())
     ep = float(mesh.size())
@@ -104,6 +146,9 @@ def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Map
         keep_own_experts(module, params, mesh)
         if into < 0:  # a routed module: each token to its experts' ranks and back
             route_tokens(module, params, mesh, ScaleGrad)
+            continue
+        if out_dim < 0:  # a gathered module: the group's tokens in, partial sums out
+            gather_tokens(module, params, batch, into, mesh, ScaleGrad)
             continue
 
         def dispatch(_: nn.Module, args: tuple, batch: int = batch, into: int = into) -> tuple:

@@ -111,6 +111,33 @@ def torchrun(program: Path, *args: str, nproc: int = 4) -> list[float]:
     return printed_losses(torchrun_output(program, *args, nproc=nproc))
 
 
+def save_then_resume(tmp: Path, factory: str, batch: tuple[torch.Tensor, torch.Tensor],
+                     lr: float) -> tuple[list[float], list[Plan]]:
+    """Plan ``tests/codegen_models.py:factory`` for dp2 x ep2 with ZeRO-3 and for plain
+    dp2 (2 CPU ranks, fp32, SGD at ``lr``); run the first program 2 steps on ``batch``
+    saving a checkpoint, the second 1 step from it (2 gloo processes each). The three
+    losses, and the two plans."""
+    import autopar
+    from tests import codegen_models
+
+    x, y = batch
+    data = tmp / "batch.pt"
+    torch.save({"inputs": x, "targets": y}, data)
+    common = ["--optimizer", "sgd", "--lr", str(lr), "--data", str(data)]
+    plans, programs = [], []
+    for name, space in (("ep2", {"dp": 2, "ep": 2, "zero": 3}), ("dp2", {"dp": 2, "ep": 1})):
+        plans.append(autopar.plan(getattr(codegen_models, factory)(), (x,), example_targets=y,
+                                  cluster=autopar.Cluster("cpu", 1, 2), precision="fp32",
+                                  optimizer="sgd", **space))
+        programs.append(tmp / f"{name}.py")
+        programs[-1].write_text(emit_program(plans[-1], f"{MODELS}:{factory}"))
+        assert pyflakes(programs[-1]) == ""
+    ckpt = str(tmp / "ckpt")
+    first = torchrun(programs[0], "--steps", "2", "--save", ckpt, *common, nproc=2)
+    second = torchrun(programs[1], "--steps", "1", "--load", ckpt, *common, nproc=2)
+    return first + second, plans
+
+
 def emit_to(tmp: Path, name: str, plan: Plan, factory: str) -> Path:
     """Write the program for ``plan`` under ``tmp``."""
     path = tmp / f"{name}.py"

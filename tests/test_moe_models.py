@@ -180,23 +180,8 @@ def test_expert_parallel_checkpoint_resumes_without_ep(tmp_path):
     ZeRO-3 saves after 2 steps, the program for plain dp2 loads that checkpoint and
     takes the third step, and the three losses are the single-process run's (2 gloo
     processes each)."""
-    import autopar
-    from autopar.runtime.codegen import emit_program
-    from tests.test_codegen import MODELS, torchrun
+    from tests.test_codegen import save_then_resume
 
-    x, y = batch()
-    data = tmp_path / "batch.pt"
-    torch.save({"inputs": x, "targets": y}, data)
-    common = ["--optimizer", "sgd", "--lr", str(LR), "--data", str(data)]
-    programs = []
-    for name, space in (("ep2", {"dp": 2, "ep": 2, "zero": 3}), ("dp2", {"dp": 2, "ep": 1})):
-        plan = autopar.plan(MoETransformer(CONFIG), (x,), example_targets=y,
-                            cluster=autopar.Cluster("cpu", 1, 2), precision="fp32",
-                            optimizer="sgd", **space)
-        assert plan.degree("ep") == space["ep"] and bool(plan.experts) == (space["ep"] > 1)
-        programs.append(tmp_path / f"{name}.py")
-        programs[-1].write_text(emit_program(plan, f"{MODELS}:tiny_moe"))
-    ckpt = str(tmp_path / "ckpt")
-    first = torchrun(programs[0], "--steps", "2", "--save", ckpt, *common, nproc=2)
-    second = torchrun(programs[1], "--steps", "1", "--load", ckpt, *common, nproc=2)
-    assert first + second == pytest.approx(single_process(), abs=1e-5)
+    losses, plans = save_then_resume(tmp_path, "tiny_moe", batch(), LR)
+    assert [(p.degree("ep"), bool(p.experts)) for p in plans] == [(2, True), (1, False)]
+    assert losses == pytest.approx(single_process(), abs=1e-5)

@@ -99,7 +99,7 @@ def analyze(graph: Graph) -> GraphAnalysis:
         c = graph.canonical.get(n.name, n.name)
         mult[c] = mult.get(c, 0) + 1
     outputs = module_outputs(graph, rules)
-    experts = expert_modules(graph, rules, batch_label, outputs)
+    experts = expert_modules(graph, rules, batch_label, outputs, batch_dim)
     labels = {op: lab for em in experts.values() for op, lab in em.labels.items()}
     routed = frozenset(op for em in experts.values() for op in em.members)
     return GraphAnalysis(graph, rules, in_metas, batch_label, batch_dim, module_ops, owner,

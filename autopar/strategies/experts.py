@@ -8,11 +8,15 @@ module is an *expert module* (:class:`ExpertModule`) when every op in it carries
 such label from its inputs to its output, so that splitting it over the ``ep`` mesh
 axis runs each expert on the ranks holding it: the tokens come in by an all-to-all at
 the module's entry ops and go back by one after its output op
-(:mod:`autopar.strategies.enumeration`, :mod:`autopar.strategies.edges`).
+(:mod:`autopar.strategies.enumeration`, :mod:`autopar.strategies.edges`). A
+*gathered* one runs every expert on every token, a gate combining them at its output
+op: the ep group's tokens are all-gathered in, the output reduce-scattered
+(docs/strategies.md, section ``autopar.strategies.experts``).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from autopar.graph import Graph, OpNode
@@ -32,9 +36,12 @@ class ExpertModule:
         out_dim: the expert dim of that output.
         params: parameter fqn -> its expert dim.
         experts: how many experts (the size of the expert dim).
-        kind: "stacked" (the above: ops split by expert) or "routed" (:func:`_routed`:
-            a dropless module fed (tokens, expert indices, weights), whose ops stay
-            split by token; ``labels`` and ``entries`` are then empty).
+        kind: "stacked" (the above: ops split by expert), "gathered" (every expert on
+            every token, combined by a gate at the output op, which sums the experts:
+            ``entries`` gives -1 for an op reading the tokens, ``out_dim`` is -1) or
+            "routed" (:func:`_routed`: a dropless module fed (tokens, expert indices,
+            weights), whose ops stay split by token; ``labels`` and ``entries`` are
+            then empty).
         tokens: for a routed module, the node of the tokens it is fed (tokens, dim).
         top_k: for a routed module, the experts each token goes to.
         members: for a routed module, its ops and its submodules' (their work runs on
@@ -69,25 +76,80 @@ def _param_expert_label(n: OpNode, rule: OpRule, kinds: dict[str, str],
     return common[0] if len(common) == 1 else None
 
 
+def _introduced_labels(n: OpNode, rule: OpRule, kinds: dict[str, str],
+                       batch: str | None) -> list[str]:
+    """The labels op ``n`` takes from a parameter into its output that no activation it
+    reads carries (an expert label the tokens lack is one: the ``e`` of
+    ``einsum("th,ehf->etf", tokens, w)``; the ``f`` there is another)."""
+    acts: set[str] = set()
+    params: set[str] = set()
+    for i, labs in zip(n.inputs, rule.ins):
+        if labs is not None:
+            (params if kinds[i] == "param" else acts).update(labs)
+    if not acts:
+        return []
+    return sorted((set(rule.out) & params) - acts - rule.reduce - rule.forbid - {batch})
+
+
 def _module(g: Graph, path: str, ops: list[OpNode], rules: dict[str, OpRule],
             batch_label: dict[str, str | None], outputs: set[str],
             kinds: dict[str, str]) -> ExpertModule | None:
     """The :class:`ExpertModule` of module ``path`` (its ops ``ops`` in graph order;
-    ``kinds``: every node's kind), or None where some op does not run per expert."""
+    ``kinds``: every node's kind), or None where some op does not run per expert. An op
+    that reads no other op of the module and shares no label between a parameter and an
+    activation may bring the expert label in from its parameters; each of its
+    candidates (:func:`_introduced_labels`) is tried, at most :data:`_TRIES` ways."""
+    inside = {o.name for o in ops}
+    options: dict[str, list[str]] = {}
+    for n in ops:
+        rule, batch = rules[n.name], batch_label.get(n.name)
+        if not any(i in inside for i in n.inputs) and \
+                _param_expert_label(n, rule, kinds, batch) is None:
+            options[n.name] = _introduced_labels(n, rule, kinds, batch)
+    tries = list(itertools.islice(itertools.product(*options.values()), _TRIES))
+    for pick in tries or [()]:
+        em = _walk(g, path, ops, rules, batch_label, outputs, kinds,
+                   dict(zip(options, pick)))
+        if em is not None:
+            return em
+    return None
+
+
+_TRIES = 16
+"""How many ways of bringing the expert label in :func:`_module` tries (a module's
+projections that read the tokens each offer their weights' labels but the one they
+contract: two for an expert MLP's)."""
+
+
+def _walk(g: Graph, path: str, ops: list[OpNode], rules: dict[str, OpRule],
+          batch_label: dict[str, str | None], outputs: set[str], kinds: dict[str, str],
+          introduce: dict[str, str]) -> ExpertModule | None:
+    """:func:`_module` with the expert label the ops of ``introduce`` bring in (op ->
+    label) chosen."""
     dim: dict[str, int] = {}     # tensor -> its expert dim, inside the module
     labels: dict[str, str] = {}
     entries: dict[str, int] = {}
     params: dict[str, int] = {}
     inside = {o.name for o in ops}
+    out = [o.name for o in ops if o.name in outputs]
+    combined = False  # the output op sums the experts (a gathered module)
     for n in ops:
         rule = rules[n.name]
-        lab = _param_expert_label(n, rule, kinds, batch_label.get(n.name))
+        batch = batch_label.get(n.name)
+        lab = _param_expert_label(n, rule, kinds, batch)
+        introduced = None
         if lab is None:
             known = [rule.ins[p][dim[i]] for p, i in enumerate(n.inputs)
                      if i in dim and rule.ins[p] is not None]
             lab = known[0] if known and all(k == known[0] for k in known) else None
-        if lab is None or lab not in rule.out or lab == batch_label.get(n.name):
+        if lab is None:
+            lab = introduced = introduce.get(n.name)
+        if lab is None or lab == batch:
             return None
+        if lab not in rule.out:
+            if not (out and n.name == out[0] and lab in rule.reduce):
+                return None
+            combined = True
         for p, i in enumerate(n.inputs):
             labs = rule.ins[p]
             if kinds[i] == "param":
@@ -98,25 +160,53 @@ def _module(g: Graph, path: str, ops: list[OpNode], rules: dict[str, OpRule],
                 if labs is None or lab not in labs or dim.get(i) != labs.index(lab):
                     return None
             elif kinds[i] in ("op", "input"):
-                if labs is None or lab not in labs:
+                if labs is not None and lab in labs:
+                    entries[n.name] = labs.index(lab)
+                elif introduced is not None:
+                    entries[n.name] = -1  # the tokens, gathered whole over ep
+                else:
                     return None
-                entries[n.name] = labs.index(lab)
         labels[n.name] = lab
-        dim[n.name] = rule.out.index(lab)
-    out = [o for o in ops if o.name in outputs]
-    if not out or not entries or not params:
+        if not combined:
+            dim[n.name] = rule.out.index(lab)
+    gathered = -1 in entries.values()
+    if not out or not entries or not params or gathered != combined:
         return None
     sizes = {g.params[f].meta.shape[d] for f, d in params.items() if f in g.params}
     if len(sizes) != 1:
         return None
-    return ExpertModule(path, labels, entries, out[0].name, dim[out[0].name], params,
-                        sizes.pop())
+    return ExpertModule(path, labels, entries, out[0], dim.get(out[0], -1), params,
+                        sizes.pop(), kind="gathered" if gathered else "stacked")
+
+
+def _runs_gathered(g: Graph, em: ExpertModule, batch_dim: dict[str, int | None]) -> bool:
+    """Whether the lowering can gather module ``em``'s tokens: they, its gate and its
+    output share one batch dim (all-gathered, exchanged and reduce-scattered along
+    it), a gate is read, and no token tensor holds as many elements as there are
+    experts along the gate's expert dim (the lowering tells the gate by that dim)."""
+    gate = max(em.entries.values())
+    if gate < 0:
+        return False
+    dims = {batch_dim.get(em.output)}
+    for op, d in em.entries.items():
+        for i in g.node(op).inputs:
+            node = g.node(i)
+            if node.kind not in ("op", "input") or i in em.labels:
+                continue
+            dims.add(batch_dim.get(i))
+            shape = node.out.shape if node.out is not None else ()
+            if d < 0 and len(shape) > gate and shape[gate] == em.experts:
+                return False
+    return len(dims) == 1 and None not in dims
 
 
 def expert_modules(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, str | None],
-                   outputs: set[str]) -> dict[str, ExpertModule]:
+                   outputs: set[str], batch_dim: dict[str, int | None] | None = None
+                   ) -> dict[str, ExpertModule]:
     """Every expert module of ``g`` by path (module docstring); ``outputs`` are the
-    ops making each module's output (:func:`~autopar.strategies.analysis.module_outputs`)."""
+    ops making each module's output (:func:`~autopar.strategies.analysis.module_outputs`);
+    ``batch_dim``, each node's batch dim, which a gathered module must keep one of
+    (:func:`_runs_gathered`; without it, no gathered module is found)."""
     by_module: dict[str, list[OpNode]] = {}
     for n in g.nodes:
         if n.kind == "op" and n.target != "getitem" and n.module_path:
@@ -128,6 +218,9 @@ def expert_modules(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, st
             continue
         em = _module(g, path, ops, rules, batch_label, outputs, kinds) or \
             _routed(g, path, ops, outputs, kinds)
+        if em is not None and em.kind == "gathered" and \
+                not _runs_gathered(g, em, batch_dim or {}):
+            continue
         if em is not None:
             found[path] = em
     return found
