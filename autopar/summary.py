@@ -20,7 +20,7 @@ TERM_LABELS = (("compute_s", "compute"), ("recompute_s", "recomputation"),
 """Readable names of :data:`STEP_TERMS`, in order."""
 
 DETAIL_LABELS = (("comm_s", "collectives + resharding"), ("reshard_s", "resharding"),
-                 ("all_to_all_s", "expert all-to-all"),
+                 ("all_to_all_s", "expert token exchange"),
                  ("param_comm_s", "param comm"), ("exposed_param_comm_s", "exposed param comm"),
                  ("exposed_p2p_s", "exposed p2p"), ("p2p_s", "p2p per transfer"),
                  ("host_s", "host time"))
@@ -151,7 +151,7 @@ EXPOSED_COMM_PARTS = ("comm_s", "exposed_param_comm_s", "exposed_p2p_s")
 
 DETAIL_NOTES = MappingProxyType({
     "reshard_s": "resharding {}, part of the collectives",
-    "all_to_all_s": "expert all-to-all {}, part of the collectives",
+    "all_to_all_s": "expert token exchange {}, part of the collectives",
     "param_comm_s": "parameter traffic {} in all, the rest hidden behind compute",
     "host_s": "host time {}, beside the device's (only the wait for it counts)",
     "p2p_s": "{} per stage-to-stage transfer",

@@ -19,6 +19,7 @@ from torch import nn
 
 from autopar import loader
 from autopar.errors import ConfigError
+from autopar.examples.dense_moe import DenseMoEConfig, DenseMoETransformer
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
@@ -32,7 +33,7 @@ class Entry:
     """A zoo model: its configuration, standard training sequence length (None for
     models that do not read token ids) and a one-line description."""
 
-    config: GPTConfig | LlamaConfig | MoEConfig | None
+    config: GPTConfig | LlamaConfig | MoEConfig | DenseMoEConfig | None
     seq_len: int | None
     about: str
 
@@ -44,6 +45,8 @@ class Entry:
                                                                seq_len or 0))
         if isinstance(cfg, MoEConfig):
             return MoETransformer(cfg)
+        if isinstance(cfg, DenseMoEConfig):
+            return DenseMoETransformer(cfg)
         return GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
 
     @property
@@ -120,6 +123,11 @@ def _entries() -> dict[str, Entry]:
     e["llama3-405b"] = _llama("Llama 3 405B", 126, 16384, 128, 8, 53248)
     e["tiny-moe"] = _moe("tiny MoE for tests", 2, 32, 4, 2, 64, experts=4, top_k=2,
                          expert_ffn=32, shared=1, dense=1, vocab=128, seq=16, theta=10000.0)
+    e["tiny-dense-moe"] = Entry(
+        DenseMoEConfig(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4,
+                       n_kv_heads=2, ffn_dim=64, n_experts=4, top_k=2, expert_ffn_dim=32), 16,
+        "tiny dense-dispatch MoE for tests: Llama, 2 layers, hidden 32, 4 heads (2 KV), "
+        "4 experts of FFN 32 run on every token, top-2 gate, vocab 128, seq 16")
     # Jiang et al., "Mixtral of Experts" (2024), Table 1.
     e["mixtral-8x7b"] = _moe("Mixtral 8x7B", 32, 4096, 32, 8, 14336, experts=8, top_k=2,
                              expert_ffn=14336, vocab=32000, seq=4096, theta=1e6)
