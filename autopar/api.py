@@ -221,7 +221,7 @@ def _experts(an, ep: int | None) -> int:
     common = math.gcd(*counts) if counts else 0
     if ep is not None and ep > 1:
         if not counts:
-            from autopar.strategies.experts import expert_lists
+            from autopar.strategies.experts import expert_lists, refused_gathered
 
             lists = expert_lists(an.graph)
             if lists:
@@ -233,6 +233,14 @@ def _experts(an, ep: int | None) -> int:
                     f"transformers 5's MoE layers and autopar.examples.moe hold them). "
                     f"Stack them, or leave ep out: data, tensor and pipeline parallelism "
                     f"still split these layers")
+            refused = refused_gathered(an.graph, an.rules, an.batch_label, an.output_ops,
+                                       an.batch_dim)
+            if refused:
+                path, why = next(iter(sorted(refused.items())))
+                raise ConfigError(
+                    f"ep={ep}: '{path}' runs every expert on every token, a gate combining "
+                    f"them, but {why}; expert parallelism cannot split it so. Change that, "
+                    f"or leave ep out: data, tensor and pipeline parallelism still split it")
             raise ConfigError(f"ep={ep}: the model has no expert modules (a module whose "
                               f"parameters stack one weight per expert, run per expert); "
                               f"leave ep out for a dense model")

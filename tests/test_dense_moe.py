@@ -236,3 +236,25 @@ def test_emitted_programs_with_pipelines_and_tensor_parallelism_are_clean(tmp_pa
     for path in EXPERT_MODULES:
         assert f"\"{path}\": (0, 1, -1, {{'w_in': 0, 'w_out': 0}})," in text
     assert pyflakes(program) == ""
+
+
+def test_experts_whose_tokens_look_like_the_gate_are_refused_with_the_reason():
+    """With 4 experts on tokens of width 4 the lowering could not tell the gate (T, 4)
+    from the tokens (T, 4): ep is refused saying so, and the model still plans without."""
+    from autopar.errors import ConfigError
+
+    cfg = DenseMoEConfig(vocab_size=64, max_seq_len=16, dim=4, n_layers=1, n_heads=1,
+                         n_kv_heads=1, ffn_dim=8, n_experts=4, top_k=2, expert_ffn_dim=8)
+    with torch.device("meta"):
+        model = DenseMoETransformer(cfg)
+    x = torch.randint(0, 64, (8, 16), device="meta")
+    cluster = autopar.Cluster("cpu", 1, 4)
+    with pytest.raises(ConfigError) as err:
+        autopar.plan(model, (x,), cluster=cluster, ep=2)
+    assert str(err.value) == (
+        "ep=2: 'layers.0.ffn.experts' runs every expert on every token, a gate combining "
+        "them, but its tokens hold 4 elements along dim 1, as many as the gate has experts "
+        "there, which is how the lowering tells the gate from the tokens; expert "
+        "parallelism cannot split it so. Change that, or leave ep out: data, tensor and "
+        "pipeline parallelism still split it")
+    assert not autopar.plan(model, (x,), cluster=cluster).experts

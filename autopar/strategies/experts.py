@@ -179,14 +179,16 @@ def _walk(g: Graph, path: str, ops: list[OpNode], rules: dict[str, OpRule],
                         sizes.pop(), kind="gathered" if gathered else "stacked")
 
 
-def _runs_gathered(g: Graph, em: ExpertModule, batch_dim: dict[str, int | None]) -> bool:
-    """Whether the lowering can gather module ``em``'s tokens: they, its gate and its
-    output share one batch dim (all-gathered, exchanged and reduce-scattered along
-    it), a gate is read, and no token tensor holds as many elements as there are
-    experts along the gate's expert dim (the lowering tells the gate by that dim)."""
+def gathered_problem(g: Graph, em: ExpertModule, batch_dim: dict[str, int | None]) -> str:
+    """Why the lowering cannot gather gathered module ``em``'s tokens ('' where it can):
+    they, its gate and its output must share one batch dim (all-gathered, exchanged and
+    reduce-scattered along it), a gate must be read, and no token tensor may hold as
+    many elements as there are experts along the gate's expert dim (the lowering tells
+    the gate by that dim)."""
     gate = max(em.entries.values())
     if gate < 0:
-        return False
+        return ("its output sums the experts without a gate read from outside the module "
+                "(each token's weights, shaped (tokens, experts))")
     dims = {batch_dim.get(em.output)}
     for op, d in em.entries.items():
         for i in g.node(op).inputs:
@@ -196,8 +198,37 @@ def _runs_gathered(g: Graph, em: ExpertModule, batch_dim: dict[str, int | None])
             dims.add(batch_dim.get(i))
             shape = node.out.shape if node.out is not None else ()
             if d < 0 and len(shape) > gate and shape[gate] == em.experts:
-                return False
-    return len(dims) == 1 and None not in dims
+                return (f"its tokens hold {em.experts} elements along dim {gate}, as many as "
+                        f"the gate has experts there, which is how the lowering tells the "
+                        f"gate from the tokens")
+    if len(dims) != 1 or None in dims:
+        return "its tokens, gate and output do not share one batch dim"
+    return ""
+
+
+def _scan(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, str | None],
+          outputs: set[str], batch_dim: dict[str, int | None]
+          ) -> tuple[dict[str, ExpertModule], dict[str, str]]:
+    """The expert modules of ``g`` by path, and the gathered ones the lowering cannot
+    run by path, with why (:func:`gathered_problem`)."""
+    by_module: dict[str, list[OpNode]] = {}
+    for n in g.nodes:
+        if n.kind == "op" and n.target != "getitem" and n.module_path:
+            by_module.setdefault(n.module_path, []).append(n)
+    found, refused = {}, {}
+    kinds = {n.name: n.kind for n in g.nodes}
+    for path, ops in by_module.items():
+        if not any(n.params for n in ops):
+            continue
+        em = _module(g, path, ops, rules, batch_label, outputs, kinds) or \
+            _routed(g, path, ops, outputs, kinds)
+        why = gathered_problem(g, em, batch_dim) if em is not None and \
+            em.kind == "gathered" else ""
+        if why:
+            refused[path] = why
+        elif em is not None:
+            found[path] = em
+    return found, refused
 
 
 def expert_modules(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, str | None],
@@ -206,24 +237,15 @@ def expert_modules(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, st
     """Every expert module of ``g`` by path (module docstring); ``outputs`` are the
     ops making each module's output (:func:`~autopar.strategies.analysis.module_outputs`);
     ``batch_dim``, each node's batch dim, which a gathered module must keep one of
-    (:func:`_runs_gathered`; without it, no gathered module is found)."""
-    by_module: dict[str, list[OpNode]] = {}
-    for n in g.nodes:
-        if n.kind == "op" and n.target != "getitem" and n.module_path:
-            by_module.setdefault(n.module_path, []).append(n)
-    found = {}
-    kinds = {n.name: n.kind for n in g.nodes}
-    for path, ops in by_module.items():
-        if not any(n.params for n in ops):
-            continue
-        em = _module(g, path, ops, rules, batch_label, outputs, kinds) or \
-            _routed(g, path, ops, outputs, kinds)
-        if em is not None and em.kind == "gathered" and \
-                not _runs_gathered(g, em, batch_dim or {}):
-            continue
-        if em is not None:
-            found[path] = em
-    return found
+    (:func:`gathered_problem`; without it, no gathered module is found)."""
+    return _scan(g, rules, batch_label, outputs, batch_dim or {})[0]
+
+
+def refused_gathered(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, str | None],
+                     outputs: set[str], batch_dim: dict[str, int | None]) -> dict[str, str]:
+    """The modules that run every expert on every token, a gate combining them, but that
+    the lowering cannot gather (module path -> why; :func:`gathered_problem`)."""
+    return _scan(g, rules, batch_label, outputs, batch_dim)[1]
 
 
 def _routed(g: Graph, path: str, ops: list[OpNode], outputs: set[str],
