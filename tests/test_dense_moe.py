@@ -4,7 +4,8 @@ module, priced under expert parallelism as Megatron-Core's all-gather token disp
 (tokens all-gathered over ep, the gate exchanged, the output reduce-scattered; each
 rank the GEMMs of its E/ep experts over the group's tokens), and trains as in one
 process under ep2, ep4, ep2 x tp2 and pp2 x ep2 (fp32, 4 gloo ranks), in the runtime
-and in the emitted program, whose checkpoints hold the experts whole."""
+and in the emitted program, whose checkpoints (the runtime's too) hold the experts
+whole."""
 
 from __future__ import annotations
 
@@ -258,3 +259,46 @@ def test_experts_whose_tokens_look_like_the_gate_are_refused_with_the_reason():
         "parallelism cannot split it so. Change that, or leave ep out: data, tensor and "
         "pipeline parallelism still split it")
     assert not autopar.plan(model, (x,), cluster=cluster).experts
+
+
+def save_then_load(path: str) -> list[float]:
+    """One SGD step under ep2 (ZeRO-3), saved with the runtime's checkpoints, loaded
+    under ep4 for two more: the three losses."""
+    from autopar.runtime.checkpoint import load, save
+
+    x, y = batch()
+    losses = []
+    for k, space in enumerate(({"dp": 4, "ep": 2, "zero": 3}, {"dp": 4, "ep": 4})):
+        torch.manual_seed(k)  # the second model's own weights are overwritten by load
+        pm = autopar.parallelize(DenseMoETransformer(CONFIG), (x,), example_targets=y,
+                                 precision="fp32", **space)
+        opt = torch.optim.SGD(pm.parameters(), lr=LR)
+        if k:
+            load(path, pm, opt)
+        for _ in range(STEPS - 1 if k else 1):
+            losses.append(float(pm.step(x, y)))
+            opt.step()
+            opt.zero_grad()
+        if not k:
+            save(path, pm, opt, step=1)
+    return losses
+
+
+@pytest.mark.multirank
+def test_runtime_checkpoint_holds_the_experts_whole(rank_pool: RankPool, reference, tmp_path):
+    """A checkpoint saved under ep2 holds every expert once, as the single process has
+    them after the same step, and loads under ep4 to train on as one process does."""
+    from autopar.runtime.checkpoint import to_torch_file
+
+    folder = str(tmp_path / "ckpt")
+    for got in rank_pool.run(4, save_then_load, folder, timeout_s=300):
+        assert got == pytest.approx(reference[0], abs=1e-5)
+    to_torch_file(folder, tmp_path / "whole.pt")
+    state = torch.load(tmp_path / "whole.pt")
+    torch.manual_seed(0)
+    model = DenseMoETransformer(CONFIG)
+    sgd_losses(model.parameters(), reference_step(model, *batch()), 1, LR)
+    for path in EXPERT_MODULES:
+        for name in ("w_in", "w_out"):
+            torch.testing.assert_close(state[f"{path}.{name}"], getattr(
+                model.get_submodule(path), name).detach(), atol=1e-6, rtol=1e-5)
