@@ -1,6 +1,7 @@
 """Expert parallelism of a Plan: each expert module of ``plan.experts`` keeps only its
 ``ep`` rank's experts, and its tokens cross the ``ep`` axis by an all-to-all on the
-way in and on the way out (:func:`apply_expert_parallel`, :func:`split_experts`).
+way in and on the way out (:func:`apply_expert_parallel`, :func:`split_experts`; a
+gathered module's by all-gather in, reduce-scatter out: :func:`gather_tokens`).
 
 The module's own code runs unchanged, on local tensors: its input arrives split by
 sample, holding every expert's slots; the all-to-all (:func:`exchange`, a DTensor
