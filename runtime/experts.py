@@ -82,7 +82,9 @@ def gather_tokens(module: nn.Module, params: Mapping[str, int], batch: int, gate
     (its gradient, this rank's experts' share, reduce-scattered back), but the gate
     (the argument holding every expert along dim ``gate``), which is exchanged to the
     ep group's tokens of this rank's experts; the output, a partial sum over this
-    rank's experts, is reduce-scattered back to the tokens' ranks. ``scale`` is the
+    rank's experts, is reduce-scattered back to the tokens' ranks, and copied out of
+    the redistribution's view (one pass over the local output, as the all-to-all
+    dispatch's is), so that the caller may modify it in place. ``scale`` is the
     gradient-scaling function (:class:`ScaleGrad`)."""
     ep = mesh.size()
     name, dim = next(iter(params.items()))
@@ -101,7 +103,8 @@ def gather_tokens(module: nn.Module, params: Mapping[str, int], batch: int, gate
         return tuple(out)
 
     def combine(_: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        return over_ep(scale.apply(out, 1.0 / ep), mesh, Partial(), Shard(batch))
+        back = over_ep(scale.apply(out, 1.0 / ep), mesh, Partial(), Shard(batch))
+        return back.clone()  # not a view: the caller may add to it in place
 
     module.register_forward_pre_hook(dispatch)
     module.register_forward_hook(combine)
@@ -158,7 +161,8 @@ def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Map
 
         def combine(_: nn.Module, args: tuple, out: torch.Tensor, batch: int = batch,
                     dim: int = out_dim) -> torch.Tensor:
-            return exchange(ScaleGrad.apply(out, 1.0 / ep), mesh, dim, batch)
+            back = exchange(ScaleGrad.apply(out, 1.0 / ep), mesh, dim, batch)
+            return back.clone()  # not a view: the caller may add to it in place
 
         module.register_forward_pre_hook(dispatch)
         module.register_forward_hook(combine)

@@ -302,3 +302,47 @@ def test_runtime_checkpoint_holds_the_experts_whole(rank_pool: RankPool, referen
         for name in ("w_in", "w_out"):
             torch.testing.assert_close(state[f"{path}.{name}"], getattr(
                 model.get_submodule(path), name).detach(), atol=1e-6, rtol=1e-5)
+
+
+class AddedInPlace(DenseMoETransformer):
+    """The dense MoE with the tokens added to the experts' output in place (``out +=
+    tokens``), as residual MoE code writes it."""
+
+    def block(self, cfg: DenseMoEConfig, index: int) -> torch.nn.Module:
+        """A block whose feed-forward adds in place to the experts' output."""
+        from autopar.examples.dense_moe import Block, DenseMoE
+
+        class Residual(DenseMoE):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                b, s, d = x.shape
+                tokens = x.reshape(b * s, d)
+                scores = self.router(tokens).softmax(-1)
+                weights, chosen = scores.topk(self.top_k, dim=-1)
+                gate = torch.zeros_like(scores).scatter(-1, chosen, weights)
+                out = self.experts(tokens, gate)
+                out += tokens
+                return out.view(b, s, d)
+
+        return Block(cfg, Residual(cfg))
+
+
+def added_in_place() -> list[float]:
+    """Losses of :class:`AddedInPlace` under dp4 x ep2 with ZeRO-3."""
+    x, y = batch()
+    torch.manual_seed(0)
+    pm = autopar.parallelize(AddedInPlace(CONFIG), (x,), example_targets=y,
+                             precision="fp32", dp=4, ep=2, zero=3)
+    assert {xp.kind for xp in pm.plan.experts.values()} == {"gathered"}
+    return sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
+
+
+@pytest.mark.multirank
+def test_the_experts_output_may_be_modified_in_place(rank_pool: RankPool) -> None:
+    """The reduce-scattered output is the caller's own tensor, not a view of the
+    redistribution's (which autograd forbids modifying in place): a model adding to it
+    in place trains as in one process."""
+    torch.manual_seed(0)
+    model = AddedInPlace(CONFIG)
+    ref = sgd_losses(model.parameters(), reference_step(model, *batch()), STEPS, LR)
+    for got in rank_pool.run(4, added_in_place, timeout_s=300):
+        assert got == pytest.approx(ref, abs=1e-5)
