@@ -325,12 +325,14 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                 loss_fn, precision: str, optimizer: str, memory_budget, spec: Spec,
                 expert_imbalance: float = 1.0, time_limit_s: float | None = None, top_k: int = 1,
                 progress: Callable[[int, int, float | None], None] | None = None,
-                name: str | None = None, example_targets: torch.Tensor | None = None):
+                name: str | None = None, example_targets: torch.Tensor | None = None,
+                explain: list[str] | str | None = None):
     """Search the configurations ``spec`` leaves open (its fields, already checked by
     :class:`Spec`) for the fastest plan that fits; (plan, the search's result)."""
     from autopar import plans
     from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
+    from autopar.explain import check_explain, explain_layouts
     from autopar.solvers.outer_search import SearchResult, candidates, search
     from autopar.strategies.analysis import analyze
 
@@ -349,6 +351,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     graph = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                     name=name)
     _check_heads(graph, spec.tp or 1)
+    explain = check_explain(graph, explain)
     an = analyze(graph)
     _check_pipeline_depth(spec.pp, len(graph.layers))
     cands = candidates(world, gb, dp=spec.dp, tp=spec.tp, pp=spec.pp,
@@ -420,6 +423,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     plan.runners_up = [runner_up(plan, make(r.built, r.solution, r.candidate, r.pipeline))
                        for r in res.runners_up]
     plan.solver["memory_budget_bytes"] = budget
+    plan.explanations = explain_layouts(an, res.built, res.solution, explain, budget)
     plan.inputs = _input_specs(example_inputs, gb)
     plan.model_hash = plans.model_fingerprint(model)
     plan.notes.extend(_whole_vocabularies(model, plan))
@@ -464,7 +468,10 @@ def plan(model, example_inputs, *, cluster: Cluster | None = None, global_batch:
     best plan found; the optimality gap is in ``plan.solver["gap"]``), ``top_k`` (also
     list the next ``top_k`` − 1 fastest configurations in ``plan.runners_up``, each with
     the terms it loses on) and ``progress`` (called as ``progress(done, total,
-    best_step_time_s)`` after each configuration). Any other keyword raises ConfigError
+    best_step_time_s)`` after each configuration); a fourth, ``explain`` (module paths,
+    their last parts or globs, e.g. ``["attn.proj"]``), fills ``plan.explanations`` with
+    why each such module has its layout: every other layout of it priced by term with
+    the plan's other choices kept. Any other keyword raises ConfigError
     naming the valid ones. ``memory_budget`` (bytes per device) defaults to the GPU's
     memory less the profile's stated reserve. Without a cluster, plans for the running
     job (see :func:`detect_cluster`). ``expert_imbalance`` (at least 1) is the routing's

@@ -21,9 +21,11 @@ from autopar.strategies.enumeration import NodeStrategy
 from autopar.strategies.rules import loss_reduction
 
 
-def chosen_strategies(g: Graph, built: Built, sol: Solution) -> dict[str, NodeStrategy]:
-    """The strategy of every op/input node (instances share their canonical node's)."""
-    by_canon = {name: built.strategies[k][sol.choice[k]] for k, name in enumerate(built.names)}
+def chosen_strategies(g: Graph, built: Built, sol: Solution | list[int]) -> dict[str, NodeStrategy]:
+    """The strategy of every op/input node (instances share their canonical node's)
+    under solution ``sol`` (or its list of strategy indices)."""
+    choice = sol if isinstance(sol, list) else sol.choice
+    by_canon = {name: built.strategies[k][choice[k]] for k, name in enumerate(built.names)}
     return {n.name: by_canon[g.canonical.get(n.name, n.name)]
             for n in g.nodes if g.canonical.get(n.name, n.name) in by_canon}
 
@@ -32,41 +34,61 @@ def _tp(pl: tuple[str, ...] | list[str], axis: int | None) -> str:
     return "R" if axis is None else pl[axis]
 
 
-def module_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], axis: int | None,
-                 params: dict[str, list[str]], times: dict[str, float]) -> dict[str, ModulePlan]:
-    """One ModulePlan per module that owns parameters (its style on the tp axis), in
-    the order the forward first runs them (a tied head after the blocks)."""
-    g = an.graph
+def module_ops(g: Graph) -> dict[str, list]:
+    """Module path -> its op nodes (``getitem`` left out), in the order the forward
+    first runs the modules."""
     ops_by_module: dict[str, list] = {}
     for n in g.nodes:
         if n.kind == "op":
             ops_by_module.setdefault(n.module_path, []).append(n)
-    result: dict[str, ModulePlan] = {}
+    return {path: [o for o in ops if o.target != "getitem"]
+            for path, ops in ops_by_module.items()}
+
+
+def param_owners(g: Graph) -> dict[str, list[str]]:
+    """Module path -> the local names of the parameters it owns (aliases included)."""
     owners: dict[str, list[str]] = {}
     for fqn, info in g.params.items():
         for name in [fqn] + list(info.aliases):
             path, _, local = name.rpartition(".")
             owners.setdefault(path, []).append(local)
+    return owners
+
+
+def module_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], axis: int | None,
+                 params: dict[str, list[str]], times: dict[str, float]) -> dict[str, ModulePlan]:
+    """One ModulePlan per module that owns parameters (its style on the tp axis), in
+    the order the forward first runs them (a tied head after the blocks)."""
+    ops_by_module = module_ops(an.graph)
+    owners = param_owners(an.graph)
     first_run = {path: k for k, path in enumerate(ops_by_module)}
+    result: dict[str, ModulePlan] = {}
     for path in sorted(owners, key=lambda p: first_run.get(p, len(first_run))):
-        locals_ = owners[path]
-        ops = [o for o in ops_by_module.get(path, []) if o.target != "getitem"]
-        if not ops:
-            continue
-        first, last = ops[0], ops[-1]
-        s_first, s_last = chosen[first.name], chosen[last.name]
-        act_pos = next((k for k, i in enumerate(first.inputs) if g.node(i).kind != "param"), 0)
-        producer = first.inputs[act_pos] if first.inputs else None
-        in_layout = _tp(chosen[producer].out, axis) if producer in chosen else "R"
-        desired = _tp(s_first.ins[act_pos], axis) if s_first.ins else "R"
-        output = _tp(s_last.out, axis)
-        mtype = first.module_type
-        pl = {loc: params[f"{path}.{loc}" if path else loc] for loc in locals_
-              if (f"{path}.{loc}" if path else loc) in params}
-        result[path] = ModulePlan(path, mtype, _style(mtype, pl, desired, output),
-                                  in_layout, desired, output, pl,
-                                  sum(times.get(o.name, 0.0) for o in ops))
+        ops = ops_by_module.get(path, [])
+        if ops:
+            result[path] = module_plan(an, path, ops, owners[path], chosen, axis, params,
+                                       sum(times.get(o.name, 0.0) for o in ops))
     return result
+
+
+def module_plan(an: GraphAnalysis, path: str, ops: list, locals_: list[str],
+                chosen: dict[str, NodeStrategy], axis: int | None,
+                params: dict[str, list[str]], time_s: float) -> ModulePlan:
+    """The ModulePlan of module ``path`` whose op nodes are ``ops`` (in order) and whose
+    parameters are ``locals_``, under the strategies ``chosen``."""
+    g = an.graph
+    first, last = ops[0], ops[-1]
+    s_first, s_last = chosen[first.name], chosen[last.name]
+    act_pos = next((k for k, i in enumerate(first.inputs) if g.node(i).kind != "param"), 0)
+    producer = first.inputs[act_pos] if first.inputs else None
+    in_layout = _tp(chosen[producer].out, axis) if producer in chosen else "R"
+    desired = _tp(s_first.ins[act_pos], axis) if s_first.ins else "R"
+    output = _tp(s_last.out, axis)
+    mtype = first.module_type
+    pl = {loc: params[f"{path}.{loc}" if path else loc] for loc in locals_
+          if (f"{path}.{loc}" if path else loc) in params}
+    return ModulePlan(path, mtype, _style(mtype, pl, desired, output), in_layout, desired,
+                      output, pl, time_s)
 
 
 def _style(mtype: str, params: dict[str, list[str]], desired: str, output: str) -> str:
@@ -94,24 +116,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     chosen = chosen_strategies(g, built, sol)
     tp_axis = mesh.names.index("tp") if "tp" in mesh.names else None
     experts = expert_plans(an, chosen, mesh)
-    split = {f"{path}.{local}" for path, ep in experts.items() for local in ep.params}
-    routed = {f"{path}.{local}" for path, ep in experts.items() if ep.kind == "routed"
-              for local in ep.params}
-    params: dict[str, list[str]] = {}
-    for pnode, (op, pos) in an.param_owner.items():
-        fqn = g.node(pnode).target
-        if fqn in g.params and g.params[fqn].buffer:
-            continue  # buffers are not placed: each rank keeps its own copy
-        pl = list(chosen[op].ins[pos])
-        for a, name in enumerate(mesh.names):
-            if (name in DATA_AXES or name == "cp") and st.zero == 3 and mesh.sizes[a] > 1 and \
-                    not (name == "ep" and fqn in split):
-                pl[a] = "S(0)"
-            if name == "ep" and fqn in routed:
-                pl[a] = "S(0)"
-        params[fqn] = pl
-        for alias in g.params[fqn].aliases if fqn in g.params else []:
-            params[alias] = list(pl)
+    params = param_placements(an, chosen, st, experts)
     acts = {name: list(s.out) for name, s in chosen.items()}
     ev = evaluate(built.problem, sol.choice, sol.modes)
     times = {}
@@ -141,6 +146,33 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         mfu=mfu, solver=dict(sol.stats), notes=[], recompute=recompute, offload=st.offload,
         loss_reduction=loss_reduction(g), experts=experts,
         context=context_plan(an, st, per_node), loss_parallel=splits_classes(an, chosen))
+
+
+def param_placements(an: GraphAnalysis, chosen: dict[str, NodeStrategy], st,
+                     experts: dict[str, ExpertPlan]) -> dict[str, list[str]]:
+    """Parameter FQN (aliases too) -> its placements per mesh axis under the strategies
+    ``chosen`` and settings ``st``: its owner's input placement, split along dim 0 over
+    the data axes under ZeRO-3 and over ``ep`` for the experts ``experts`` split."""
+    g, mesh = an.graph, st.mesh
+    split = {f"{path}.{local}" for path, ep in experts.items() for local in ep.params}
+    routed = {f"{path}.{local}" for path, ep in experts.items() if ep.kind == "routed"
+              for local in ep.params}
+    params: dict[str, list[str]] = {}
+    for pnode, (op, pos) in an.param_owner.items():
+        fqn = g.node(pnode).target
+        if fqn in g.params and g.params[fqn].buffer:
+            continue  # buffers are not placed: each rank keeps its own copy
+        pl = list(chosen[op].ins[pos])
+        for a, name in enumerate(mesh.names):
+            if (name in DATA_AXES or name == "cp") and st.zero == 3 and mesh.sizes[a] > 1 and \
+                    not (name == "ep" and fqn in split):
+                pl[a] = "S(0)"
+            if name == "ep" and fqn in routed:
+                pl[a] = "S(0)"
+        params[fqn] = pl
+        for alias in g.params[fqn].aliases if fqn in g.params else []:
+            params[alias] = list(pl)
+    return params
 
 
 def splits_classes(an: GraphAnalysis, chosen: dict[str, NodeStrategy]) -> bool:

@@ -109,6 +109,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    dest="time_limit_s",
                    help="stop searching after this long with the best plan found and its gap "
                         "(default: no limit)")
+    p.add_argument("--explain", metavar="MODULE", action="append",
+                   help="also say why MODULE (a path, its last parts or a glob, e.g. "
+                        "attn.proj) has its layout: its other layouts priced by term with "
+                        "the plan's other choices kept; may be repeated (default: none)")
     p.add_argument("--json", metavar="FILE",
                    help="also write the plan as JSON (default: print the summary only)")
     p.add_argument("--report", metavar="FILE", help="also write the plan as one self-contained "
@@ -175,7 +179,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         memory_budget=args.memory_budget, example_targets=targets,
                         space=spec_from_args(args), top_k=args.top_k,
                         expert_imbalance=args.expert_imbalance,
-                        time_limit_s=args.time_limit_s, progress=_progress_line(sys.stderr))
+                        time_limit_s=args.time_limit_s, progress=_progress_line(sys.stderr),
+                        explain=args.explain)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if ":" not in args.model:

@@ -28,7 +28,7 @@ from autopar.schema import build, strict_loads
 
 __all__ = ["PLAN_FORMAT_VERSION", "READABLE_VERSIONS", "TP_STYLES", "SCHEDULES", "RECOMPUTE",
            "SELECTIVE_SAVE_OPS", "fsdp_unit", "model_fingerprint", "ModulePlan", "ExpertPlan",
-           "ContextPlan", "StagePlan", "PipelinePlan", "Plan"]
+           "ContextPlan", "StagePlan", "PipelinePlan", "LayoutOption", "LayoutExplanation", "Plan"]
 
 PLAN_FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -190,6 +190,62 @@ class PipelinePlan:
 
 
 @dataclass
+class LayoutOption:
+    """One layout of a module, priced with every other choice of the plan kept
+    (:func:`autopar.explain.explain_layouts`).
+
+    Attributes:
+        style, input_layout, desired_input_layout, output_layout, params: as in
+            :class:`ModulePlan`.
+        strategies: the names of the strategies of the module's ops that give it.
+        terms: seconds per step by term (``compute_s``, ``recompute_s``, ``comm_s``
+            (the module's own collectives), ``reshard_s`` (on its edges to the kept
+            neighbours), ``optimizer_s``, and the whole step's ``exposed_param_comm_s``
+            and ``exposed_host_s``: these add up to ``step_time_s`` less what the other
+            modules cost), ``param_comm_s`` (its parameter traffic, mostly hidden) and
+            ``memory_bytes`` (its share of the memory per device).
+        step_time_s: the step with this layout (the intra-op objective; on a pipeline,
+            of one pass over the stage mesh without the schedule).
+        memory_bytes: the peak memory per device with this layout.
+        fits: whether that peak is within the memory budget.
+    """
+
+    style: str
+    input_layout: str
+    desired_input_layout: str
+    output_layout: str
+    params: dict[str, list[str]] = field(default_factory=dict)
+    strategies: list[str] = field(default_factory=list)
+    terms: dict[str, float] = field(default_factory=dict)
+    step_time_s: float = 0.0
+    memory_bytes: float = 0.0
+    fits: bool = True
+
+
+@dataclass
+class LayoutExplanation:
+    """Why a module got its layout: the layout chosen and the others it could have had,
+    each priced with every other choice of the plan kept (``plan(..., explain=[...])``).
+
+    Attributes:
+        module: the module, ``blocks.*`` standing for every block (as in the summary).
+        module_type: its class name.
+        count: how many modules share this decision (the instances of a repeated block).
+        chosen: the plan's layout.
+        alternatives: the other layouts, fastest first (those a fixed neighbour
+            cannot convert to left out).
+        memory_budget_bytes: the budget per device the plan was held to.
+    """
+
+    module: str
+    module_type: str
+    count: int
+    chosen: LayoutOption
+    alternatives: list[LayoutOption] = field(default_factory=list)
+    memory_budget_bytes: float = 0.0
+
+
+@dataclass
 class Plan:
     """A complete parallelization plan with its predicted costs.
 
@@ -262,6 +318,8 @@ class Plan:
             ``tp`` (:mod:`autopar.strategies.loss_parallel`): the model's output
             leaves split so, and the runtime computes the loss, forward and
             backward, under :func:`autopar.runtime.dtensor_layout.class_parallel_loss`.
+        explanations: with ``plan(..., explain=[...])``, one :class:`LayoutExplanation`
+            per module asked about: why it has its layout and what the others cost.
     """
 
     model: str
@@ -297,6 +355,7 @@ class Plan:
     model_hash: str = ""
     loss_parallel: bool = False
     batch_source: str = ""
+    explanations: list[LayoutExplanation] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
 
     @property

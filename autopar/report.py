@@ -219,6 +219,22 @@ def _alternatives_section(plan: Plan) -> str:
                      {2, 3, 4}))
 
 
+def _explanations_section(plan: Plan) -> str:
+    """Why the modules asked about (``--explain``) have their layouts: a table each."""
+    from autopar.explain import (PIPELINE_NOTE, PRICED_AS, explanation_table,
+                                 explanation_title, verdict)
+
+    out = ""
+    for exp in plan.explanations:
+        header, rows = explanation_table(exp)
+        why = "".join(f'<p class="caption">{escape(v)}.</p>' for v in verdict(exp))
+        out += (f"<h3>{escape(explanation_title(exp))}</h3><p class=caption>"
+                f"{escape(PRICED_AS.capitalize())}"
+                + (f"; {escape(PIPELINE_NOTE)}" if plan.pipeline else "") + ".</p>"
+                + _table(header, rows, set(range(1, len(header)))) + why)
+    return "<h2>Why these layouts</h2>" + out if out else ""
+
+
 def _layout_section(plan: Plan) -> str:
     axes = "/".join(plan.stage_mesh)
     rows = [[r.module, r.module_type, str(r.count), r.style, r.input_layout, r.output_layout,
@@ -249,6 +265,7 @@ def render_report(plan: Plan) -> str:
             f"<title>autopar plan: {escape(plan.model)}</title><style>{STYLE}</style></head>"
             "<body>" + _overview(plan) + _mesh_section(plan) + _timeline_section(plan)
             + _memory_section(plan) + _alternatives_section(plan) + _layout_section(plan)
+            + _explanations_section(plan)
             + _footer(plan) + f"<script>{script}</script></body></html>\n")
 
 

@@ -21,7 +21,7 @@ from autopar.plans import SCHEDULES
 
 __all__ = ["Spec", "SEARCH_OPTIONS", "split_space", "check_choice", "default_microbatch"]
 
-SEARCH_OPTIONS = ("time_limit_s", "top_k", "progress")
+SEARCH_OPTIONS = ("time_limit_s", "top_k", "progress", "explain")
 """Keywords of :func:`autopar.plan` that steer the search rather than name a choice."""
 
 COUNTS = ("dp", "tp", "pp", "cp", "ep", "microbatch_size", "virtual_stages")

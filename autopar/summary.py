@@ -41,14 +41,24 @@ def term_differences(winner: Plan, loser: Plan, of_loser: bool = False) -> str:
     gap = loser.step_time_s - winner.step_time_s
     diffs = [(term_label(k), winner.breakdown.get(k, 0.0) - loser.breakdown.get(k, 0.0))
              for k in STEP_TERMS]
+    why, despite = saves_and_pays(diffs, gap, of_loser)
+    text = ": " + join_words(why) if why else ""
+    return text + (", despite " + join_words(despite) if despite else "")
+
+
+def saves_and_pays(diffs: list[tuple[str, float]], gap: float,
+                   of_loser: bool = False) -> tuple[list[str], list[str]]:
+    """(['less bubble (-0.41 s)', ...], ['more recomputation (+0.05 s)']) from (name,
+    winner's term − loser's) pairs: the terms that move the step by at least SHARE of
+    ``gap``, largest first, up to three the winner saves on and two it pays more on
+    (with ``of_loser``, said of the loser)."""
     diffs = sorted((d for d in diffs if abs(d[1]) >= SHARE * gap), key=lambda d: -abs(d[1]))
     sign = -1.0 if of_loser else 1.0  # the side the words describe
     words = [(f"less {name} (-{fmt_time(-d)})" if d < 0 else f"more {name} (+{fmt_time(d)})")
              for name, d in ((n, sign * d) for n, d in diffs)]
     why = [w for w, (_, d) in zip(words, diffs) if d < 0][:3]       # what the winner saves
     despite = [w for w, (_, d) in zip(words, diffs) if d > 0][:2]   # what it pays more
-    text = ": " + join_words(why) if why else ""
-    return text + (", despite " + join_words(despite) if despite else "")
+    return why, despite
 
 
 def join_words(items: list[str]) -> str:
@@ -77,7 +87,9 @@ def fmt_rate(x: float) -> str:
     return f"{x:,.2f}" if x >= 1 or x == 0 else f"{x:.3g}"
 
 
-def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+def table(rows: list[list[str]], header: list[str]) -> list[str]:
+    """``rows`` under ``header`` as lines of left-aligned columns, a rule below the
+    header."""
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
     out = [line, "  ".join("-" * w for w in widths)]
@@ -85,7 +97,8 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     return out
 
 
-def _pattern(path: str, blocks: list[str]) -> str:
+def module_pattern(path: str, blocks: list[str]) -> str:
+    """``blocks.*.attn.q`` for ``blocks.3.attn.q`` (a path outside ``blocks`` as it is)."""
     for b in blocks:
         if path == b or path.startswith(b + "."):
             prefix = re.sub(r"\.\d+$", ".*", b)
@@ -113,7 +126,7 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     rows = [[str(st.index), str(st.rank), _units_text(st.units, plan.blocks),
              fmt_time(st.forward_s), fmt_time(st.backward_s), fmt_bytes(st.memory_bytes)]
             for st in pipe.stages]
-    lines += _table(rows, ["stage", "rank", "units", "forward", "backward", "rank memory"])
+    lines += table(rows, ["stage", "rank", "units", "forward", "backward", "rank memory"])
     return lines + [""]
 
 
@@ -322,16 +335,19 @@ def plan_summary(plan: Plan) -> str:
     lines += _pipeline_lines(plan)
     groups: dict[tuple, list[str]] = {}
     for path, mp in plan.modules.items():
-        key = (_pattern(path, plan.blocks), mp.module_type, mp.style, mp.input_layout,
+        key = (module_pattern(path, plan.blocks), mp.module_type, mp.style, mp.input_layout,
                mp.desired_input_layout, mp.output_layout,
                ", ".join(f"{k}={'/'.join(v)}" for k, v in mp.params.items()))
         groups.setdefault(key, []).append(path)
     rows = [[k[0], k[1], k[2], f"{k[3]}->{k[4]}", k[5], k[6], str(len(v))]
             for k, v in groups.items()]
     if rows:
-        lines += _table(rows, ["module", "type", "tp style", "input", "output",
+        lines += table(rows, ["module", "type", "tp style", "input", "output",
                                "params (" + "/".join(plan.stage_mesh) + ")", "count"])
         lines += [LEGEND, ""]
+    from autopar.explain import explanation_lines  # it imports this module
+
+    lines += explanation_lines(plan)
     lines += _runners_up_lines(plan)
     if plan.solver:
         lines.append(_solver_line({k: v for k, v in plan.solver.items()
@@ -379,5 +395,5 @@ def _runners_up_lines(plan: Plan) -> list[str]:
         slower = r["step_time_s"] / plan.step_time_s - 1 if plan.step_time_s else 0.0
         rows.append([str(k), config, f"{fmt_time(r['step_time_s'])} (+{slower * 100:.1f}%)",
                      fmt_bytes(r["memory_bytes"]), r["why"] or "the same predicted time (the plan was found first)"])
-    return ["runners-up (why each is slower than the plan)"] + _table(
+    return ["runners-up (why each is slower than the plan)"] + table(
         rows, ["#", "configuration", "step time", "memory", "slower on"]) + [""]

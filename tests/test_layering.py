@@ -18,7 +18,7 @@ layer name        modules
 4     solve       autopar.solvers.*
 5     plan        autopar.plans, autopar.spec, autopar.summary, autopar.assemble,
                   autopar.report, autopar.report_figures, autopar.report_svg,
-                  autopar.report_png, autopar.batch_default
+                  autopar.report_png, autopar.batch_default, autopar.explain
 6     runtime     autopar.runtime.*
 7     api         autopar (the package's __init__), autopar.api, autopar.compare,
                   autopar.cli, autopar.cli_checkpoint, autopar.demo, autopar.launch,
@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and
     ("solve", ("autopar.solvers.*",)),
     ("plan", ("autopar.plans", "autopar.spec", "autopar.summary", "autopar.assemble",
               "autopar.report", "autopar.report_figures", "autopar.report_svg",
-              "autopar.report_png", "autopar.batch_default")),
+              "autopar.report_png", "autopar.batch_default", "autopar.explain")),
     ("runtime", ("autopar.runtime.*",)),
     ("api", ("autopar", "autopar.api", "autopar.compare", "autopar.cli", "autopar.cli_checkpoint",
              "autopar.demo", "autopar.launch", "autopar.train", "autopar.cli_train",
