@@ -29,7 +29,7 @@ import torch.distributed as dist
 from autopar.errors import ConfigError, RankError
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "TIMEOUT_ENV", "SIMULTANEOUS_S", "Failure", "RankTraceback",
-           "agreed", "describe", "first_failure", "shared_error", "collective_timeout"]
+           "agreed", "describe", "first_failure", "note", "shared_error", "collective_timeout"]
 
 COLLECTIVE_TIMEOUT_S = 300.0
 """Seconds a collective of the process group autopar starts waits for a peer:
@@ -95,7 +95,7 @@ def first_failure(outcomes: Sequence[Failure | None]) -> Failure | None:
     return min((f for f in failed if f.at <= earliest + SIMULTANEOUS_S), key=lambda f: f.rank)
 
 
-def _note(first: Failure, failed: list[int], world: int, what: str) -> str:
+def note(first: Failure, failed: list[int], world: int, what: str) -> str:
     """The note every rank adds to the shared exception: who raised it, and when."""
     others = (f" (ranks {', '.join(map(str, failed))} failed; this is the first failure)"
               if len(failed) > 1 else "")
@@ -114,7 +114,7 @@ def shared_error(first: Failure, failed: list[int], world: int, what: str) -> Ex
     if not isinstance(copy, Exception):
         copy = _untravelled(first, world, what)
     else:
-        copy.add_note(_note(first, failed, world, what))
+        copy.add_note(note(first, failed, world, what))
     copy.__cause__ = RankTraceback(first.rank, first.traceback)
     return copy
 
@@ -176,7 +176,7 @@ def agreed(what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
         raise shared_error(first, failed, world, what)
     if first.pickled is None:
         raise _untravelled(first, world, what) from error
-    error.add_note(_note(first, failed, world, what))
+    error.add_note(note(first, failed, world, what))
     raise error
 
 

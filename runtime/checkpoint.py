@@ -87,8 +87,9 @@ def save(path: str | os.PathLike, model: ParallelModel,
     ``path.partial``, which nothing loads, and an older ``path`` untouched). ``step``
     and ``extra`` (JSON values: the data position, a scheduler's state) come back
     from :func:`load`, as do this rank's random generators."""
-    meta = _record(model, optimizer, step, extra)
-    save_state(path, _tensors(model, saving=True), optimizer, meta)
+    with model.guarded(f"saving the checkpoint {path}"):
+        meta = _record(model, optimizer, step, extra)
+        save_state(path, _tensors(model, saving=True), optimizer, meta)
 
 
 def load(path: str | os.PathLike, model: ParallelModel,
@@ -204,10 +205,12 @@ class Checkpointer:
             save(final, self.model, self.optimizer, step=step, extra=extra)
             self._prune()
             return
-        meta = _record(self.model, self.optimizer, step, extra)
-        tmp = begin_partial(final)
-        state = flat_state(_tensors(self.model, saving=True), self.optimizer, dist.get_rank())
-        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+        with self.model.guarded(f"saving the checkpoint {final}"):
+            meta = _record(self.model, self.optimizer, step, extra)
+            tmp = begin_partial(final)
+            state = flat_state(_tensors(self.model, saving=True), self.optimizer,
+                               dist.get_rank())
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
         self._pending = (future, tmp, final, meta)
 
     def wait(self) -> None:
@@ -216,10 +219,11 @@ class Checkpointer:
             return
         future, tmp, final, meta = self._pending
         self._pending = None
-        future.result()  # rank 0's returns once every rank's shards are written
-        if dist.get_rank() == 0:
-            commit(tmp, final, meta)
-        dist.barrier()
+        with self.model.guarded(f"saving the checkpoint {final}"):
+            future.result()  # rank 0's returns once every rank's shards are written
+            if dist.get_rank() == 0:
+                commit(tmp, final, meta)
+            dist.barrier()
         self._prune()
 
     def _prune(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -19,6 +20,7 @@ from autopar.errors import ConfigError
 from autopar.plans import Plan
 from autopar.runtime.checkpoint_state import state_names
 from autopar.runtime.context_mode import SequenceShards, split_batch
+from autopar.runtime.failure_watch import FailureWatch
 from autopar.runtime.lower import check_process_group, default_device, lower, lower_pipeline
 from autopar.runtime.pipeline import PipelineRuntime
 from autopar.runtime.dtensor_layout import (ReplicatedBeforeAutograd, gather_output,
@@ -108,6 +110,18 @@ class ParallelModel(nn.Module):
         self.pipeline = pipeline
         self.names = names if names is not None else state_names(module)
         self._hooked = False  # partial-gradient hooks, registered on the first pm(x)
+        groups = [mesh.get_group(a) for a in mesh.mesh_dim_names or ()]
+        self.watch = FailureWatch.for_job(groups + [dist.group.WORLD])
+        if self.watch is not None:
+            weakref.finalize(self, self.watch.close)
+
+    def guarded(self, what: str) -> contextlib.AbstractContextManager:
+        """A block whose failure on any rank is raised on every rank within seconds,
+        naming that rank (:mod:`autopar.runtime.failure_watch`); ``what`` says what the
+        block does ("running my backward"). :meth:`step`, ``pm(x)`` and checkpoint saves
+        are guarded already; wrap a loop's own ``loss.backward()`` in it, so that a rank
+        waiting in its collectives for a failed one raises that rank's error."""
+        return self.watch.guard(what) if self.watch is not None else contextlib.nullcontext()
 
     def state_modules(self) -> tuple[list[nn.Module], set[tuple[int, str]]]:
         """The modules holding this rank's tensors (the model, or this rank's stages
@@ -124,7 +138,12 @@ class ParallelModel(nn.Module):
         """Run the parallelized module on this rank's own inputs (its shard of the
         global batch, :meth:`data_shard`); ``loss.backward()`` on the output then
         leaves the gradients the plan's step would (averaged over data-parallel
-        ranks by FSDP2, partial tensor-parallel sums reduced)."""
+        ranks by FSDP2, partial tensor-parallel sums reduced). A failure on any rank is
+        raised on every rank (:meth:`guarded`)."""
+        with self.guarded("running the forward (ParallelModel.forward)"):
+            return self._guarded_forward(*inputs, **kwargs)
+
+    def _guarded_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
             raise ConfigError("a pipelined model runs only through step(inputs, targets); "
                               "each rank holds only its own stages (pass this rank's shard "
@@ -223,7 +242,14 @@ class ParallelModel(nn.Module):
 
         With ``local``, each rank passes only its own shard (:meth:`data_shard`: the
         usual ``DistributedSampler`` loop), which the step uses as it is.
+
+        A failure on any rank, in the forward, the backward or their hooks, is raised
+        on every rank within seconds, naming that rank (:meth:`guarded`).
         """
+        with self.guarded("running a training step (ParallelModel.step)"):
+            return self._step(inputs, targets, local)
+
+    def _step(self, inputs: Any, targets: torch.Tensor, local: bool) -> torch.Tensor:
         xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         self._check_batch(xs, targets, local)
         if self.pipeline is not None:

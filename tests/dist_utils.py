@@ -145,6 +145,14 @@ class RankPool:
             raise RankFailure(failure)
         return [values[r] for r in range(world)]
 
+    def discard(self, world: int) -> None:
+        """End the pool's group of ``world`` ranks (a task left its connections cut, as
+        a failure shared by :mod:`autopar.runtime.failure_watch` does); the next use
+        starts a new one."""
+        group = self._groups.pop(world, None)
+        if group is not None:
+            _end(group.procs, wait_s=0)
+
     def close(self) -> None:
         """End every group. Its ranks are idle, waiting for a task: they are killed, as
         an interpreter with torch loaded takes seconds to exit on its own."""
