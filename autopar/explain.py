@@ -84,6 +84,8 @@ def explain_layouts(an: GraphAnalysis, built: Built, sol: Solution, names: list[
                     budget: float) -> list[LayoutExplanation]:
     """One :class:`LayoutExplanation` per group of modules that ``names`` match and
     that share their strategies (the instances of a repeated block), in model order."""
+    if not names:
+        return []
     g = an.graph
     ops, owners = module_ops(g), param_owners(g)
     index = {name: k for k, name in enumerate(built.names)}
@@ -191,7 +193,8 @@ def verdict(exp: LayoutExplanation) -> list[str]:
         lines.append(f"runner-up {layout_text(o)} is {fmt_time(abs(gap))} "
                      f"{'slower' if gap >= 0 else 'faster'} per step: {differences(chosen, o)}")
     elif not faster:
-        lines.append("no other layout is possible next to the plan's other choices")
+        lines.append("no other layout is possible with the plan's other choices kept (its "
+                     "neighbours' layouts, or a parameter tied to another module's, allow none)")
     return lines
 
 

@@ -85,7 +85,8 @@ def test_an_unknown_planning_keyword_names_the_valid_ones(gpt):
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, tensor_parallel=2)) == (
         "unknown planning option(s) tensor_parallel; known: dp, tp, pp, cp, ep, cp_variant, "
         "microbatch_size, schedule, virtual_stages, recompute, zero, sequence_parallel, "
-        "loss_parallel, offload, time_limit_s, top_k, progress (or space=autopar.Spec(...))")
+        "loss_parallel, offload, time_limit_s, top_k, progress, explain (or "
+        "space=autopar.Spec(...))")
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, space={"tp": 2})) == \
         "space must be an autopar.Spec, got dict"
 
