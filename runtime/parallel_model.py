@@ -140,11 +140,7 @@ class ParallelModel(nn.Module):
         leaves the gradients the plan's step would (averaged over data-parallel
         ranks by FSDP2, partial tensor-parallel sums reduced). A failure on any rank is
         raised on every rank (:meth:`guarded`)."""
-        with self.guarded("running the forward (ParallelModel.forward)"):
-            return self._guarded_forward(*inputs, **kwargs)
-
-    def _guarded_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.pipeline is not None:
+        if self.pipeline is not None:  # the plan's, alike on every rank: not shared
             raise ConfigError("a pipelined model runs only through step(inputs, targets); "
                               "each rank holds only its own stages (pass this rank's shard "
                               "with step(x, y, local=True))")
@@ -152,6 +148,10 @@ class ParallelModel(nn.Module):
             raise ConfigError("under context parallelism each rank holds a share of every "
                               "sequence, which step() cuts and reassembles: train with "
                               "step(x, y), or step(x, y, local=True) for this rank's shard")
+        with self.guarded("running the forward (ParallelModel.forward)"):
+            return self._forward_parallel(*inputs, **kwargs)
+
+    def _forward_parallel(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.plan.degree("tp") == 1:
             return self._forward(*inputs, **kwargs)
         if not self._hooked and not isinstance(self.module, FSDPModule):
@@ -246,12 +246,12 @@ class ParallelModel(nn.Module):
         A failure on any rank, in the forward, the backward or their hooks, is raised
         on every rank within seconds, naming that rank (:meth:`guarded`).
         """
-        with self.guarded("running a training step (ParallelModel.step)"):
-            return self._step(inputs, targets, local)
-
-    def _step(self, inputs: Any, targets: torch.Tensor, local: bool) -> torch.Tensor:
         xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        self._check_batch(xs, targets, local)
+        with self.guarded("running a training step (ParallelModel.step)"):
+            self._check_batch(xs, targets, local)  # one rank's batch may be wrong alone
+            return self._step(xs, targets, local)
+
+    def _step(self, xs: tuple[Any, ...], targets: torch.Tensor, local: bool) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline.step(xs, targets, local=local)
         plan = self.plan
