@@ -120,8 +120,8 @@ def test_quick_profile_loads_and_plans_like_shipped(quick_profile):
     b = autopar.plan(model, (x,), cluster=shipped, precision="fp32")
     # Same machine kind: the measured profile's choice, scored with the shipped
     # profile, costs at most 50% more than the shipped profile's own choice.
-    again = autopar.estimate(model, (x,), autopar.Spec(dp=a.mesh["dp"], tp=a.mesh["tp"]),
-                             cluster=shipped, precision="fp32")
+    mesh = autopar.Spec(**{k: a.mesh.get(k, 1) for k in ("dp", "tp", "pp", "cp", "ep")})
+    again = autopar.estimate(model, (x,), mesh, cluster=shipped, precision="fp32")
     assert again.step_time_s <= 1.5 * b.step_time_s
     # If every op's time changes by a factor in [lo, hi] (communication: 1), every
     # plan's step time does too, and so does the fastest one. The factors are the
