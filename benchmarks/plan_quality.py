@@ -177,10 +177,10 @@ def rows(path: Path = REFERENCE_CONFIGS) -> tuple[Row, ...]:
 
 
 def _describe(dp: int, tp: int, pp: int, mb: int, m: int, zero: int, schedule: str | None,
-              v: int, sp: bool, recompute: str | None, ep: int = 1) -> str:
+              v: int, sp: bool, recompute: str | None, ep: int = 1, cp: int = 1) -> str:
     pipe = f"pp{pp} {schedule}" + (f" v{v}" if v > 1 else "") + " " if pp > 1 else ""
-    return (f"{pipe}dp{dp}{f' ep{ep}' if ep > 1 else ''} tp{tp}{' sp' if sp else ''} "
-            f"mb{mb}x{m} zero{zero} rc {recompute or 'solver'}")
+    return (f"{pipe}dp{dp}{f' ep{ep}' if ep > 1 else ''}{f' cp{cp}' if cp > 1 else ''} "
+            f"tp{tp}{' sp' if sp else ''} mb{mb}x{m} zero{zero} rc {recompute or 'solver'}")
 
 
 def describe_plan(plan) -> str:
@@ -193,7 +193,7 @@ def describe_plan(plan) -> str:
     return _describe(plan.data_parallel, plan.degree("tp"), plan.degree("pp"),
                      plan.microbatch_size, plan.num_microbatches, plan.zero,
                      pipe.schedule if pipe else None, pipe.virtual_stages if pipe else 1,
-                     plan.sequence_parallel, rc or "none", plan.degree("ep"))
+                     plan.sequence_parallel, rc or "none", plan.degree("ep"), plan.degree("cp"))
 
 
 def build_model(row: Row):
