@@ -47,15 +47,15 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-RUNS = Path(__file__).with_name("published_runs.json")
 sys.path.insert(0, str(Path(__file__).parent))
-from published_accuracy import profile_of  # noqa: E402  (the script beside this one)
+from published_accuracy import load, profile_of  # noqa: E402  (the script beside this one)
 
 
 @dataclass(frozen=True)
@@ -145,16 +145,18 @@ def fit(f: dict[str, np.ndarray], grid: np.ndarray) -> np.ndarray:
     return grid[int(np.argmin(err))]
 
 
-def _held_out_log_errors(f: dict[str, np.ndarray], sources: np.ndarray,
-                         grid: np.ndarray) -> np.ndarray:
-    """|log(predicted / published)| of every row, each source predicted with the
-    parameters of ``grid`` fitted on the other sources."""
-    out = np.empty(len(sources))
+def held_out(f: dict[str, np.ndarray], sources: np.ndarray,
+             grid_of: Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray],
+             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Every row's step predicted leave-one-source-out: for each source, the parameters
+    fitted on the other sources' rows over the grid ``grid_of(their features, their
+    sources)`` gives; the predictions and each source's parameters."""
+    out, folds = np.empty(len(sources)), {}
     for s in sorted(set(sources)):
-        theta = fit(_subset(f, sources != s), grid)
-        mine = _subset(f, sources == s)
-        out[sources == s] = np.abs(np.log(predict(mine, theta[None])[0] / mine["published"]))
-    return out
+        rest = _subset(f, sources != s)
+        folds[s] = fit(rest, grid_of(rest, sources[sources != s]))
+        out[sources == s] = predict(_subset(f, sources == s), folds[s][None])[0]
+    return out, folds
 
 
 def select(f: dict[str, np.ndarray], sources: np.ndarray) -> tuple[int, ...]:
@@ -163,7 +165,8 @@ def select(f: dict[str, np.ndarray], sources: np.ndarray) -> tuple[int, ...]:
     parameter is fitted only where it predicts sources it was not fitted on."""
     subsets = sorted((c for k in range(len(PARAMETERS) + 1)
                       for c in itertools.combinations(range(len(PARAMETERS)), k)), key=len)
-    scores = [_held_out_log_errors(f, sources, _grid(c)).mean() for c in subsets]
+    scores = [np.abs(np.log(held_out(f, sources, lambda *_: _grid(c))[0] / f["published"])).mean()
+              for c in subsets]
     return subsets[int(np.argmin(np.array(scores) + 1e-12 * np.arange(len(subsets))))]
 
 
@@ -180,13 +183,9 @@ def calibrate(results: list[dict[str, Any]], runs: dict[str, Any]) -> dict[str, 
     f = {k: np.array([x[k] for x in feats]) for k in feats[0]}
     sources = np.array([r["source"] for r in scored])
     nominal = np.array([[p.nominal for p in PARAMETERS]])
-    held = np.empty(len(scored))
-    folds = {}
-    for s in sorted(set(sources)):  # the selection and the fit both without source s
-        rest = _subset(f, sources != s)
-        theta = fit(rest, _grid(select(rest, sources[sources != s])))
-        folds[s] = dict(zip((p.name for p in PARAMETERS), map(float, theta)))
-        held[sources == s] = predict(_subset(f, sources == s), theta[None])[0]
+    # the selection and the fit both without the source predicted
+    held, thetas = held_out(f, sources, lambda rest, src: _grid(select(rest, src)))
+    folds = {s: dict(zip((p.name for p in PARAMETERS), map(float, t))) for s, t in thetas.items()}
     free = select(f, sources)
     theta_all = fit(f, _grid(free))
     nominal_pred = predict(f, nominal)[0]
@@ -197,15 +196,16 @@ def calibrate(results: list[dict[str, Any]], runs: dict[str, Any]) -> dict[str, 
                 "nominal_error": float(n / r["published_step_s"] - 1),
                 "priced_error": r["error_rel"]}
                for r, n, h in zip(scored, nominal_pred, held)]
+    adopt = adopted(per_row)
     return {"parameters": {p.name: {"fitted": float(v), "nominal": p.nominal,
                                     "selected": i in free, "meaning": p.meaning}
                            for i, (p, v) in enumerate(zip(PARAMETERS, theta_all))},
             "folds": folds, "rows": per_row,
             "summary": {k: error_table(per_row, k)
                         for k in ("priced_error", "nominal_error", "held_out_error")},
-            "adopted": adopted(per_row),
-            "per_profile": error_table(per_row, "held_out_error" if adopted(per_row)
-                                       else "priced_error", by="profile")}
+            "adopted": adopt,
+            "per_profile": error_table(per_row, "held_out_error" if adopt else "priced_error",
+                                       by="profile")}
 
 
 def adopted(rows: list[dict[str, Any]]) -> bool:
@@ -281,7 +281,7 @@ def main() -> int:
     ap.add_argument("--md", help="write the markdown report here")
     args = ap.parse_args()
     results = json.loads(Path(args.terms).read_text())
-    out = calibrate(results["rows"], json.loads(RUNS.read_text()))
+    out = calibrate(results["rows"], load())
     meta = {"date": datetime.date.today().isoformat(),
             "priced_at": f"commit {results['meta']['commit']}, {results['meta']['date']}",
             "command": "python " + " ".join(sys.argv)}

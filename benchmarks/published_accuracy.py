@@ -207,24 +207,36 @@ exposed communication on that link (``terms=True``): with exposed time ``E`` at 
 nominal bandwidth, the step at ``η`` of it is ``step + E·(1/η - 1)``."""
 
 
-def _estimate(row: dict[str, Any], out: dict[str, Any], **links: float):
-    """``autopar.estimate`` of the row's configuration on its cluster, ``links`` the
-    Cluster's bandwidth overrides (GB/s); priced without a memory limit where no plan
-    fits (``out["fits"]`` set False)."""
+def estimate_any_memory(model, inputs, spec, **kw):
+    """``autopar.estimate(model, inputs, spec, **kw)`` and None; where no plan fits the
+    memory budget, the same priced without a memory limit (:data:`UNBOUNDED_BYTES`) and
+    the ``NoFeasiblePlanError`` saying by how much."""
     import autopar
     from autopar.errors import NoFeasiblePlanError
 
-    model, inputs = build_model(row)
+    try:
+        return autopar.estimate(model, inputs, spec, **kw), None
+    except NoFeasiblePlanError as e:
+        return autopar.estimate(model, inputs, spec, memory_budget=UNBOUNDED_BYTES, **kw), e
+
+
+def _estimate(row: dict[str, Any], built: tuple, out: dict[str, Any], **links: float):
+    """:func:`estimate_any_memory` of the row's configuration on its cluster for its
+    model and inputs ``built`` (:func:`build_model`), ``links`` the Cluster's bandwidth
+    overrides (GB/s); ``out["fits"]`` set False where no plan fits (and then, on later
+    calls, priced without a memory limit at once)."""
+    import autopar
+
     cluster = autopar.Cluster(profile_of(row), row["hardware"]["gpus"] // 8, 8, **links)
     precision = "fp16" if row["parallel"]["precision"] == "fp16" else "bf16"
     kw = dict(cluster=cluster, global_batch=row["parallel"]["global_batch"],
               precision=precision, optimizer="adamw")
-    if out.get("fits", True):
-        try:
-            return autopar.estimate(model, inputs, spec_of(row), **kw)
-        except NoFeasiblePlanError as e:
-            out.update(fits=False, memory_error=str(e).split(":")[0])
-    return autopar.estimate(model, inputs, spec_of(row), memory_budget=UNBOUNDED_BYTES, **kw)
+    if not out["fits"]:
+        return autopar.estimate(*built, spec_of(row), memory_budget=UNBOUNDED_BYTES, **kw)
+    plan, error = estimate_any_memory(*built, spec_of(row), **kw)
+    if error is not None:
+        out.update(fits=False, memory_error=str(error).split(":")[0])
+    return plan
 
 
 def measure(row: dict[str, Any], terms: bool = False) -> dict[str, Any]:
@@ -239,14 +251,16 @@ def measure(row: dict[str, Any], terms: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     out: dict[str, Any] = {"spec": repr(spec_of(row)), "fits": True}
     try:
-        plan = _estimate(row, out)
+        built = build_model(row)
+        plan = _estimate(row, built, out)
         out.update(predicted_step_s=plan.step_time_s, predicted_mfu=plan.mfu,
                    predicted_memory_gib=plan.memory_per_device_bytes / 2**30,
                    breakdown=plan.breakdown)
         if terms:
             hw = load_profile(profile_of(row))
             out["exposed_link_s"] = {
-                name: (_estimate(row, out, **{f"{name}_bandwidth": link.bandwidth / 1e9 * LINK_PROBE})
+                name: (_estimate(row, built, out,
+                                 **{f"{name}_bandwidth": link.bandwidth / 1e9 * LINK_PROBE})
                        .step_time_s - plan.step_time_s) / (1 / LINK_PROBE - 1)
                 for name, link in (("intra_node", hw.intra_node), ("inter_node", hw.inter_node))}
     except Exception as e:  # noqa: BLE001 — reported in the row
