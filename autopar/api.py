@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.batch_default import asked_source, example_source
 from autopar.cluster import Cluster
+from autopar.cost_models.float8 import NOT_RUN as FP8_NOT_RUN, FP8, float8_rate_ratio, mfu_dtype
+from autopar.cost_models.memory import OPTIMIZERS, PRECISIONS
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.spec import Spec, check_choice, split_space
 
@@ -22,8 +24,6 @@ if TYPE_CHECKING:
     from autopar.plans import Plan
     from autopar.runtime import ParallelModel
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
 def _budget(memory_budget: float | None, hw) -> float:
@@ -343,6 +343,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     if not isinstance(cluster, Cluster):
         raise ConfigError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     hw = cluster.hardware()
+    if precision == FP8:
+        float8_rate_ratio(hw)  # raises where the GPU has no float8 tensor cores
     budget = _budget(memory_budget, hw)
     gb = _global_batch(global_batch, example_inputs)
     world = cluster.world_size
@@ -399,7 +401,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
         pp_note = _unsplittable_for_pipelining(model, example_inputs, graph, spec.pp)
         if pp_note:
             res = run([c for c in cands if c.pp == 1])
-    peak = hw.matmul_flops.get(precision, hw.matmul_flops.get("fp32", 1.0))
+    peak = hw.matmul_flops.get(mfu_dtype(precision), hw.matmul_flops.get("fp32", 1.0))
 
     def make(built, solution, candidate, pipeline) -> "Plan":
         p = assemble(an, built, solution, cluster_desc=cluster.describe(), global_batch=gb,
@@ -547,6 +549,8 @@ def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
     from autopar.runtime import apply_plan
     from autopar.runtime.agree import agreed
 
+    if FP8 in (plan_kwargs.get("precision"), getattr(plan, "precision", None)):
+        raise ConfigError(FP8_NOT_RUN)
     _join_torchrun_job(collective_timeout_s)
     text: str | None = None
     with agreed("planning in autopar.parallelize"):

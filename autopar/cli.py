@@ -18,6 +18,7 @@ from autopar.cli_options import (ESTIMATE_DEFAULTS, add_memory_budget_arg, add_s
 from autopar.cli_train import add_train_parser, cmd_train
 from autopar.batch_default import (TOKENS_PER_DEVICE, asked_source, default_global_batch,
                                    default_source, example_source)
+from autopar.cost_models.memory import PRECISIONS
 from autopar.errors import AutoparError, ConfigError
 
 if TYPE_CHECKING:
@@ -55,8 +56,9 @@ def _add_workload_args(p: argparse._ActionsContainer) -> None:
                         "factory or the mlp, its example inputs' batch)")
     p.add_argument("--seq-len", type=int,
                    help="sequence length of zoo models (default: the model's training length)")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
-                   help="training precision; bf16 and fp16 keep fp32 master weights "
+    p.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
+                   help="training precision; bf16 and fp16 keep fp32 master weights; fp8 is "
+                        "bf16 with float8 Linear products (priced, not yet run) "
                         "(default: %(default)s)")
     p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw", "sgd"],
                    help="the optimizer whose state is kept and stepped (default: %(default)s)")

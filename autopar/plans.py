@@ -270,7 +270,8 @@ class Plan:
             (gradient-accumulation steps, or the pipeline's micro-batches).
         zero: ZeRO stage over ``dp`` (0 = replicated parameters, 3 = fully sharded).
         sequence_parallel: True when norms and pointwise ops run on sequence shards.
-        precision: "fp32", "bf16" or "fp16".
+        precision: "fp32", "bf16", "fp16" or "fp8" (bf16 with float8 Linear products:
+            priced, not run).
         optimizer: "adam", "adamw" or "sgd".
         params: parameter FQN -> placements per mesh axis other than ``pp`` (the
             placement inside its stage; the stage is found from ``pipeline``).

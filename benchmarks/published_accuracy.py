@@ -4,7 +4,8 @@ Each row of ``published_runs.json`` (architecture, cluster, parallel configurati
 the measured figure, with its source) is built from autopar's own model classes on
 ``meta``, mapped onto a ``Spec`` and priced in a fresh process; the published figure is
 converted to seconds per step (:func:`published_step_s`) and the error is
-predicted / published - 1. Rows that cannot be priced (fp8, an unsupported layout, a
+predicted / published - 1 (float8 runs priced with precision ``fp8``). Rows that cannot
+be priced (an unsupported layout, a
 batch not stated) are listed with the reason. Mappings and formulas: the docstrings of
 :func:`spec_of`, :func:`build_model` and :func:`flops_per_token`.
 
@@ -100,9 +101,7 @@ def _vocab(row: dict[str, Any]) -> int | None:
 
 def why_not_scored(row: dict[str, Any], sources: dict[str, Any]) -> str | None:
     """The reason autopar cannot price this row, or None when it can."""
-    p = row["parallel"]
-    if p["fp8"]:
-        return "fp8 not modelled (autopar prices fp32, bf16 and fp16)"
+    p = {**row["parallel"], "ep": row["parallel"]["ep"] or 1}
     if p["global_batch"] is None or p["tp"] is None or p["dp"] is None:
         return "the source does not state the global batch in sequences or the TP degree"
     if row["architecture"]["vocab"] is None and not _vocab(row):
@@ -180,12 +179,19 @@ def spec_of(row: dict[str, Any]):
         sp = bool(assume.get("sequence_parallel")) and p["tp"] > 1
     vp = p["vp"] or 1
     pp = p["pp"]
-    return autopar.Spec(dp=p["dp"], tp=p["tp"], pp=pp, cp=p["cp"], ep=p["ep"],
+    return autopar.Spec(dp=p["dp"], tp=p["tp"], pp=pp, cp=p["cp"], ep=p["ep"] or 1,
                         microbatch_size=p["micro_batch"] or assume.get("micro_batch"),
                         schedule=None if pp == 1 else ("interleaved_1f1b" if vp > 1 else "1f1b"),
                         virtual_stages=vp if pp > 1 and vp > 1 else None,
                         recompute=recompute, zero=zero or 0,
                         sequence_parallel=bool(sp) if p["tp"] > 1 else None)
+
+
+def precision_of(row: dict[str, Any]) -> str:
+    """autopar's precision for the row: ``fp8`` where the run used float8 (bf16 with
+    float8 Linear products), ``fp16`` where stated, else ``bf16``."""
+    p = row["parallel"]
+    return "fp8" if p["fp8"] else "fp16" if p["precision"] == "fp16" else "bf16"
 
 
 def profile_of(row: dict[str, Any]) -> str:
@@ -228,7 +234,7 @@ def _estimate(row: dict[str, Any], built: tuple, out: dict[str, Any], **links: f
     import autopar
 
     cluster = autopar.Cluster(profile_of(row), row["hardware"]["gpus"] // 8, 8, **links)
-    precision = "fp16" if row["parallel"]["precision"] == "fp16" else "bf16"
+    precision = precision_of(row)
     kw = dict(cluster=cluster, global_batch=row["parallel"]["global_batch"],
               precision=precision, optimizer="adamw")
     if not out["fits"]:

@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.cost_models.float8 import FP8, float8_linear_time
 from autopar.cost_models.hardware import HardwareProfile
 from autopar.flops import GROUPED_MM_OPS, op_name
 from autopar.cost_models.tables import (ELEMENT_BYTES, attention_time, gemm_time,
                                         memory_bound_time)
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32",
-           "bf16": "bf16", "fp16": "fp16", "tf32": "tf32"}
+           "bf16": "bf16", "fp16": "fp16", "tf32": "tf32", FP8: FP8}
 
 MATMUL_OPS = frozenset({"linear", "mm", "bmm", "addmm", "matmul", "einsum", "baddbmm",
                         "scaled_dot_product_attention", "conv1d", "conv2d",
@@ -170,10 +171,32 @@ def op_time(shapes: OpShapes, flops: float, nbytes: float, *, backward: bool, dt
     if not (flops or nbytes):
         return 0.0
     key = _DTYPES.get(dtype, "fp32")
+    if key == FP8:
+        found = _float8_time(shapes, backward, hw)
+        if found is not None:
+            return found
+        key = "bf16"
     measured = _table_time(op_name(shapes.target), shapes, flops, backward, key, hw)
     if measured is not None:
         return max(measured, hw.kernel_overhead_s)
     return compute_time(flops, nbytes, matmul=is_matmul(shapes.target), dtype=dtype, hw=hw)
+
+
+def _float8_time(shapes: OpShapes, backward: bool, hw: HardwareProfile) -> float | None:
+    """Seconds of a float8 Linear product (:mod:`autopar.cost_models.float8`) from its
+    bf16 products' times (table, else roofline); None when its dims are unknown."""
+    dims = _gemm_dims(op_name(shapes.target), shapes.inputs)
+    if dims is None:
+        return None
+    m, n, k = dims
+    products = [(m, k, n), (n, k, m)] if backward else [(m, n, k)]
+
+    def bf16(a: float, b: float, c: float) -> float:
+        found = gemm_time(hw.tables, a, b, c, "bf16") if hw.tables is not None else None
+        if found is None:
+            found = compute_time(2 * a * b * c, 0.0, matmul=True, dtype="bf16", hw=hw)
+        return found
+    return float8_linear_time([bf16(*p) for p in products], dims, backward=backward, hw=hw)
 
 
 # Backward-pass work relative to the forward pass (FLOPs factor, bytes factor).

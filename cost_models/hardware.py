@@ -387,6 +387,12 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
             eff[dt] = 1.0
             src[f"matmul_flops.{dt}"] = f"{how}: best {dt} GEMM rate, shape {best.get('shape')}"
             src[f"matmul_efficiency.{dt}"] = "1: the peak above is itself a measured rate"
+    if "fp8" in flops and eff.get("fp8") != 1.0 and eff.get("bf16") == 1.0:
+        # float8 not measured: keep the base's float8-over-bf16 rate on the measured bf16
+        ratio = (base.matmul_flops["fp8"] * base.matmul_efficiency.get("fp8", 1.0)
+                 / (base.matmul_flops["bf16"] * base.matmul_efficiency.get("bf16", 1.0)))
+        flops["fp8"], eff["fp8"] = flops["bf16"] * ratio, 1.0
+        src["matmul_flops.fp8"] = f"the measured bf16 rate x {ratio:.3g}, the base's float8 ratio"
     hw = replace(base, name=f"{base.name} (measured: {origin})",
                  device_name=str(prov.get("device_name", base.device_name)),
                  matmul_flops=flops, matmul_efficiency=eff, tables=tables,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from autopar.errors import ConfigError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+"""``"fp8"``: bf16 training with float8 Linear products (:mod:`autopar.cost_models.float8`)."""
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 

@@ -20,6 +20,7 @@ from autopar.cost_models.comm import INF, collective_time
 from autopar.cost_models.context_parallel import AttentionShape, CPAttentionCost, cp_attention
 from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
                                          local_shape, op_time)
+from autopar.cost_models.float8 import FP8, element_dtype, runs_float8
 from autopar.cost_models.host import op_host_time
 from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
 from autopar.cost_models.param_price import ParamPricer, ParamTerms
@@ -118,7 +119,8 @@ class StrategyPricer(ParamPricer):
             for d in q[:-3]:
                 batch *= d
             shape = AttentionShape(batch, q[-2] * cp, q[-3], k[-3], q[-1],
-                                   self.an.sequence.attention[n.name], self.st.precision)
+                                   self.an.sequence.attention[n.name],
+                                   element_dtype(self.st.precision))
             found = self._attention[key] = cp_attention(self.st.cp_variant, cp, shape,
                                                         self.st.hw, self.links[a])
         return found
@@ -273,7 +275,7 @@ class StrategyPricer(ParamPricer):
             for m, p in zip((self.meta(i) for i in n.inputs), ins)),
             local_shape(out_meta.shape if out_meta is not None else None, raw, sizes),
             causal=len(n.args) > 5 and n.args[5] is True)
-        dtype, hw = self.st.precision, self.st.hw
+        dtype, hw = self._dtype(n), self.st.hw
         fwd = op_time(shapes, flops, nbytes, backward=False, dtype=dtype, hw=hw)
         bwd = 0.0
         if n.requires_grad and (flops or nbytes):
@@ -288,6 +290,19 @@ class StrategyPricer(ParamPricer):
         if not hw.host_runs_ahead:  # on a CPU the host is the device
             fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0
         return fwd + bwd, bwd, host_f + host_b, host_b
+
+    def _dtype(self, n: OpNode) -> str:
+        """The dtype op ``n`` computes in: ``"fp8"`` for a float8 Linear product
+        (:func:`~autopar.cost_models.float8.runs_float8`), else the precision's
+        element dtype."""
+        prec = self.st.precision
+        if prec == FP8:
+            weights = [self.meta(i) for i, k in zip(n.inputs, self.facts.input_kinds(n))
+                       if k == "param"]
+            shape = tuple(weights[0].shape) if weights and weights[0] is not None else None
+            if runs_float8(prec, n.target, n.module_type, shape):
+                return FP8
+        return element_dtype(prec)
 
     def _op_host(self, n: OpNode, ins) -> tuple[float, float]:
         """(forward, backward) host seconds of op ``n`` under input placements ``ins``:

@@ -28,6 +28,7 @@ from autopar.errors import LoweringError
 from autopar.plans import Plan, model_fingerprint
 from autopar.runtime.applied import log_applied
 from autopar.runtime.compiled import compile_blocks
+from autopar.cost_models.float8 import FP8, NOT_RUN
 from autopar.runtime.data_parallel import PRECISION_DTYPES, apply_data_parallel, check_tied_units
 from autopar.runtime.experts import apply_expert_parallel, check_experts, shard_plan_experts
 from autopar.runtime.materialize import (check_materializable, is_meta_model, materialize,
@@ -103,6 +104,8 @@ def _check_shape(plan: Plan) -> None:
         raise LoweringError(f"the plan's global_batch {plan.global_batch} is not microbatch_size "
                             f"{plan.microbatch_size} x num_microbatches {plan.num_microbatches} x "
                             f"dp {dp}; fix the plan's batch sizes")
+    if plan.precision == FP8:
+        raise LoweringError(NOT_RUN)
     if plan.precision not in PRECISION_DTYPES:
         raise LoweringError(f"precision {plan.precision!r} is not supported; use one of "
                             f"{', '.join(PRECISION_DTYPES)}")

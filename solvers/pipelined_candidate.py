@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from autopar.cost_models.comm import collective_time, group_link
 from autopar.cost_models.hardware import LinkSpec
+from autopar.cost_models.memory import activation_bytes_per_element
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.sharding import Mesh, data_parallel_degree, replica_degree, shard_count
@@ -127,7 +128,7 @@ def boundary_node(g: Graph, built: Built) -> tuple[int, float] | None:
     last = next(n for n in reversed(g.nodes) if n.name in layer_nodes and n.kind == "op")
     if last.out is None:
         return None
-    elt = 2.0 if built.settings.precision in ("bf16", "fp16") else 4.0
+    elt = float(activation_bytes_per_element(built.settings.precision))
     return (built.names.index(g.canonical.get(last.name, last.name)),
             _per_device(g, built, last.out.numel, elt))
 

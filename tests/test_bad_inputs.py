@@ -407,9 +407,9 @@ PLAN_FILES: list[Bad] = [
     Bad("a placement edited", lambda c: Plan.from_json(c.plan_edit(params={
         **json.loads(c.plan4)["params"], "head.weight": ["R", "S(x)"]})), PlanFormatError,
         "placement 'S(x)' is not one of 'R', 'P', 'S(<dim>)' or 'S(<dim>)/<pieces>'"),
-    Bad("an unknown precision", lambda c: Plan.from_json(c.plan_edit(precision="fp8")),
-        PlanFormatError, "the plan's precision 'fp8' or optimizer 'adamw' is unknown; "
-        "expected one of fp32, bf16, fp16 and one of adam, adamw, sgd"),
+    Bad("an unknown precision", lambda c: Plan.from_json(c.plan_edit(precision="fp4")),
+        PlanFormatError, "the plan's precision 'fp4' or optimizer 'adamw' is unknown; "
+        "expected one of fp32, bf16, fp16, fp8 and one of adam, adamw, sgd"),
     Bad("the pipeline removed", lambda c: Plan.from_json(c.plan_edit(pipeline=None)),
         PlanFormatError, "the mesh has pp=2 but the plan has no pipeline section"),
     Bad("a version-2 plan, without a fingerprint",

@@ -100,7 +100,9 @@ def test_the_flops_count_matches_rows_that_give_two_figures(pa, data) -> None:
 
 def test_unscoreable_rows_say_why(pa, data) -> None:
     src = data["sources"]
-    assert "fp8" in pa.why_not_scored(_row(data, "tt-70b-2d-fp8"), src)
+    assert pa.why_not_scored(_row(data, "tt-70b-2d-fp8"), src) is None  # priced as fp8
+    assert pa.precision_of(_row(data, "tt-70b-2d-fp8")) == "fp8"
+    assert pa.why_not_scored(_row(data, "mbr-2604.01-llama3-70b-fp8"), src) is None  # ep null
     assert "context and expert" in pa.why_not_scored(_row(data, "zoo-qwen3-235b-32k-cp2"), src)
     assert "global batch" in pa.why_not_scored(_row(data, "opt-175b"), src)
     assert pa.why_not_scored(_row(data, "zoo-qwen3-235b-ep8-fsdp"), src) == (
