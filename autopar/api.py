@@ -380,6 +380,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                       precision=precision, optimizer=optimizer, memory_budget=budget,
                       sequence_parallel=spec.sequence_parallel,
                       loss_parallel=spec.loss_parallel,
+                      split_weights=bool(spec.split_weights),
                       recompute=(spec.recompute,) if spec.recompute is not None else None,
                       offload=spec.offload, top_k=top_k, progress=progress,
                       deadline=deadline)

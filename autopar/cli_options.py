@@ -26,7 +26,7 @@ ESTIMATE_DEFAULTS = {"dp": "the devices the other degrees leave", "tp": "1", "pp
                      "schedule": "1f1b", "virtual_stages": "the solver's choice",
                      "recompute": "the solver's choice", "zero": "0",
                      "sequence_parallel": "off", "loss_parallel": "the solver's choice",
-                     "offload": "off"}
+                     "split_weights": "the solver's choice", "offload": "off"}
 """What ``autopar compare`` scores for each configuration option left out
 (:meth:`autopar.Spec.for_estimate`)."""
 
@@ -61,6 +61,9 @@ def add_spec_args(g: argparse._ActionsContainer,
                    help="norms and pointwise ops on sequence shards (with tp)")
     g.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction,
                    help="the loss on logits split along the vocabulary over tp (with tp)")
+    g.add_argument("--split-weights", action=argparse.BooleanOptionalAction,
+                   help="every weight matrix of the repeated blocks split over tp, as "
+                   "Megatron-LM's tensor parallelism (with tp)")
     g.add_argument("--offload", action=argparse.BooleanOptionalAction,
                    help="parameters, gradients and optimizer state in host memory (with "
                    "--zero 3)")

@@ -62,6 +62,10 @@ class Spec:
         sequence_parallel: norms and pointwise ops on sequence shards (with ``tp``).
         loss_parallel: the loss computed on logits split along their classes over
             ``tp`` (None: where it pays; :mod:`autopar.strategies.loss_parallel`).
+        split_weights: every weight matrix of the repeated blocks split over ``tp``, as
+            Megatron-LM's and torchtitan's tensor parallelism split them (None or
+            False: the solver's choice, which may spend ``tp`` on the batch or the
+            sequence instead).
         offload: parameters, gradients and optimizer state in host memory between uses
             (needs ``zero=3``; None: only when nothing fits without it).
     """
@@ -79,6 +83,7 @@ class Spec:
     zero: int | None = None
     sequence_parallel: bool | None = None
     loss_parallel: bool | None = None
+    split_weights: bool | None = None
     offload: bool | None = None
 
     def __post_init__(self) -> None:
@@ -102,7 +107,7 @@ class Spec:
         if self.cp is not None and self.ep is not None and self.cp > 1 and self.ep > 1:
             raise ConfigError(f"cp={self.cp} with ep={self.ep}: context and expert "
                               f"parallelism are not planned together yet; choose one")
-        for name in ("sequence_parallel", "loss_parallel", "offload"):
+        for name in ("sequence_parallel", "loss_parallel", "split_weights", "offload"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected True or False")
         if self.offload and self.zero not in (None, 3):

@@ -165,9 +165,12 @@ def spec_of(row: dict[str, Any]):
     """The row's configuration as an ``autopar.Spec``: its dp/tp/pp/cp/ep and
     micro-batch; pp > 1 runs ``1f1b``, or ``interleaved_1f1b`` with vp > 1 chunks;
     Megatron's selective recomputation (any modules) is ``selective``, none stated is the
-    solver's choice; FSDP is ZeRO-3, the distributed optimizer ZeRO-1, and a field the
-    source leaves null takes the row's ``scoring_assumptions`` (ZeRO, SP, micro-batch)
-    or the estimate's default (micro-batch: :func:`autopar.spec.default_microbatch`)."""
+    solver's choice; tp splits every weight matrix of the blocks, as the runs' tensor
+    parallelism does (``split_weights``: without it the solver may spend tp on the batch
+    and price another layout than the run's); FSDP is ZeRO-3, the distributed optimizer
+    ZeRO-1, and a field the source leaves null takes the row's ``scoring_assumptions``
+    (ZeRO, SP, micro-batch) or the estimate's default (micro-batch:
+    :func:`autopar.spec.default_microbatch`)."""
     import autopar
 
     p, assume = row["parallel"], row["scoring_assumptions"]
@@ -186,7 +189,8 @@ def spec_of(row: dict[str, Any]):
                         schedule=None if pp == 1 else ("interleaved_1f1b" if vp > 1 else "1f1b"),
                         virtual_stages=vp if pp > 1 and vp > 1 else None,
                         recompute=recompute, zero=zero or 0,
-                        sequence_parallel=bool(sp) if p["tp"] > 1 else None)
+                        sequence_parallel=bool(sp) if p["tp"] > 1 else None,
+                        split_weights=True if p["tp"] > 1 else None)
 
 
 def precision_of(row: dict[str, Any]) -> str:

@@ -259,14 +259,15 @@ def tiers(cands: list[Candidate], gpus_per_node: int,
 def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
            precision: str, optimizer: str, memory_budget: float,
            sequence_parallel: bool | None = None, recompute: tuple[str, ...] | None = None,
-           loss_parallel: bool | None = None,
+           loss_parallel: bool | None = None, split_weights: bool = False,
            offload: bool | None = None, time_limit_s: float | None = None, top_k: int = 1,
            progress: Callable[[int, int, float | None], None] | None = None,
            deadline: float | None = None) -> SearchResult:
     """Solve every candidate and return the fastest feasible plan's pieces, trying the
     lists of :func:`tiers` in turn until one has a plan that fits (``offload=True``:
     only CPU offload; False: never). ``recompute`` limits the recomputation modes
-    (None: all).
+    (None: all); ``split_weights`` keeps the layouts that split every block matrix over
+    tp (:class:`~autopar.strategies.settings.Settings`).
 
     ``top_k`` > 1 also keeps the next fastest plans (:attr:`SearchResult.runners_up`):
     pruning then compares bounds with the k-th best time found, so the runners-up are
@@ -290,8 +291,8 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
         deadline = time.perf_counter() + time_limit_s
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
-              loss_parallel=loss_parallel, recompute=recompute, deadline=deadline, top_k=top_k,
-              progress=progress)
+              loss_parallel=loss_parallel, split_weights=split_weights, recompute=recompute,
+              deadline=deadline, top_k=top_k, progress=progress)
     failed: NoFeasiblePlanError | None = None
     passed: list[str] = []
     order = tiers(cands, gpus_per_node, offload) or [[]]
@@ -417,6 +418,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             precision: str, optimizer: str, memory_budget: float,
             sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
             deadline: float | None, top_k: int, loss_parallel: bool | None = None,
+            split_weights: bool = False,
             progress: Callable[[int, int, float | None], None] | None,
             have_plan: bool = False, unbuilt: list[Candidate] | None = None,
             max_built: int | None = None, seed: list[Scored] | None = None) -> SearchResult:
@@ -437,7 +439,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute,
-                          loss_parallel=loss_parallel,
+                          loss_parallel=loss_parallel, split_weights=split_weights,
                           deadline=_halfway(deadline) if have_plan else None,
                           max_built=max_built)
     if unbuilt is not None:
@@ -594,7 +596,8 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                        optimizer: str, memory_budget: float,
                        sequence_parallel: bool | None = None,
                        recompute: tuple[str, ...] | None = None,
-                       loss_parallel: bool | None = None) -> Settings:
+                       loss_parallel: bool | None = None,
+                       split_weights: bool = False) -> Settings:
     """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh, or
     dp/ep × ep × tp with expert parallelism)."""
     names, sizes = ["dp", "tp"], [c.dp, c.tp]
@@ -606,7 +609,7 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
     return Settings(Mesh(tuple(names), tuple(sizes)), c.microbatch_size, c.num_microbatches,
                     c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
                     sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                    offload=c.offload,
+                    split_weights=split_weights, offload=c.offload,
                     split_experts=c.split_experts, expert_imbalance=c.expert_imbalance,
                     recompute_modes=recompute or RECOMPUTE,
                     cp_variant=c.cp_variant or "allgather", pipelined=c.pp > 1)
@@ -615,7 +618,8 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                precision: str, optimizer: str, memory_budget: float,
                sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
-               loss_parallel: bool | None = None, deadline: float | None = None,
+               loss_parallel: bool | None = None, split_weights: bool = False,
+               deadline: float | None = None,
                max_built: int | None = None) -> dict[tuple, Built | NoFeasiblePlanError]:
     """One intra-op problem per distinct :func:`mesh_key` (or the error saying an op has
     no strategy on that mesh, or that a smaller micro-batch already needs more memory
@@ -658,7 +662,7 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         st = candidate_settings(c, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                                 optimizer=optimizer, memory_budget=memory_budget,
                                 sequence_parallel=sequence_parallel, recompute=recompute,
-                                loss_parallel=loss_parallel)
+                                loss_parallel=loss_parallel, split_weights=split_weights)
         built_count += 1
         try:
             built = built_by[key] = build_problem(an, st, layouts)

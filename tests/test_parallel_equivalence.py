@@ -43,9 +43,14 @@ def parallel_run(kind: str, space: dict) -> tuple[list[float], dict]:
     pm = autopar.parallelize(model, (x,), precision="fp32", **space)
     losses = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
     pipe = pm.plan.pipeline
+    axes = [a for a in pm.plan.mesh if a != "pp"]
+    weights = [f"{name}.weight" for name, mod in make(kind).named_modules()
+               if isinstance(mod, torch.nn.Linear) and name.startswith(("blocks.", "layers."))]
+    tp_split = sum(1 for w in weights if "tp" in axes
+                   and pm.plan.params[w][axes.index("tp")].startswith("S("))
     return losses, {"mesh": pm.plan.mesh, "zero": pm.plan.zero,
                     "sp": pm.plan.sequence_parallel, "mb": pm.plan.num_microbatches,
-                    "schedule": pipe.schedule if pipe else None}
+                    "schedule": pipe.schedule if pipe else None, "tp_split": tp_split}
 
 
 def run_many(kind: str, cases: list[dict]):
@@ -55,11 +60,11 @@ def run_many(kind: str, cases: list[dict]):
 CASES_4 = [
     {},                                            # auto-chosen plan
     {"dp": 4, "tp": 1, "zero": 0},
-    {"dp": 1, "tp": 4},
-    {"dp": 2, "tp": 2, "zero": 0},
+    {"dp": 1, "tp": 4, "split_weights": True},
+    {"dp": 2, "tp": 2, "zero": 0, "split_weights": True},
     {"dp": 4, "tp": 1, "zero": 3},
-    {"dp": 2, "tp": 2, "zero": 3},
-    {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 0},
+    {"dp": 2, "tp": 2, "zero": 3, "split_weights": True},
+    {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 0, "split_weights": True},
     {"dp": 4, "tp": 1, "zero": 0, "microbatch_size": 1},
 ]
 
@@ -71,8 +76,11 @@ def test_four_ranks_match_single_process(rank_pool: RankPool, kind):
     results = rank_pool.run(4, run_many, kind, CASES_4, timeout_s=600)[0]
     for case, (losses, info) in zip(CASES_4, results):
         assert losses == pytest.approx(ref, abs=1e-5), (case, info, losses, ref)
-    # the forced layouts really were applied
+    # the forced layouts really were applied: the tp cases split the blocks' weights
     assert results[2][1]["mesh"] == {"dp": 1, "tp": 4}
+    per_block = {"gpt": 6, "llama": 7}[kind]  # q, k, v, proj, fc1, fc2 / wq-wo, w1-w3
+    for i in (2, 3, 5, 6):
+        assert results[i][1]["tp_split"] == 2 * per_block, (CASES_4[i], results[i][1])
     assert results[4][1]["zero"] == 3
     assert results[6][1]["sp"] is True
     assert results[7][1]["mb"] == 2

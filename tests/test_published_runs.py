@@ -121,4 +121,4 @@ def test_a_scored_row_reports_its_error(pa, data) -> None:
     assert pa.spec_of(row).given() == {"dp": 8, "tp": 4, "pp": 12, "cp": 1, "ep": 1,
                                        "microbatch_size": 2, "schedule": "1f1b",
                                        "recompute": "full", "zero": 1,
-                                       "sequence_parallel": False}
+                                       "sequence_parallel": False, "split_weights": True}

@@ -85,7 +85,7 @@ def test_an_unknown_planning_keyword_names_the_valid_ones(gpt):
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, tensor_parallel=2)) == (
         "unknown planning option(s) tensor_parallel; known: dp, tp, pp, cp, ep, cp_variant, "
         "microbatch_size, schedule, virtual_stages, recompute, zero, sequence_parallel, "
-        "loss_parallel, offload, time_limit_s, top_k, progress, explain (or "
+        "loss_parallel, split_weights, offload, time_limit_s, top_k, progress, explain (or "
         "space=autopar.Spec(...))")
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, space={"tp": 2})) == \
         "space must be an autopar.Spec, got dict"
@@ -135,7 +135,8 @@ def test_the_cli_has_an_option_per_spec_field_by_its_name():
     values = {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1, "cp_variant": "ring",
               "microbatch_size": 2,
               "schedule": "gpipe", "virtual_stages": 1, "recompute": "full", "zero": 3,
-              "sequence_parallel": True, "loss_parallel": True, "offload": True}
+              "sequence_parallel": True, "loss_parallel": True, "split_weights": True,
+              "offload": True}
     assert set(values) == {f.name for f in fields(Spec)}
     options = [a for k, v in values.items() for a in (
         [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)])]

@@ -222,7 +222,19 @@ class StrategySpace:
             for out in self._deliveries(n, raw_t, nd):
                 strategies.append(NodeStrategy(self._name(rule, raw_t, out, ins), out, raw_t,
                                                ins, grads, labels=combo))
-        return strategies
+        return self._weights_split(n, strategies) if self.st.split_weights else strategies
+
+    def _weights_split(self, n: OpNode, strategies: list[NodeStrategy]) -> list[NodeStrategy]:
+        """With the settings' ``split_weights``: of op ``n``'s strategies, those that split
+        each matrix of the blocks it owns over every model-parallel axis (Megatron's
+        and torchtitan's tensor parallelism), where any does."""
+        mats = [o.pos for o in self.facts.owned(n) if o.trainable and not o.root
+                and (m := self.meta(n.inputs[o.pos])) is not None and len(m.shape) >= 2]
+        if not mats or not self.free:
+            return strategies
+        split = [s for s in strategies
+                 if all(s.ins[pos][a].startswith("S(") for pos in mats for a in self.free)]
+        return split or strategies
 
     def _name(self, rule: OpRule, raw: Placements, out: Placements,
               ins: tuple[Placements, ...]) -> str:

@@ -28,6 +28,7 @@ class Settings:
     gpus_per_node: int
     sequence_parallel: bool | None = None
     loss_parallel: bool | None = None  # the loss on class-split logits (None: the solver's)
+    split_weights: bool = False  # every block matrix split over tp (enumeration)
     offload: bool = False
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
     split_experts: bool = False  # every expert module split over ep (else the solver's)
