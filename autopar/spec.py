@@ -105,8 +105,12 @@ class Spec:
         if self.cp_variant is not None:
             check_choice("cp_variant", self.cp_variant, CP_VARIANTS)
         if self.cp is not None and self.ep is not None and self.cp > 1 and self.ep > 1:
-            raise ConfigError(f"cp={self.cp} with ep={self.ep}: context and expert "
-                              f"parallelism are not planned together yet; choose one")
+            raise ConfigError(
+                f"cp={self.cp} with ep={self.ep}: context and expert parallelism are not "
+                f"planned together; it would need the experts split over ep ranks drawn "
+                f"from dp x cp, with every cp rank's tokens routed to them (Megatron-Core "
+                f"folds EP over DP x CP), while autopar's ep takes its ranks from dp alone; "
+                f"choose one (cp for long sequences, ep for the experts)")
         for name in ("sequence_parallel", "loss_parallel", "split_weights", "offload"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected True or False")
