@@ -226,10 +226,13 @@ class StrategySpace:
 
     def _weights_split(self, n: OpNode, strategies: list[NodeStrategy]) -> list[NodeStrategy]:
         """With the settings' ``split_weights``: of op ``n``'s strategies, those that split
-        each matrix of the blocks it owns over every model-parallel axis (Megatron's
-        and torchtitan's tensor parallelism), where any does."""
+        each weight matrix of the blocks it owns over every model-parallel axis
+        (Megatron's and torchtitan's tensor parallelism), where any does. Stacked expert
+        weights stay the solver's choice (Megatron-Core's expert tensor parallelism is
+        set apart from attention's, often 1)."""
         mats = [o.pos for o in self.facts.owned(n) if o.trainable and not o.root
-                and (m := self.meta(n.inputs[o.pos])) is not None and len(m.shape) >= 2]
+                and not o.routed
+                and (m := self.meta(n.inputs[o.pos])) is not None and len(m.shape) == 2]
         if not mats or not self.free:
             return strategies
         split = [s for s in strategies
