@@ -204,3 +204,24 @@ def test_large_model_is_fast(schedule, v):
     for pp in (8, 64):
         split_stages(units, pp, 2 * pp, schedule=schedule, virtual_stages=v, memory_budget=2e10)
     assert time.perf_counter() - start < 2.0
+
+
+def test_an_even_interleaved_split_that_fits_at_its_peak_is_found() -> None:
+    """The search bounds a rank's memory by the sum of its stages' own peaks; with 4
+    chunks per rank those peaks fall at different times, so the even split fits the
+    budget at its simulated peak though the bound says it does not. The split search
+    must still find it (before, it returned an uneven split that the bound admits)."""
+    pp, v, m = 2, 4, 8
+    units = [PieceCost(1.0, 2.0, 0.0, activation_bytes=10.0, static_bytes=0.0, name=f"u{i}")
+             for i in range(pp * v * 2)]
+    free = split_stages(units, pp, m, schedule="interleaved_1f1b", virtual_stages=v)
+    assert [j - i for i, j in free.bounds] == [2] * (pp * v)
+    peak = max(free.estimate.peak_memory_bytes)
+    bounded = max(_problem(units, pp, m, "interleaved_1f1b", v, 0.0, 0.0).rank_memory(
+        free.bounds))
+    assert peak < bounded  # the additive bound is loose here
+    tight = split_stages(units, pp, m, schedule="interleaved_1f1b", virtual_stages=v,
+                         memory_budget=peak)
+    assert tight.bounds == free.bounds
+    assert max(tight.estimate.peak_memory_bytes) <= peak
+    assert tight.objective_s == pytest.approx(free.objective_s)
