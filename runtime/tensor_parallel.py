@@ -286,7 +286,8 @@ def reduce_partial_gradients(module: nn.Module) -> None:
         else:
             p.grad = g.redistribute(placements=p.placements)
     for (mesh, _), params in buckets.items():
-        flat = torch.cat([p.grad.to_local().reshape(-1) for p in params])  # type: ignore[union-attr]
+        grads = [p.grad.to_local().reshape(-1) for p in params]  # type: ignore[union-attr]
+        flat = torch.cat(grads)
         dist.all_reduce(flat, group=mesh.get_group())
         for p, piece in zip(params, flat.split([p.numel() for p in params])):
             p.grad = DTensor.from_local(piece.view(p.shape), mesh, p.placements, run_check=False)
