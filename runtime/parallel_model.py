@@ -273,8 +273,7 @@ class ParallelModel(nn.Module):
             part = slice(i * mb, (i + 1) * mb)
             local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
             # plain tensors the forward makes meet DTensors; a loss-parallel loss splits.
-            # One tp_context for forward and backward: a nested one would stack a second
-            # dispatch mode, which every operator of the forward would pass through too
+            # One tp_context for forward, loss and backward
             with tp_context(tp), loss_context(plan.loss_parallel):
                 with self.sequence_shards():
                     output = self.module(*local)
