@@ -181,7 +181,8 @@ DTENSOR_LAYOUT = Template("\n\n".join(inspect.getsource(f) for f in (
     _layout._input_hook, _layout._output_hook,
     _layout.relayout_modules, _layout._to_dtensor, _layout.gather_output, _layout.distribute_io,
     _layout._attention_strategies, _layout.register_cpu_attention_sharding,
-    _local._same_outputs, _local.LocalRegion, _local._local_input, _local._local_weights,
+    _local._same_outputs, _local.LocalRegion, _local._local_input, _local._LocalShard,
+    _local._local_shard, _local._local_weights,
     _local._partial_output, _local._add_bias, _local.localize_regions)))
 """DTensors from input to output, local tensors inside the regions that allow them: the
 runtime's own functions (:mod:`autopar.runtime.dtensor_layout`,

@@ -117,15 +117,38 @@ def _local_input(x: Any) -> Any:
     return x
 
 
+class _LocalShard(torch.autograd.Function):
+    """``p.to_local()`` of a parameter whose shard is contiguous, its gradient wrapped
+    in the parameter's own spec by DTensor's constructor: ``to_local``'s backward
+    builds a spec and runs ``from_local``, an autograd function of its own, for the
+    same DTensor (private fields in torch 2.11 to 2.13)."""
+
+    @staticmethod
+    def forward(ctx: Any, p: DTensor) -> torch.Tensor:  # noqa: D102
+        ctx.spec = p._spec
+        return p._local_tensor.view_as(p._local_tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # noqa: D102
+        return DTensor(grad.contiguous(), ctx.spec, requires_grad=False)
+
+
+def _local_shard(p: Any) -> torch.Tensor:
+    """The local shard of parameter ``p``, its gradient flowing back to ``p``."""
+    if p._local_tensor.is_contiguous():
+        return _LocalShard.apply(p)
+    return p.to_local()
+
+
 def _local_weights(region: LocalRegion, rowwise: bool, module: nn.Module, args: tuple) -> None:
     """Before a Linear of an active region: its local weight (and colwise bias) shards
     in its ``__dict__``, which attribute lookup reads before its parameters."""
     if not region.active:
         return
-    module.__dict__["weight"] = module._parameters["weight"].to_local()
+    module.__dict__["weight"] = _local_shard(module._parameters["weight"])
     bias = module._parameters.get("bias")
     if bias is not None:
-        module.__dict__["bias"] = None if rowwise else bias.to_local()
+        module.__dict__["bias"] = None if rowwise else _local_shard(bias)
 
 
 def _partial_output(region: LocalRegion, mesh: DeviceMesh, module: nn.Module, args: tuple,

@@ -281,13 +281,15 @@ def reduce_partial_gradients(module: nn.Module) -> None:
         if not (isinstance(p, DTensor) and isinstance(g, DTensor)) or g.placements == p.placements:
             continue
         summed = [getattr(q, "reduce_op", None) == "sum" for q in g.placements]
-        if p.device_mesh.ndim == 1 and p.placements[0].is_replicate() and all(summed):
+        if p.device_mesh.ndim == 1 and p.placements[0].is_replicate() and all(summed) \
+                and p.is_contiguous():
             buckets.setdefault((g.device_mesh, g.dtype), []).append(p)
         else:
             p.grad = g.redistribute(placements=p.placements)
-    for (mesh, _), params in buckets.items():
-        grads = [p.grad.to_local().reshape(-1) for p in params]  # type: ignore[union-attr]
-        flat = torch.cat(grads)
+    for (mesh, _), params in buckets.items():  # gradients need no autograd: DTensor's
+        # own fields and constructor, not to_local/from_local (private in torch 2.11-2.13)
+        flat = torch.cat([p.grad._local_tensor.reshape(-1) for p in params])  # type: ignore
         dist.all_reduce(flat, group=mesh.get_group())
         for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            p.grad = DTensor.from_local(piece.view(p.shape), mesh, p.placements, run_check=False)
+            # the parameter's own spec: a gradient's shape, stride, dtype and placement
+            p.grad = DTensor(piece.view(p.shape), p._spec, requires_grad=False)  # type: ignore
