@@ -3,8 +3,9 @@ node of a repeated layer (per micro-batch and layer instance; bytes per device, 
 
 :func:`mode_costs` gives one strategy's row (:class:`ModeCosts`) of every mode of
 :data:`autopar.memory_choices.RECOMPUTE`: the seconds re-run in backward, the kept and
-transient bytes and the host seconds; :mod:`autopar.solvers.problem` adds them to the
-step.
+transient bytes and the host seconds; :func:`rerun_reach` how far the layer's forward
+runs again and :func:`edge_extra` what an edge's conversion into it adds;
+:mod:`autopar.solvers.problem` adds them to the step.
 
 The kept bytes K per mode, ``act_delta`` and ``transient``, what is re-run and the
 host's part: docs/cost_models.md, section ``autopar.cost_models.recompute_price``.
@@ -15,10 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cost_models.host import checkpoint_host_time
+from autopar.cost_models.memory import saved_for_backward
 from autopar.cost_models.strategy_price import OpTerms, StrategyPricer
 from autopar.flops import op_name
 from autopar.memory_choices import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.strategies.enumeration import NodeStrategy
+
+RUNS, STOPS, SKIPPED = "runs", "stops", "skipped"
+"""How far a recomputed layer's forward runs again for one of its nodes
+(:func:`rerun_reach`)."""
 
 
 @dataclass
@@ -38,15 +44,52 @@ class ModeCosts:
                                  self.host_bwd_s) for v in row)
 
 
+def rerun_reach(p: StrategyPricer, names: list[str]) -> dict[str, str]:
+    """Node -> how far the recomputation of the layer of ``names`` (in graph order)
+    reaches it: torch's non-reentrant checkpoint stops re-running the forward once the
+    last tensor the forward saved is saved again (its default early stop), so the
+    last node that saves a tensor "stops" the recomputation (autograd saves its inputs
+    before it runs), the nodes before it "runs" and those after it are "skipped"."""
+    savers = [k for k, name in enumerate(names) if _saves(p, name)]
+    last = savers[-1] if savers else -1
+    return {name: RUNS if k < last else STOPS if k == last else SKIPPED
+            for k, name in enumerate(names)}
+
+
+def _saves(p: StrategyPricer, name: str) -> bool:
+    """Whether op ``name`` saves a tensor (an activation or a parameter) for backward."""
+    n = p.node(name)
+    return n.kind == "op" and n.requires_grad and bool(saved_for_backward(n.target,
+                                                                            len(n.inputs)))
+
+
+def _saves_output(p: StrategyPricer, name: str) -> bool:
+    """Whether op ``name`` saves its own output (so it runs before the save)."""
+    n = p.node(name)
+    return -1 in saved_for_backward(n.target, len(n.inputs))
+
+
+def edge_extra(reach: str, forward_s: float) -> list[float]:
+    """The seconds an edge's forward conversion ``forward_s`` into a node of a recomputed
+    layer is run again in backward under each mode of
+    :data:`autopar.memory_choices.RECOMPUTE`, the consumer reached as ``reach`` says: a
+    conversion runs at its consumer's module boundary (the lowering's input hook, inside
+    the checkpointed block and before the consumer saves its inputs), so every mode but
+    none runs it again unless the recomputation stops before the consumer."""
+    again = forward_s if reach != SKIPPED else 0.0
+    return [0.0 if m == "none" else again for m in RECOMPUTE]
+
+
 def mode_costs(p: StrategyPricer, name: str, ns: NodeStrategy, op: OpTerms,
-               inputs: list[tuple[int, str]], host: bool) -> ModeCosts:
+               inputs: list[tuple[int, str]], host: bool, reach: str = RUNS) -> ModeCosts:
     """The costs of every mode for node ``name`` under strategy ``ns`` with its own terms
     ``op``; ``inputs`` are the (input position, input name) of the block inputs charged
-    to it; ``host`` whether the profile charges host time."""
+    to it; ``host`` whether the profile charges host time; ``reach`` how far the
+    recomputation re-runs the layer (:func:`rerun_reach`)."""
     base = op.activations
     kept = [_kept(p, name, ns, m, inputs, base) for m in RECOMPUTE]
-    hosts = [_host(p, name, op, m) if host else (0.0, 0.0) for m in RECOMPUTE]
-    return ModeCosts([_extra(p, name, ns, op, m) for m in RECOMPUTE],
+    hosts = [_host(p, name, op, m, reach) if host else (0.0, 0.0) for m in RECOMPUTE]
+    return ModeCosts([_extra(p, name, ns, op, m, reach) for m in RECOMPUTE],
                      [x - base for x in kept], [base - x for x in kept],
                      [f for f, _ in hosts], [h for _, h in hosts])
 
@@ -65,27 +108,36 @@ def _kept(p: StrategyPricer, name: str, ns: NodeStrategy, mode: str,
     return kept
 
 
-def _extra(p: StrategyPricer, name: str, ns: NodeStrategy, op: OpTerms, mode: str) -> float:
+def _extra(p: StrategyPricer, name: str, ns: NodeStrategy, op: OpTerms, mode: str,
+           reach: str) -> float:
     """Forward seconds re-run in backward under ``mode`` (docs/cost_models.md,
-    section ``autopar.cost_models.recompute_price``): the op's forward and the forward
-    half of its output's conversion (not the reduction of its parameters' gradients)."""
-    if mode == "none":
+    section ``autopar.cost_models.recompute_price``): the op's forward and its output's
+    forward conversion (not the reduction of its parameters' gradients), as far as the
+    recomputation ``reach``es the node."""
+    if mode == "none" or reach == SKIPPED:
         return 0.0
     n = p.node(name)
     fwd = op.compute_s - op.bwd_compute_s
     if mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS:
         fwd = 0.0
-    return fwd + p.output_comm(n, ns.raw_out, ns.out) / 2
+    if reach == STOPS:  # saved before it runs, unless it saves its output
+        return fwd if _saves_output(p, name) else 0.0
+    conversion = p.convert(ns.raw_out, ns.out, p.out_bytes(name)) if ns.out != ns.raw_out \
+        else 0.0
+    return fwd + conversion
 
 
-def _host(p: StrategyPricer, name: str, op: OpTerms, mode: str) -> tuple[float, float]:
+def _host(p: StrategyPricer, name: str, op: OpTerms, mode: str,
+          reach: str) -> tuple[float, float]:
     """(forward, backward) host seconds ``mode`` adds to node ``name`` with its own terms
     ``op`` on a GPU profile (docs/cost_models.md, section
-    ``autopar.cost_models.recompute_price``)."""
+    ``autopar.cost_models.recompute_price``); a node the recomputation does not
+    ``reach`` is not issued again."""
     n = p.node(name)
     if mode == "none" or n.kind != "op":
         return 0.0, 0.0
     again = op.host_s - op.host_bwd_s  # the op's forward, issued again
     hook_f, hook_b = checkpoint_host_time(p.st.hw, mode)
     saved = mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS
-    return hook_f, hook_b + (0.0 if saved else again)
+    issued = reach == RUNS or (reach == STOPS and _saves_output(p, name))
+    return hook_f, hook_b + (again if issued and not saved else 0.0)

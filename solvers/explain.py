@@ -15,7 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from autopar.solvers.problem import Problem, evaluate
+from autopar.solvers.problem import Problem, edge_recompute_s, evaluate
 
 ENUMERATE_LIMIT = 4096
 """At most this many assignments of the explained nodes are priced; with more, the
@@ -28,7 +28,8 @@ class LocalTerms:
     nodes' strategies fixed.
 
     ``compute_s``: n · Σ m_v · device_s (the ops' forward and backward, FSDP2's copies);
-    ``recompute_s``: n · Σ m_v · extra_s under the solved recomputation modes;
+    ``recompute_s``: n · Σ m_v · extra_s under the solved recomputation modes, and the
+    forward conversions they run again on the edges that touch the nodes;
     ``comm_s``: n · Σ m_v · comm_s (their own collectives); ``reshard_s``: n · Σ m_e ·
     cost_e over the edges that touch them; ``optimizer_s``: Σ m_v · optimizer_s;
     ``param_comm_s``: their parameter traffic, hidden behind compute where it can be
@@ -83,6 +84,7 @@ def local_terms(p: Problem, nodes: list[int], choice: list[int],
                 m = p.nodes[v].multiplicity
                 redo += n * m * grp.extra_s[k][choice[v]][r]
                 mem += grp.memory(k, choice[v], r, m)
+    redo += n * edge_recompute_s(p, choice, modes, picked)
     reshard = sum(n * e.multiplicity * e.cost.get((choice[e.u], choice[e.v]), math.inf)
                   for e in p.edges if e.u in picked or e.v in picked)
     return LocalTerms(comp, redo, comm, reshard, opt, pc, mem)

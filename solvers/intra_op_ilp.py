@@ -83,6 +83,8 @@ class IntraOpILP:
         self.z: list[dict[int, pulp.LpVariable]] = []
         self.w: list[dict[tuple[int, int, int], pulp.LpVariable]] = []
         self.classes: list[list[list[list[int]]]] = []
+        self.u: list[dict[tuple[int, int, int], pulp.LpVariable]] = []
+        self.pair_classes: list[list[list[list[tuple[int, int]]]]] = []
         self.sums: dict[str, pulp.LpAffineExpression] = {}  # _sum's, by attribute
 
     def build(self) -> None:
@@ -101,11 +103,17 @@ class IntraOpILP:
             self.w.append({(k, c, r): pulp.LpVariable(f"w_{g}_{k}_{c}_{r}", 0, 1)
                            for k in range(len(grp.nodes))
                            for c in range(len(self.classes[g][k])) for r in grp.allowed})
+            self.pair_classes.append([_pair_classes(t, p.edges[k].cost)
+                                      for k, t in zip(grp.edges, grp.edge_extra_s)])
+            self.u.append({(j, c, r): pulp.LpVariable(f"u_{g}_{j}_{c}_{r}", 0, 1)
+                           for j, cs in enumerate(self.pair_classes[g])
+                           for c in range(len(cs)) for r in grp.allowed})
         self.add_one_strategy_per_node()
         self.add_edge_marginals()
         self.add_ties()
         self.add_one_mode_per_group()
         self.add_recompute_marginals()
+        self.add_edge_recompute_marginals()
         self.add_memory_budget()
         self.add_recompute_memory_budget()
         self.set_objective()
@@ -158,11 +166,27 @@ class IntraOpILP:
                     self.model += (pulp.lpSum(ws[(k, c, r)] for c in range(len(classes)))
                                    == self.z[g][r]), f"wz_{g}_{k}_{r}"
 
+    def add_edge_recompute_marginals(self) -> None:
+        """For group g, its j-th edge e and each class P of e's strategy pairs with equal
+        re-run seconds: Σ_r u[g,j,P,r] = Σ_{(i,k)∈P} y[e,i,k], and for every mode r
+        Σ_P u[g,j,P,r] = z[g,r] (so u[g,j,P,r] = [pair ∈ P]·z[g,r] when x is integral)."""
+        for g, grp in enumerate(self.p.recompute):
+            us = self.u[g]
+            for j, (k, classes) in enumerate(zip(grp.edges, self.pair_classes[g])):
+                for c, members in enumerate(classes):
+                    self.model += (pulp.lpSum(us[(j, c, r)] for r in grp.allowed)
+                                   == pulp.lpSum(self.y[k][ij] for ij in members)), \
+                        f"uy_{g}_{j}_{c}"
+                for r in grp.allowed:
+                    self.model += (pulp.lpSum(us[(j, c, r)] for c in range(len(classes)))
+                                   == self.z[g][r]), f"uz_{g}_{j}_{r}"
+
     def _recompute_sum(self, what: str, scale: float) -> list[tuple[pulp.LpVariable, float]]:
         """Σ_g Σ_{k,C,r} coefficient · w[g,k,C,r] for ``what`` = "time" (m_v·extra_s),
         "host_fwd" / "host_bwd" (m_v times :meth:`RecomputeGroup.host`) or "memory"
         (:meth:`RecomputeGroup.memory`), the coefficient of any member of C, as
-        (variable, coefficient) pairs for :func:`_affine`."""
+        (variable, coefficient) pairs for :func:`_affine`; "time" also Σ_g Σ_{j,P,r}
+        m_e·edge_extra_s·u[g,j,P,r] (the edges' conversions run again)."""
         terms = []
         for g, grp in enumerate(self.p.recompute):
             for (k, c, r), w in self.w[g].items():
@@ -176,6 +200,12 @@ class IntraOpILP:
                     c = grp.memory(k, i, r, m)
                 if c:
                     terms.append((w, scale * c))
+            if what == "time":
+                for (j, c, r), u in self.u[g].items():
+                    e = self.p.edges[grp.edges[j]]
+                    row = grp.edge_extra_s[j].get(self.pair_classes[g][j][c][0])
+                    if row and row[r]:
+                        terms.append((u, scale * e.multiplicity * row[r]))
         return terms
 
     def _common_memory(self, k: float) -> list[tuple[pulp.LpVariable, float]]:
@@ -236,6 +266,9 @@ class IntraOpILP:
                      for s, x in zip(n.strategies, xs) if getattr(s, read)]
             if attr in ("compute_s", "bwd_compute_s"):  # recomputation runs in backward
                 terms += self._recompute_sum("time", self.TIME)
+                terms += [(self.y[k][ij], self.TIME * e.multiplicity * c)
+                          for k, e in enumerate(self.p.edges) for ij, c in e.recompute.items()
+                          if ij in self.y[k]]
             self.sums[attr] = _affine(terms)
         return self.sums[attr].copy()
 
@@ -312,7 +345,8 @@ class IntraOpILP:
             name = "Stopped"  # the time limit cut CBC short: an assignment, not proven best
         choice = [max(range(len(xs)), key=lambda i: xs[i].value() or 0.0) for xs in self.x]
         modes = [max(zs, key=lambda r: zs[r].value() or 0.0) for zs in self.z]
-        self.stats_extra = {"recompute_variables": sum(len(w) for w in self.w)}
+        self.stats_extra = {"recompute_variables": sum(len(w) for w in self.w)
+                            + sum(len(u) for u in self.u)}
         ev = evaluate(self.p, choice, modes)
         stats = {"solver": "ilp-cbc", "status": name, "variables": len(self.model.variables()),
                  "constraints": len(self.model.constraints), "build_s": built - t0,
@@ -344,6 +378,16 @@ def _classes(grp, k: int, n: int) -> list[list[int]]:
     return list(out.values())
 
 
+def _pair_classes(table: dict[tuple[int, int], list[float]],
+                  cost: dict[tuple[int, int], float]) -> list[list[tuple[int, int]]]:
+    """An edge's allowed strategy pairs grouped by equal re-run seconds per mode
+    (``table``; a pair it leaves out re-runs nothing)."""
+    out: dict[tuple, list[tuple[int, int]]] = {}
+    for ij in cost:
+        out.setdefault(tuple(table.get(ij, ())), []).append(ij)
+    return list(out.values())
+
+
 def fold_modes(problem: Problem, modes: list[int]) -> Problem:
     """``problem`` with every recomputation group fixed to ``modes``: each node's
     strategies carry the mode's extra time and memory, and no groups remain."""
@@ -360,7 +404,16 @@ def fold_modes(problem: Problem, modes: list[int]) -> Problem:
                              recompute_bytes=sc.recompute_bytes + grp.transient[k][i][r])
                      for i, sc in enumerate(node.strategies)]
             nodes[v] = replace(node, strategies=costs)
-    return replace(problem, nodes=nodes, recompute=[])
+    edges = list(problem.edges)
+    for grp, r in zip(problem.recompute, modes):
+        for k, table in zip(grp.edges, grp.edge_extra_s):
+            e = edges[k]
+            redo = dict(e.recompute)
+            for ij, row in table.items():
+                if row[r]:
+                    redo[ij] = redo.get(ij, 0.0) + row[r]
+            edges[k] = replace(e, recompute=redo)
+    return replace(problem, nodes=nodes, edges=edges, recompute=[])
 
 
 def _recompute_only_adds_time(problem: Problem) -> bool:

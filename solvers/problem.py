@@ -95,6 +95,10 @@ class EdgeChoice:
     all_to_all: dict[tuple[int, int], float] = field(default_factory=dict)
     """The part of ``cost`` that moves tokens to their experts (pairs without one
     left out)."""
+    recompute: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Seconds per micro-batch (and instance) of the pair's forward conversion that a
+    recomputation mode folded in (:func:`~autopar.solvers.intra_op_ilp.fold_modes`)
+    re-runs in backward: beside ``cost``, counted as a group's ``extra_s`` is."""
 
 
 @dataclass
@@ -116,7 +120,11 @@ class RecomputeGroup:
     ``extra_s[k][i][r]`` / ``act_delta[k][i][r]`` / ``transient[k][i][r]``: for the k-th
     node of ``nodes`` using its strategy i under mode ``modes[r]`` (see
     docs/solvers.md); ``host_fwd_s`` / ``host_bwd_s`` likewise, the host seconds (**).
-    ``allowed`` lists the mode indices the solver may pick."""
+    ``allowed`` lists the mode indices the solver may pick. ``edges`` are the indices
+    (into :attr:`Problem.edges`) of the edges whose forward conversion the layer's
+    recomputation runs again, and ``edge_extra_s[j][(i, k)][r]`` those seconds for the
+    j-th of them with the pair (i, k) under mode ``modes[r]`` (per micro-batch and
+    instance), counted as ``extra_s`` is."""
 
     name: str
     nodes: list[int]
@@ -128,6 +136,8 @@ class RecomputeGroup:
     activation_scale: float = 1.0
     host_fwd_s: list[list[list[float]]] = field(default_factory=list)
     host_bwd_s: list[list[list[float]]] = field(default_factory=list)
+    edges: list[int] = field(default_factory=list)
+    edge_extra_s: list[dict[tuple[int, int], list[float]]] = field(default_factory=list)
 
     def host(self, k: int, i: int, r: int) -> tuple[float, float]:
         """(forward, backward) host seconds per micro-batch and instance the mode adds
@@ -166,7 +176,7 @@ class Evaluation:
     """The objective and its parts for one assignment (seconds, bytes).
 
     ``compute_s`` includes ``recompute_s`` (n · Σ m_v · extra_s, the recomputed
-    forwards); ``comm_s`` includes ``reshard_s``; ``optimizer_s`` is Σ m_v optimizer_v;
+    forwards, and n · Σ m_e · the edges' conversions run again); ``comm_s`` includes ``reshard_s``; ``optimizer_s`` is Σ m_v optimizer_v;
     ``exposed_host_s`` is H(s) of (**), ``host_s`` the step's host seconds.
     step_time_s = compute_s + comm_s + exposed_param_comm_s + optimizer_s
     + exposed_host_s."""
@@ -196,6 +206,33 @@ class Evaluation:
                          comm_s=self.comm_s, exposed_param_comm_s=self.exposed_param_comm_s,
                          reshard_s=self.reshard_s, param_comm_s=self.param_comm_s,
                          host_s=self.host_s, all_to_all_s=self.all_to_all_s or None)
+
+
+def edge_rerun(p: Problem, choice: list[int], modes: list[int]) -> dict[int, float]:
+    """Edge index -> the seconds per micro-batch and instance that recomputation under
+    ``modes`` re-runs of its forward conversion with ``choice``: the groups'
+    ``edge_extra_s`` and what :func:`~autopar.solvers.intra_op_ilp.fold_modes` folded
+    into the edges (edges with none left out)."""
+    out: dict[int, float] = {}
+    for grp, r in zip(p.recompute, modes):
+        for k, table in zip(grp.edges, grp.edge_extra_s):
+            e = p.edges[k]
+            row = table.get((choice[e.u], choice[e.v]))
+            if row and row[r]:
+                out[k] = out.get(k, 0.0) + row[r]
+    for k, e in enumerate(p.edges):
+        t = e.recompute.get((choice[e.u], choice[e.v]), 0.0) if e.recompute else 0.0
+        if t:
+            out[k] = out.get(k, 0.0) + t
+    return out
+
+
+def edge_recompute_s(p: Problem, choice: list[int], modes: list[int],
+                     only: set[int] | None = None) -> float:
+    """Σ_e m_e · :func:`edge_rerun` (seconds per micro-batch); ``only``: over the edges
+    that touch these nodes."""
+    return sum(p.edges[k].multiplicity * t for k, t in edge_rerun(p, choice, modes).items()
+               if only is None or p.edges[k].u in only or p.edges[k].v in only)
 
 
 def host_exposure(n: int, d_fwd: float, d_bwd: float, h_fwd: float, h_bwd: float,
@@ -247,6 +284,8 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
         a2a += m * s.all_to_all_s
         redo += s.recompute_bytes
         mem += m * s.memory_bytes + node.gather_multiplicity * s.gather_bytes
+    again = edge_recompute_s(p, choice, modes)
+    extra, comp, bwd = extra + again, comp + again, bwd + again
     reshard = 0.0
     for e in p.edges:
         c = e.cost.get((choice[e.u], choice[e.v]))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.cost_models.host import charges_host
-from autopar.cost_models.recompute_price import ModeCosts, mode_costs
+from autopar.cost_models.recompute_price import ModeCosts, edge_extra, mode_costs, rerun_reach
 from autopar.cost_models.strategy_price import OpTerms, StrategyPrice, StrategyPricer
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import OpNode
@@ -173,9 +173,9 @@ def _build(p: StrategyPricer, cache: dict | None = None) -> _Layout:
         nodes.append(_node_choice(an, n, [sc for _, sc in priced]))
         details.append([ns for ns, _ in priced])
         ops.append(terms)
-    edges = _edges(p, counts, details, names)
+    edges, forward = _edges(p, counts, details, names)
     ties = [Tie(a, c, ga, gb) for a, c, ga, gb in tied_groups(space, index, details)]
-    groups = _recompute_groups(p, index, details, ops)
+    groups = _recompute_groups(p, index, details, ops, edges, forward)
     prob = Problem(nodes, edges, ties, st.num_microbatches, st.memory_budget, 0.0, st.overlap,
                    groups)
     return _Layout(Built(prob, names, details, st), ops)
@@ -187,49 +187,64 @@ def _node_choice(an: GraphAnalysis, n: OpNode, costs: list[StrategyCost]) -> Nod
 
 
 def _edges(p: StrategyPricer, counts: dict[tuple[int, int, int], int],
-           details: list[list[NodeStrategy]], names: list[str]) -> list[EdgeChoice]:
-    """Every edge with the price of each pair of strategies it allows."""
-    edges = []
+           details: list[list[NodeStrategy]], names: list[str]
+           ) -> tuple[list[EdgeChoice], list[dict[tuple[int, int], float]]]:
+    """Every edge with the price of each pair of strategies it allows, and per edge the
+    pairs whose forward conversion costs something, with those seconds."""
+    edges, forward = [], []
     for e in edge_options(p.space, counts, details, names):
         nbytes = p.out_bytes(e.tensor)
-        cost, a2a = {}, {}
+        cost, a2a, fwd = {}, {}, {}
         for ii, jj, c in e.pairs:
             if e.shared_axis is not None:
                 c = shared_conversion(c, e.shared_axis)
             t = p.convert_both(c.src, c.dst, c.grad, nbytes, e.needs_grad)
             cost.update({(i, j): t for i in ii for j in jj})
+            t_fwd = p.convert(c.src, c.dst, nbytes) if c.src != c.dst else 0.0
+            if t_fwd:
+                fwd.update({(i, j): t_fwd for i in ii for j in jj})
             if e.entry and c.src[p.ep_axis] != c.dst[p.ep_axis]:  # tokens to their experts
                 plain = shared_conversion(c, p.ep_axis)
                 t -= p.convert_both(plain.src, plain.dst, plain.grad, nbytes, e.needs_grad)
                 a2a.update({(i, j): t for i in ii for j in jj})
         edges.append(EdgeChoice(e.producer, e.consumer, dict(sorted(cost.items())), e.count,
                                 dict(sorted(a2a.items()))))
-    return edges
+        forward.append(fwd)
+    return edges, forward
 
 
 def _recompute_groups(p: StrategyPricer, index: dict[str, int],
-                      details: list[list[NodeStrategy]],
-                      ops: list[list[OpTerms]]) -> list[RecomputeGroup]:
+                      details: list[list[NodeStrategy]], ops: list[list[OpTerms]],
+                      edges: list[EdgeChoice], forward: list[dict[tuple[int, int], float]]
+                      ) -> list[RecomputeGroup]:
     """One group per canonical layer of the graph, over the modes ``p.st.recompute_modes``
     allows (mode indices follow :data:`autopar.memory_choices.RECOMPUTE`); a node no
-    mode changes is left out."""
+    mode changes is left out. Each group lists the edges into its nodes whose forward
+    conversion (``forward``, per edge and pair) its recomputation runs again."""
     allowed = tuple(k for k, m in enumerate(RECOMPUTE) if m in p.st.recompute_modes)
     host = charges_host(p.st.hw)
     groups = []
     for layer in recompute_layers(p.space, index):
+        reach = rerun_reach(p, layer.names)
         rows: list[tuple[int, list[ModeCosts]]] = []
         for name in layer.names:
             k = index[name]
             own = layer.inputs.get(name, [])
-            costs = [mode_costs(p, name, ns, op, own, host) for ns, op in zip(details[k], ops[k])]
+            costs = [mode_costs(p, name, ns, op, own, host, reach[name])
+                     for ns, op in zip(details[k], ops[k])]
             if any(c.any() for c in costs):
                 rows.append((k, costs))
-        if rows:
+        consumers = {index[name]: reach[name] for name in layer.names}
+        again = [(k, {ij: edge_extra(consumers[e.v], t) for ij, t in forward[k].items()})
+                 for k, e in enumerate(edges) if e.v in consumers and forward[k]]
+        again = [(k, table) for k, table in again if any(any(r) for r in table.values())]
+        if rows or again:
             groups.append(RecomputeGroup(
                 ",".join(layer.paths), [k for k, _ in rows],
                 [[c.extra_s for c in cs] for _, cs in rows],
                 [[c.act_delta for c in cs] for _, cs in rows],
                 [[c.transient for c in cs] for _, cs in rows], RECOMPUTE, allowed,
                 host_fwd_s=[[c.host_fwd_s for c in cs] for _, cs in rows] if host else [],
-                host_bwd_s=[[c.host_bwd_s for c in cs] for _, cs in rows] if host else []))
+                host_bwd_s=[[c.host_bwd_s for c in cs] for _, cs in rows] if host else [],
+                edges=[k for k, _ in again], edge_extra_s=[table for _, table in again]))
     return groups

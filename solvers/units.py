@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from autopar.graph import Graph
 from autopar.sharding import replica_degree, shard_count
 from autopar.solvers.cost_terms import PieceCost
-from autopar.solvers.problem import Problem, StrategyCost
+from autopar.solvers.problem import Problem, StrategyCost, edge_rerun
 from autopar.solvers.problem_build import Built
 from autopar.strategies.analysis import param_users
 
@@ -139,7 +139,7 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
             u.backward_s += grp.extra_s[pos][choice[k]][r]
             u.recompute_s += grp.extra_s[pos][choice[k]][r]
             u.host_s += sum(grp.host(pos, choice[k], r))
-    _add_edges(g, problem, names, choice, units, where)
+    _add_edges(g, problem, names, choice, units, where, modes)
     if tied_sync is not None:
         add_tied_copies(g, built, choice, units, tied_sync)
     return units
@@ -284,13 +284,16 @@ def add_tied_copies(g: Graph, built: Built, choice: list[int], units: list[Unit]
 
 
 def _add_edges(g: Graph, problem: Problem, names: list[str], choice: list[int],
-               units: list[Unit], where: dict[str, int]) -> None:
-    """Charge each instance edge's resharding to its consumer's unit (half per pass).
+               units: list[Unit], where: dict[str, int], modes: list[int]) -> None:
+    """Charge each instance edge's resharding to its consumer's unit (half per pass),
+    and the forward conversion that recomputation under ``modes`` runs again to its
+    backward.
 
     ``problem.edges`` lists one edge per distinct (producer, consumer, input position)
     of canonical nodes, in the order of first occurrence in the graph
     (:func:`autopar.solvers.problem_build.build_problem`); the same walk finds them here."""
     index = {name: k for k, name in enumerate(names)}
+    again = edge_rerun(problem, choice, modes)
     order: dict[tuple[int, int, int], int] = {}
     for n in g.nodes:
         if n.kind != "op":
@@ -306,4 +309,6 @@ def _add_edges(g: Graph, problem: Problem, names: list[str], choice: list[int],
             units[where[n.name]].forward_s += c / 2
             units[where[n.name]].backward_s += c / 2
             units[where[n.name]].comm_s += c
+            units[where[n.name]].backward_s += again.get(k, 0.0)
+            units[where[n.name]].recompute_s += again.get(k, 0.0)
             units[where[n.name]].all_to_all_s += e.all_to_all.get((choice[u], choice[v]), 0.0)

@@ -1,0 +1,164 @@
+"""What activation recomputation runs again and keeps, priced as the runtime does it.
+
+Recomputation re-runs the layouts changes inside a recomputed block (the lowering's
+module hooks run in the checkpointed forward) until torch's early stop, so an edge's
+forward conversion is charged once more per backward, and the block's last op that
+saves a tensor (and its output's conversion) is not. Selective recomputation keeps a
+row-split product's partial sum at its full local size, as the runtime's checkpoint
+policy caches it (measured on 2 gloo ranks); full recomputation never keeps more than
+none. GPT-3 175B under Megatron's ``--tp 8 --pp 8`` with selective recomputation
+splits ``attn.proj`` by rows, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.capture import capture
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.hardware import load_profile
+from autopar.cost_models.strategy_price import StrategyPricer
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.sharding import Mesh
+from autopar.solvers.intra_op_ilp import IntraOpILP
+from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost
+from autopar.solvers.problem_build import Built, build_problem
+from autopar.strategies.analysis import analyze
+from autopar.strategies.settings import Settings
+
+B, T, DIM = 2, 256, 512
+
+
+def built(tp: int, sp: bool) -> Built:
+    """The problem of a 2-block GPT on a (dp 1, tp) mesh of A100s, bf16."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1024, max_seq_len=T, dim=DIM, n_layers=2, n_heads=8))
+    g = capture(model, (torch.randint(0, 1024, (B, T), device="meta"),))
+    st = Settings(Mesh(("dp", "tp"), (1, tp)), B, 1, 0, "bf16", "adamw", float("inf"),
+                  load_profile("a100-80g"), 8, sequence_parallel=sp)
+    return build_problem(analyze(g), st)
+
+
+def test_gathered_input_is_charged_again_and_the_last_product_is_not() -> None:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1024, max_seq_len=T, dim=DIM, n_layers=2, n_heads=8))
+    g = capture(model, (torch.randint(0, 1024, (B, T), device="meta"),))
+    an = analyze(g)
+    st = Settings(Mesh(("dp", "tp"), (1, 2)), B, 1, 0, "bf16", "adamw", float("inf"),
+                  load_profile("a100-80g"), 8, sequence_parallel=True)
+    b = build_problem(an, st)
+    p, grp = b.problem, b.problem.recompute[0]
+    link = StrategyPricer(an, st).links[1]
+    whole = B * T * DIM * 2  # bytes of one (B, T, C) bf16 activation
+    gather = collective_time("all_gather", whole, 2, link)
+    scatter = collective_time("reduce_scatter", whole, 2, link)
+    path = {name: g.node(name).module_path for name in b.names}
+    proj = b.names.index(next(n for n in b.names if path[n] == "blocks.0.attn.proj"))
+    fc2 = b.names.index(next(n for n in b.names if path[n] == "blocks.0.mlp.fc2"))
+    # a column-wise proj all-gathers its head-split input: once more per backward
+    # under selective and full (in the hand-made Megatron plan, a hook in the block)
+    rows = [(e, table) for e, table in zip(grp.edges, grp.edge_extra_s)
+            if p.edges[e].v == proj]
+    gathered = [(p.edges[e], ij) for e, table in rows for ij in table
+                if b.strategies[proj][ij[1]].ins[0] == ("R", "R")
+                and b.strategies[p.edges[e].u][ij[0]].out == ("R", "S(2)")]
+    assert gathered
+    for e, table in rows:
+        for ij, row in table.items():
+            if (p.edges[e], ij) in gathered:
+                assert row == pytest.approx([0.0, gather, gather], rel=1e-12)
+    # a row-wise proj reduce-scatters its partial output: that forward runs again
+    k = grp.nodes.index(proj)
+    for i, ns in enumerate(b.strategies[proj]):
+        if ns.raw_out == ("R", "P") and ns.out == ("R", "S(1)"):
+            assert grp.extra_s[k][i][1] == pytest.approx(scatter, rel=1e-12)
+    # fc2 saves its inputs last: recomputation stops before it runs, so neither its
+    # product nor its output's reduce-scatter runs again
+    if fc2 in grp.nodes:
+        assert all(row[1] == row[2] == 0.0 for row in grp.extra_s[grp.nodes.index(fc2)])
+
+
+def _worst(b: Built, r: int) -> float:
+    """The largest Σ act_delta of the layer under mode r over every assignment the
+    edges and ties allow (an ILP that minimizes −Σ act_delta)."""
+    p, grp = b.problem, b.problem.recompute[0]
+    row = {v: k for k, v in enumerate(grp.nodes)}
+    scale = 1e9
+    nodes = [NodeChoice(n.name, [StrategyCost(s.name, compute_s=1.0 - (
+        grp.act_delta[row[v]][i][r] if v in row else 0.0) / scale)
+        for i, s in enumerate(n.strategies)]) for v, n in enumerate(p.nodes)]
+    edges = [EdgeChoice(e.u, e.v, {ij: 0.0 for ij in e.cost}) for e in p.edges]
+    sol = IntraOpILP(Problem(nodes, edges, p.ties)).solve()
+    return sum(grp.act_delta[k][sol.choice[v]][r] for k, v in enumerate(grp.nodes))
+
+
+@pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])
+def test_full_recomputation_never_keeps_more(tp: int, sp: bool) -> None:
+    """Over every assignment of a GPT layer, full recomputation keeps no more than none;
+    selective may, by the row-split products' partial sums it keeps whole."""
+    b = built(tp, sp)
+    assert _worst(b, 2) < 0
+    grp = b.problem.recompute[0]
+    whole = B * T * DIM * 2
+    for k, v in enumerate(grp.nodes):
+        for i, ns in enumerate(b.strategies[v]):
+            if "P" in ns.raw_out and grp.act_delta[k][i][1] > 0:
+                assert grp.act_delta[k][i][1] <= whole * 4  # at most one (B, T, 4C) product
+
+
+def _cached_partials() -> list[tuple[str, int, int]]:
+    """On this rank: (placements, local bytes, global bytes) of the outputs the selective
+    policy caches for the row-split products of a Megatron-planned GPT block (tp 2)."""
+    import torch.utils.checkpoint as ck
+    from torch.distributed.tensor import DTensor
+
+    from autopar.runtime import apply_plan
+    from tests.handmade_plans import megatron_plan
+
+    seen: list[tuple[str, int, int]] = []
+    dispatch = ck._CachingTorchDispatchMode.__torch_dispatch__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        out = dispatch(self, func, types, args, kwargs)
+        policy = self.policy_fn(ck.SelectiveCheckpointContext(is_recompute=False), func,
+                                *args, **(kwargs or {}))
+        if policy == ck.CheckpointPolicy.MUST_SAVE and isinstance(out, DTensor) \
+                and out.placements[0].is_partial():
+            seen.append((str(out.placements), out._local_tensor.nbytes,
+                         out.numel() * out.element_size()))
+        return out
+
+    ck._CachingTorchDispatchMode.__torch_dispatch__ = spy
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=128, max_seq_len=16, dim=64, n_layers=2, n_heads=4))
+        plan = megatron_plan(model, tp=2, sequence_parallel=True, global_batch=2,
+                             recompute="selective")
+        apply_plan(model, plan)(torch.randint(0, 128, (2, 16)))
+    finally:
+        ck._CachingTorchDispatchMode.__torch_dispatch__ = dispatch
+    return seen
+
+
+@pytest.mark.multirank
+def test_selective_keeps_row_split_partials_whole(rank_pool) -> None:
+    """What ``recompute_price._kept`` charges a row-split product under selective: its
+    partial output at the full size of the whole tensor, before the reduction."""
+    seen = rank_pool.run(2, _cached_partials, timeout_s=300)[0]
+    assert len(seen) == 4  # attn.proj and mlp.fc2 of 2 blocks
+    assert all(local == whole for _, local, whole in seen)
+
+
+@pytest.mark.slow
+def test_gpt3_175b_megatron_selective_splits_proj_by_rows() -> None:
+    from autopar.examples import zoo
+
+    model, x = zoo.get("gpt3-175b", batch_size=1)
+    plan = autopar.plan(model, x, cluster=autopar.Cluster("a100-80g", 8, 8), global_batch=64,
+                        tp=8, pp=8, dp=1, microbatch_size=1, schedule="interleaved_1f1b",
+                        virtual_stages=3, recompute="selective", sequence_parallel=True)
+    proj = plan.modules["blocks.*.attn.proj"] if "blocks.*.attn.proj" in plan.modules else \
+        next(m for p, m in plan.modules.items() if p.endswith("attn.proj"))
+    assert (proj.style, proj.input_layout, proj.output_layout) == ("rowwise", "S(2)", "S(1)")
