@@ -13,6 +13,7 @@ import torch
 from autopar.capture import capture
 from autopar.cost_models.hardware import load_profile
 from autopar.cost_models.host import op_kind
+from autopar.cost_models.memory import saved_for_backward
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.flops import op_name
 from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
@@ -137,6 +138,12 @@ def _ops_host(g, mode: str) -> tuple[float, float]:
     """(forward + backward per micro-batch, of it the recomputation's) host seconds of
     every op instance of ``g`` by its kind's figure, under recomputation ``mode``."""
     total = extra = 0.0
+    last: dict[int, str] = {}  # layer -> its last op that saves a tensor (early stop)
+    for n in g.nodes:
+        if n.kind == "op" and n.layer is not None and n.requires_grad \
+                and saved_for_backward(n.target, len(n.inputs)):
+            last[n.layer] = n.name
+    reached: set[int] = set()
     for n in g.nodes:
         if n.kind != "op":
             continue
@@ -146,8 +153,13 @@ def _ops_host(g, mode: str) -> tuple[float, float]:
         if mode != "none" and n.layer is not None:
             hook = "sac_op" if mode == "selective" else "ckpt_op"
             extra += FIGURES[f"{hook}_fwd"] + FIGURES[f"{hook}_bwd"]
-            if mode == "full" or op_name(n.target) not in SELECTIVE_SAVE_OPS:
+            stops = last.get(n.layer) == n.name
+            issued = n.layer not in reached and (
+                not stops or -1 in saved_for_backward(n.target, len(n.inputs)))
+            if issued and (mode == "full" or op_name(n.target) not in SELECTIVE_SAVE_OPS):
                 extra += FIGURES[f"op_{kind}_fwd"]
+            if stops:
+                reached.add(n.layer)
     return total, extra
 
 
@@ -158,7 +170,8 @@ def test_builder_charges_each_op_parameter_and_mode(mode: str, n_mb: int) -> Non
     figure by kind and FSDP2's per parameter, per step the optimizer's per DTensor
     parameter; selective recomputation adds its dispatch figures to every op of the
     blocks and re-issues the forward of the ops it recomputes; full recomputation adds
-    the checkpoint's hook figures to every op of the blocks and re-issues every forward."""
+    the checkpoint's hook figures to every op of the blocks and re-issues every forward,
+    each up to the block's last op that saves a tensor (torch's early stop)."""
     g, built, params = _gpt(mode, n_mb)
     sol = solve_ilp(built.problem)
     assert sol.modes == [RECOMPUTE.index(mode)] * len(built.problem.recompute)
