@@ -57,10 +57,16 @@ def rerun_reach(p: StrategyPricer, names: list[str]) -> dict[str, str]:
 
 
 def _saves(p: StrategyPricer, name: str) -> bool:
-    """Whether op ``name`` saves a tensor (an activation or a parameter) for backward."""
+    """Whether op ``name`` saves a tensor (an activation or a parameter) for backward; a
+    dropout of p = 0 or outside training returns its input and saves nothing (ATen's
+    ``dropout``)."""
     n = p.node(name)
-    return n.kind == "op" and n.requires_grad and bool(saved_for_backward(n.target,
-                                                                            len(n.inputs)))
+    if n.kind != "op" or not n.requires_grad:
+        return False
+    args = n.args
+    if op_name(n.target) == "dropout" and len(args) >= 3 and (args[1] == 0 or not args[2]):
+        return False
+    return bool(saved_for_backward(n.target, len(n.inputs)))
 
 
 def _saves_output(p: StrategyPricer, name: str) -> bool:
