@@ -155,31 +155,31 @@ class IntraOpILP:
         recomputation costs: Σ_r w[g,k,C,r] = Σ_{i∈C} x[v,i], and for every mode r
         Σ_C w[g,k,C,r] = z[g,r] (so w[g,k,C,r] = [s_v ∈ C]·z[g,r] when integral)."""
         for g, grp in enumerate(self.p.recompute):
-            ws = self.w[g]
-            for k, v in enumerate(grp.nodes):
-                classes = self.classes[g][k]
-                for c, members in enumerate(classes):
-                    self.model += (pulp.lpSum(ws[(k, c, r)] for r in grp.allowed)
-                                   == pulp.lpSum(self.x[v][i] for i in members)), \
-                        f"wx_{g}_{k}_{c}"
-                for r in grp.allowed:
-                    self.model += (pulp.lpSum(ws[(k, c, r)] for c in range(len(classes)))
-                                   == self.z[g][r]), f"wz_{g}_{k}_{r}"
+            self._link_modes(g, self.w[g], [(self.x[v], cl) for v, cl in
+                                            zip(grp.nodes, self.classes[g])], ("wx", "wz"))
 
     def add_edge_recompute_marginals(self) -> None:
         """For group g, its j-th edge e and each class P of e's strategy pairs with equal
         re-run seconds: Σ_r u[g,j,P,r] = Σ_{(i,k)∈P} y[e,i,k], and for every mode r
         Σ_P u[g,j,P,r] = z[g,r] (so u[g,j,P,r] = [pair ∈ P]·z[g,r] when x is integral)."""
         for g, grp in enumerate(self.p.recompute):
-            us = self.u[g]
-            for j, (k, classes) in enumerate(zip(grp.edges, self.pair_classes[g])):
-                for c, members in enumerate(classes):
-                    self.model += (pulp.lpSum(us[(j, c, r)] for r in grp.allowed)
-                                   == pulp.lpSum(self.y[k][ij] for ij in members)), \
-                        f"uy_{g}_{j}_{c}"
-                for r in grp.allowed:
-                    self.model += (pulp.lpSum(us[(j, c, r)] for c in range(len(classes)))
-                                   == self.z[g][r]), f"uz_{g}_{j}_{r}"
+            self._link_modes(g, self.u[g], [(self.y[e], cl) for e, cl in
+                                            zip(grp.edges, self.pair_classes[g])], ("uy", "uz"))
+
+    def _link_modes(self, g: int, lifted: dict, items: list[tuple[dict, list]],
+                    tags: tuple[str, str]) -> None:
+        """The marginals of group g's lifted variables ``lifted[(k, C, r)]`` for each item
+        k = (its choice variables, its classes of choices with equal costs): Σ_r lifted =
+        Σ_{i∈C} choice[i] per class, and Σ_C lifted = z[g,r] per mode r."""
+        allowed = self.p.recompute[g].allowed
+        for k, (chosen, classes) in enumerate(items):
+            for c, members in enumerate(classes):
+                self.model += (pulp.lpSum(lifted[(k, c, r)] for r in allowed)
+                               == pulp.lpSum(chosen[i] for i in members)), \
+                    f"{tags[0]}_{g}_{k}_{c}"
+            for r in allowed:
+                self.model += (pulp.lpSum(lifted[(k, c, r)] for c in range(len(classes)))
+                               == self.z[g][r]), f"{tags[1]}_{g}_{k}_{r}"
 
     def _recompute_sum(self, what: str, scale: float) -> list[tuple[pulp.LpVariable, float]]:
         """Σ_g Σ_{k,C,r} coefficient · w[g,k,C,r] for ``what`` = "time" (m_v·extra_s),
