@@ -283,10 +283,9 @@ def test_a_fused_projection_split_piecewise_saves_and_loads(rank_pool: RankPool,
     losses continue one process's to 1e-6."""
     x, y = foreign_models.example_batch()
     model = make("nano")
-    budget = 2.0 * 8 * sum(p.numel() for p in model.parameters())  # splits the weights
     cpu = dict(cluster=autopar.Cluster(gpu="cpu", gpus_per_node=4), example_targets=y,
                loss_fn=foreign_models.lm_loss, precision="fp32")
-    fused = autopar.plan(model, (x,), memory_budget=budget, dp=1, tp=4, **cpu)
+    fused = autopar.plan(model, (x,), dp=1, tp=4, split_weights=True, **cpu)
     assert fused.params["h.0.attn.c_attn.weight"][-1] == "S(0)/3"
     plain = autopar.plan(model, (x,), dp=4, tp=1, **cpu)
     want, _ = uninterrupted("nano")

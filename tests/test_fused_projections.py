@@ -215,7 +215,7 @@ def train(cases: list[tuple[str, dict]]) -> list[tuple[list[float], dict]]:
         budget = BUDGET * 4 * sum(p.numel() for p in model.parameters())
         extra = {"example_targets": y, "loss_fn": loss_fn} if loss_fn else {}
         pm = autopar.parallelize(model, (x,), precision="fp32", memory_budget=budget,
-                                 **extra, **space)
+                                 split_weights=True, **extra, **space)
         losses = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
         path, local, _ = FUSED[kind]
         weight = pm.module.get_submodule(path).get_parameter(local)
@@ -276,7 +276,7 @@ def test_emitted_program_splits_per_head_as_the_runtime(rank_pool: RankPool, tmp
     budget = BUDGET * 4 * sum(p.numel() for p in model.parameters())
     plan = autopar.plan(model, (x,), cluster=autopar.Cluster(gpu="cpu", gpus_per_node=4),
                         example_targets=y, loss_fn=lm_loss, precision="fp32",
-                        memory_budget=budget, dp=1, tp=4)
+                        memory_budget=budget, dp=1, tp=4, split_weights=True)
     assert plan.params["h.0.attn.c_attn.weight"][-1] == "S(0)/3"
     want = rank_pool.run(4, _runtime, [plan.to_json()], timeout_s=600)[0][0]
     data = tmp_path / "batch.pt"
