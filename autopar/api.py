@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.batch_default import asked_source, example_source
 from autopar.cluster import Cluster
-from autopar.cost_models.float8 import NOT_RUN as FP8_NOT_RUN, FP8, float8_rate_ratio, mfu_dtype
+from autopar.cost_models.float8 import NOT_RUN as FP8_NOT_RUN, FP8, element_dtype, float8_rate_ratio
 from autopar.cost_models.memory import OPTIMIZERS, PRECISIONS
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.spec import Spec, check_choice, split_space
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
     from autopar.plans import Plan
     from autopar.runtime import ParallelModel
-
 
 
 def _budget(memory_budget: float | None, hw) -> float:
@@ -402,7 +401,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
         pp_note = _unsplittable_for_pipelining(model, example_inputs, graph, spec.pp)
         if pp_note:
             res = run([c for c in cands if c.pp == 1])
-    peak = hw.matmul_flops.get(mfu_dtype(precision), hw.matmul_flops.get("fp32", 1.0))
+    # MFU against bf16's peak under fp8, as torchtitan and NeMo report float8 runs
+    peak = hw.matmul_flops.get(element_dtype(precision), hw.matmul_flops.get("fp32", 1.0))
 
     def make(built, solution, candidate, pipeline) -> "Plan":
         p = assemble(an, built, solution, cluster_desc=cluster.describe(), global_batch=gb,

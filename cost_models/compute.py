@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.cost_models.float8 import FP8, float8_linear_time
+from autopar.cost_models.float8 import FP8, float8_linear_time, linear_products
 from autopar.cost_models.hardware import HardwareProfile
 from autopar.flops import GROUPED_MM_OPS, op_name
 from autopar.cost_models.tables import (ELEMENT_BYTES, attention_time, gemm_time,
@@ -188,15 +188,14 @@ def _float8_time(shapes: OpShapes, backward: bool, hw: HardwareProfile) -> float
     dims = _gemm_dims(op_name(shapes.target), shapes.inputs)
     if dims is None:
         return None
-    m, n, k = dims
-    products = [(m, k, n), (n, k, m)] if backward else [(m, n, k)]
 
     def bf16(a: float, b: float, c: float) -> float:
         found = gemm_time(hw.tables, a, b, c, "bf16") if hw.tables is not None else None
         if found is None:
             found = compute_time(2 * a * b * c, 0.0, matmul=True, dtype="bf16", hw=hw)
         return found
-    return float8_linear_time([bf16(*p) for p in products], dims, backward=backward, hw=hw)
+    return float8_linear_time([bf16(*p) for p in linear_products(dims, backward)], dims,
+                              backward=backward, hw=hw)
 
 
 # Backward-pass work relative to the forward pass (FLOPs factor, bytes factor).

@@ -12,8 +12,12 @@ docs/cost_models.md, section ``autopar.cost_models.float8``.
 
 from __future__ import annotations
 
-from autopar.cost_models.hardware import HardwareProfile
+from typing import TYPE_CHECKING
+
 from autopar.flops import op_name
+
+if TYPE_CHECKING:  # hardware reads float8_rate_ratio: no import at run time
+    from autopar.cost_models.hardware import HardwareProfile
 
 FP8 = "fp8"
 """The precision name of bf16 training with float8 Linear products."""
@@ -48,12 +52,6 @@ def element_dtype(precision: str) -> str:
     return "bf16" if precision == FP8 else precision
 
 
-def mfu_dtype(precision: str) -> str:
-    """The peak a plan's MFU is measured against: bf16's for ``"fp8"`` (as torchtitan and
-    NeMo report their float8 runs), else the precision's own."""
-    return element_dtype(precision)
-
-
 def runs_float8(precision: str, target: str, module_type: str,
                 weight_shape: tuple[int, ...] | None) -> bool:
     """Whether an op runs as a float8 product: ``precision`` is ``"fp8"``, the op is the
@@ -62,6 +60,14 @@ def runs_float8(precision: str, target: str, module_type: str,
     return (precision == FP8 and module_type == "Linear" and op_name(target) in LINEAR_OPS
             and weight_shape is not None and len(weight_shape) == 2
             and all(d % ALIGN == 0 for d in weight_shape))
+
+
+def linear_products(dims: tuple[float, float, float],
+                    backward: bool) -> list[tuple[float, float, float]]:
+    """The (m, n, k) of a Linear's products for forward product ``dims``: the output
+    product forward; the input-gradient and weight-gradient products backward."""
+    m, n, k = dims
+    return [(m, k, n), (n, k, m)] if backward else [(m, n, k)]
 
 
 def float8_rate_ratio(hw: HardwareProfile) -> float:
@@ -103,8 +109,8 @@ def float8_linear_time(bf16_parts: list[float], dims: tuple[float, float, float]
     ``dims`` = (m, n, k) of the forward product: :func:`float8_gemm_time` of each
     product plus the casts of that pass (the constants above)."""
     m, n, k = dims
-    shapes = [(m, k, n), (n, k, m)] if backward else [(m, n, k)]
-    gemms = sum(float8_gemm_time(t, a, b, c, hw) for t, (a, b, c) in zip(bf16_parts, shapes))
+    gemms = sum(float8_gemm_time(t, a, b, c, hw)
+                for t, (a, b, c) in zip(bf16_parts, linear_products(dims, backward)))
     if backward:
         casts = [(m * n, CAST_BYTES_BACKWARD_GRAD), (n * k, CAST_BYTES_BACKWARD_WEIGHT)]
     else:

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from autopar.cost_models.float8 import float8_rate_ratio
 from autopar.cost_models.tables import ComputeTables, tables_from_profile
 from autopar.errors import ConfigError, PlanFormatError
 from autopar.schema import strict_loads
@@ -389,8 +390,7 @@ def profile_from_measured(doc: dict, base: HardwareProfile,
             src[f"matmul_efficiency.{dt}"] = "1: the peak above is itself a measured rate"
     if "fp8" in flops and eff.get("fp8") != 1.0 and eff.get("bf16") == 1.0:
         # float8 not measured: keep the base's float8-over-bf16 rate on the measured bf16
-        ratio = (base.matmul_flops["fp8"] * base.matmul_efficiency.get("fp8", 1.0)
-                 / (base.matmul_flops["bf16"] * base.matmul_efficiency.get("bf16", 1.0)))
+        ratio = float8_rate_ratio(base)
         flops["fp8"], eff["fp8"] = flops["bf16"] * ratio, 1.0
         src["matmul_flops.fp8"] = f"the measured bf16 rate x {ratio:.3g}, the base's float8 ratio"
     hw = replace(base, name=f"{base.name} (measured: {origin})",
