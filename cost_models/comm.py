@@ -13,6 +13,8 @@ section ``autopar.cost_models.comm``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.cost_models.hardware import HardwareProfile, LinkSpec
 from autopar.errors import ConfigError
 
@@ -20,15 +22,20 @@ INF = float("inf")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
-def ring_shape(kind: str, nbytes: float, group_size: int) -> tuple[int, float]:
+def ring_shape(kind: str, nbytes: float, group_size: int,
+               node_ranks: int = 1) -> tuple[int, float]:
     """(steps, bytes each device moves on the wire) of a ring collective of ``kind`` on
     a buffer of ``nbytes`` over ``group_size`` devices (docs/cost_models.md, section
-    ``autopar.cost_models.comm``)."""
+    ``autopar.cost_models.comm``). An all-to-all over a group with ``node_ranks``
+    members on each node moves on the inter-node link only what goes to the other
+    nodes' members, ``(n - node_ranks)/n`` of its buffer."""
     n = group_size
     if kind == "send_recv":
         return 1, nbytes
     if kind == "all_reduce":
         return 2 * (n - 1), 2 * (n - 1) / n * nbytes
+    if kind == "all_to_all" and 1 < node_ranks < n:
+        return n - 1, (n - node_ranks) / n * nbytes
     return n - 1, (n - 1) / n * nbytes
 
 
@@ -37,11 +44,12 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -
     ``autopar.cost_models.comm``)."""
     if kind not in KINDS:
         raise ConfigError(f"unknown collective {kind!r}; expected one of {', '.join(KINDS)}")
+    ranks = link.node_ranks
     link = link.for_kind(kind)
     n = group_size
     if kind != "send_recv" and (n <= 1 or nbytes <= 0):
         return 0.0
-    steps, traffic = ring_shape(kind, nbytes, n)
+    steps, traffic = ring_shape(kind, nbytes, n, ranks)
     best = INF
     for a in link.algorithms:  # CollectiveAlgorithm's formula, in the planner's hottest call
         if not a.kinds or kind in a.kinds:
@@ -75,10 +83,18 @@ def group_link(mesh_sizes: tuple[int, ...], axis: int, gpus_per_node: int,
     """The link a group along mesh ``axis`` uses, ranks laid out row-major: the group
     {r0 + k·stride} stays in one node iff (size-1)·stride < gpus_per_node and every
     group is aligned inside a node, i.e. size·stride divides gpus_per_node or the
-    group spans at most one node block."""
+    group spans at most one node block. A group across nodes gets the inter-node link
+    with its ``node_ranks``: members per node, ``gpus_per_node / stride`` where the
+    stride divides a node (else 1)."""
     stride = 1
     for s in mesh_sizes[axis + 1:]:
         stride *= s
-    span = stride * mesh_sizes[axis]
+    size = mesh_sizes[axis]
+    span = stride * size
     inside = span <= gpus_per_node and gpus_per_node % span == 0
-    return hw.intra_node if inside or mesh_sizes[axis] == 1 else hw.inter_node
+    if inside or size == 1:
+        return hw.intra_node
+    ranks = gpus_per_node // stride if stride < gpus_per_node and gpus_per_node % stride == 0 \
+        else 1
+    ranks = min(ranks, size)
+    return hw.inter_node if ranks <= 1 else replace(hw.inter_node, node_ranks=ranks)

@@ -64,12 +64,16 @@ class LinkSpec:
     all-gather and reduce-scatter on a CPU); other kinds use the link's own figures.
     ``algorithms``, where given, price collectives in place of the α-β figures: NCCL's
     algorithms and protocols with their achieved bandwidths, the fastest one for each
-    size (:func:`autopar.cost_models.comm.collective_time`)."""
+    size (:func:`autopar.cost_models.comm.collective_time`). ``node_ranks``: on a group
+    that spans nodes (:func:`autopar.cost_models.comm.group_link`), how many of its
+    members share each node; an all-to-all sends only its other nodes' share over this
+    link (the rest goes over NVLink at the same time)."""
 
     bandwidth: float
     latency: float
     kinds: tuple[tuple[str, float, float], ...] = ()
     algorithms: tuple[CollectiveAlgorithm, ...] = ()
+    node_ranks: int = 1
 
     def scaled(self, bandwidth: float) -> "LinkSpec":
         """This link with its line rate set to ``bandwidth``, its algorithms' achieved

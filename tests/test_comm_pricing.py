@@ -153,3 +153,28 @@ def test_zero3_gathers_blocks_twice_and_the_root_once_on_the_critical_path() -> 
             collective_time("reduce_scatter", 4.0 * numel, 2, link)
     assert hidden == pytest.approx(n_layers * unit(block, 2), rel=1e-9)
     assert critical == pytest.approx(unit(root, 1), rel=1e-9)
+
+
+def test_an_all_to_all_across_nodes_charges_only_the_other_nodes_share() -> None:
+    """16 expert ranks on 2 nodes of 8: each rank sends 8/16 of its buffer to the other
+    node over its NIC (the rest goes over NVLink at the same time), so the all-to-all
+    costs what 8/15 of a 16-rank all-to-all's ring traffic costs on the inter-node link;
+    a ring collective across the same nodes still moves its whole traffic there."""
+    from autopar.cost_models.comm import group_link
+
+    hw = load_profile("h100-sxm")
+    nbytes = 512e6
+    across = group_link((16,), 0, 8, hw)
+    assert across.node_ranks == 8
+    plain = hw.inter_node
+    a2a = collective_time("all_to_all", nbytes, 16, across)
+    assert a2a == pytest.approx(collective_time("all_to_all", nbytes * 8 / 15, 16, plain))
+    assert collective_time("all_gather", nbytes, 16, across) == \
+        collective_time("all_gather", nbytes, 16, plain)
+    one_per_node = group_link((16, 8), 0, 8, hw)  # stride 8: one member per node
+    assert one_per_node.node_ranks == 1
+    assert collective_time("all_to_all", nbytes, 16, one_per_node) == \
+        collective_time("all_to_all", nbytes, 16, plain)
+    two_per_node = group_link((16, 4), 0, 8, hw)  # stride 4: two members per node
+    assert two_per_node.node_ranks == 2
+    assert group_link((2, 8), 1, 8, hw) is hw.intra_node
