@@ -11,14 +11,16 @@ __all__ = ["RECOMPUTE", "SELECTIVE_SAVE_OPS", "fsdp_unit"]
 
 RECOMPUTE = ("none", "selective", "full")
 SELECTIVE_SAVE_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "linear", "matmul",
+    "mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "einsum", "tensordot",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "scaled_dot_product_attention",
 })
 """What "selective" recomputation keeps (aten op names without overload): the outputs
 of matrix products and of attention, as torchtitan's operator-level activation
-checkpointing does; everything else in the block (pointwise ops, norms, softmax,
+checkpointing does (``einsum`` and ``tensordot`` are captured whole and dispatch to
+``bmm``/``mm``, whose outputs the runtime's policy keeps: listed so the pricer sees the
+same); everything else in the block (pointwise ops, norms, softmax,
 dropout, views) is recomputed in backward. The lowering's checkpoint policy and the
 memory model both read this one list."""
 

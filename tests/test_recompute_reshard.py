@@ -162,3 +162,58 @@ def test_gpt3_175b_megatron_selective_splits_proj_by_rows() -> None:
     proj = plan.modules["blocks.*.attn.proj"] if "blocks.*.attn.proj" in plan.modules else \
         next(m for p, m in plan.modules.items() if p.endswith("attn.proj"))
     assert (proj.style, proj.input_layout, proj.output_layout) == ("rowwise", "S(2)", "S(1)")
+
+
+def test_selective_keeps_einsum_products_as_the_runtime_does() -> None:
+    """An einsum is captured whole but dispatches to ``bmm``, whose output the runtime's
+    selective policy saves: in backward it runs no product again (as many ``bmm`` as
+    without checkpointing; full recomputation runs the forward's again), and the
+    pricer charges an einsum expert's product nothing under selective."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from autopar.examples.moe import MoEConfig, MoETransformer
+    from autopar.runtime.recompute import selective_context
+
+    class Products(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket.__name__ in ("bmm", "mm")
+            return func(*args, **(kwargs or {}))
+
+    def experts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("becd,edf->becf", x, w).sin()
+
+    def backward_products(mode: str) -> int:
+        x = torch.randn(2, 3, 4, 8, requires_grad=True)
+        w = torch.randn(3, 8, 5, requires_grad=True)
+        if mode == "none":
+            y = experts(x, w)
+        else:
+            kw = {"context_fn": selective_context} if mode == "selective" else {}
+            y = checkpoint(experts, x, w, use_reentrant=False, **kw)
+        with Products() as seen:
+            y.sum().backward()
+        return seen.count
+
+    plain = backward_products("none")
+    assert backward_products("selective") == plain < backward_products("full")
+
+    cfg = MoEConfig(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4,
+                    n_kv_heads=4, ffn_dim=64, n_experts=4, top_k=2, expert_ffn_dim=32)
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    g = capture(model, (torch.randint(0, 128, (2, 16), device="meta"),))
+    st = Settings(Mesh(("dp", "tp"), (1, 1)), 2, 1, 0, "bf16", "adamw", float("inf"),
+                  load_profile("a100-80g"), 8)
+    b = build_problem(analyze(g), st)
+    grp = b.problem.recompute[0]
+    einsums = [k for k, v in enumerate(grp.nodes) if g.node(b.names[v]).target ==
+               "aten.einsum.default"]
+    assert einsums
+    for k in einsums:
+        for row in grp.extra_s[k]:
+            assert row[1] == 0.0 < row[2]
