@@ -56,7 +56,9 @@ class Spec:
             "allgather", "ring", "ulysses" (:mod:`autopar.cost_models.context_parallel`).
         microbatch_size: samples per forward/backward pass on one data-parallel rank.
         schedule: the pipeline schedule, one of :data:`autopar.plans.SCHEDULES`.
-        virtual_stages: model chunks per pipeline rank (None: 1, or 2 for "zbv").
+        virtual_stages: model chunks per pipeline rank (None: 2 for "zbv", the
+            solver's choice of 2 to 4 for the interleaved schedules where the model
+            has the blocks, else 1).
         recompute: "none", "selective" or "full" on every block (None: chosen per block).
         zero: ZeRO stage 0-3 over ``dp``.
         sequence_parallel: norms and pointwise ops on sequence shards (with ``tp``).

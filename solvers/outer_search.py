@@ -209,18 +209,25 @@ def _expert_degrees(dp: int, ep: int | None, experts: int) -> list[int]:
 def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None,
                num_units: int) -> list[tuple[str, int]]:
     """The (schedule, virtual stages) pairs to try for ``pp`` stages and ``m``
-    micro-batches: none without a pipeline, the requested one, or AUTO_SCHEDULES; those
+    micro-batches: none without a pipeline, the requested one (a schedule asked for
+    without its virtual stages: each count AUTO_SCHEDULES tries it with, else 1), or
+    AUTO_SCHEDULES; those
     torch runs (:func:`~autopar.solvers.schedule_sim.validate`) and autopar's runtime
     lowers (:func:`~autopar.solvers.schedule_sim.needs_a_microbatch_per_stage`)."""
     if pp == 1:
         return [("", 1)]
-    if schedule is not None:
-        v = virtual_stages or (2 if schedule in ("zbv",) else 1)
-        pairs = [(schedule, v)]
-    else:
-        pairs = list(AUTO_SCHEDULES)
-    return [(sc, v) for sc, v in pairs if pp * v <= num_units and validate(sc, pp, m, v) is None
-            and not (needs_a_microbatch_per_stage(sc) and m < pp * v)]
+    def runs(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        return [(sc, v) for sc, v in pairs if pp * v <= num_units and
+                validate(sc, pp, m, v) is None and
+                not (needs_a_microbatch_per_stage(sc) and m < pp * v)]
+
+    if schedule is None:
+        return runs(list(AUTO_SCHEDULES))
+    if virtual_stages is not None:
+        return runs([(schedule, virtual_stages)])
+    # an interleaved schedule asked for without its chunks: the counts AUTO tries it with
+    return runs([(sc, v) for sc, v in AUTO_SCHEDULES if sc == schedule]) or \
+        runs([(schedule, 2 if schedule == "zbv" else 1)])
 
 
 def offload_candidates(cands: list[Candidate]) -> list[Candidate]:

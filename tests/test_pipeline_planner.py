@@ -71,3 +71,21 @@ def test_estimate_scores_a_hand_written_pipeline() -> None:
     assert plan.num_microbatches == 8
     again = autopar.Plan.from_json(plan.to_json())
     assert again == plan
+
+
+def test_an_interleaved_schedule_without_chunks_gets_the_fastest_count() -> None:
+    """``schedule="interleaved_1f1b"`` without ``virtual_stages`` is the search's choice
+    of 2 to 4 chunks per rank, the fastest of them (it was 1 chunk: plain 1F1B); asked
+    for, each count is what it was asked."""
+    model, x = gpt()
+    cluster = autopar.Cluster("h100-sxm", 1, 8)
+    kw = dict(tp=2, pp=2, schedule="interleaved_1f1b", microbatch_size=1)
+    times = {}
+    for v in (2, 3, 4):
+        plan = autopar.estimate(model, x, autopar.Spec(**kw, virtual_stages=v),
+                                cluster=cluster, global_batch=32)
+        assert plan.pipeline.virtual_stages == v
+        times[v] = plan.step_time_s
+    free = autopar.estimate(model, x, autopar.Spec(**kw), cluster=cluster, global_batch=32)
+    assert free.pipeline.virtual_stages > 1
+    assert free.step_time_s == pytest.approx(min(times.values()), rel=1e-9)
