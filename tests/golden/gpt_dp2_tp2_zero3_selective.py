@@ -59,7 +59,8 @@ PREDICTED_STEP_S = 0.0125
 SAVE_OPS = {  # outputs selective recomputation keeps (aten op names)
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu", "addmm",
-    "baddbmm", "bmm", "linear", "matmul", "mm", "scaled_dot_product_attention",
+    "baddbmm", "bmm", "einsum", "linear", "matmul", "mm", "scaled_dot_product_attention",
+    "tensordot",
 }
 
 
