@@ -15,12 +15,14 @@ tied copies and schedule. The program's steps in order: docs/runtime.md, section
 from __future__ import annotations
 
 import inspect
+import json
 import io
 import keyword
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import Callable
 
 import torch
 from torch import nn
@@ -179,11 +181,13 @@ def _per_block(table: dict[str, str], names: list[str]) -> dict[str, str]:
     return out
 
 
-def _table(table: dict[str, str], comment: dict[str, str], indent: str) -> str:
-    """A dict literal of placements, one ``"key": Placement,  # comment`` a line."""
+def _table(table: dict[str, str], comment: dict[str, str], indent: str,
+           value: Callable[[str], str] = _placement_expr) -> str:
+    """A dict literal, one ``"key": value,  # comment`` a line: placements
+    (``Replicate()``, ...), or the program text ``value`` makes of each entry."""
     if not table:
         return "{}"
-    lines = "\n".join(f'{indent}    "{k}": {_placement_expr(v)},  # {comment[k]}'
+    lines = "\n".join(f'{indent}    "{k}": {value(v)},  # {comment[k]}'
                       for k, v in table.items())
     return "{\n" + lines + "\n" + indent + "}"
 
@@ -207,6 +211,8 @@ def _tp_section(plan: Plan, facts: ModelFacts, pipelined: bool) -> str:
         remove_duplicate=False)])
     paths = [p for p, _ in model.named_modules(remove_duplicate=False)]
     inputs, outputs = _per_block(layout.inputs, paths), _per_block(layout.outputs, paths)
+    regions = _per_block(layout.regions, paths)
+    linears = _per_block(layout.local_linears, paths)
     generic = {any_index(p): mp for p, mp in reversed(layout.modules.items())}
     mp_of = {**generic, **layout.modules}
 
@@ -216,6 +222,7 @@ def _tp_section(plan: Plan, facts: ModelFacts, pipelined: bool) -> str:
 
     param_notes = {k: comment(k, k.rpartition(".")[0]) for k in params}
     input_notes = {k: comment(k, k, f"from {_placement_expr(mp_of[k].input_layout)}: ")
+                   if k in mp_of else "a local-tensor region's input, laid out once"
                    for k in inputs}
     output_notes = {k: comment(k, k) for k in outputs}
     sp = " and sequence" if plan.sequence_parallel else ""
@@ -230,7 +237,10 @@ def _tp_section(plan: Plan, facts: ModelFacts, pipelined: bool) -> str:
     return T.APPLY_TP.substitute(
         sp_text=sp, tp=plan.degree("tp"), piecewise=pieces, gather=gather, last_arg=last_arg,
         params=_table(params, param_notes, " " * 4), inputs=_table(inputs, input_notes, " " * 4),
-        outputs=_table(outputs, output_notes, " " * 4))
+        outputs=_table(outputs, output_notes, " " * 4),
+        regions=_table(regions, {k: "its first input, then local tensors" for k in regions},
+                       " " * 4),
+        linears=_table(linears, {k: comment(k, k) for k in linears}, " " * 4, json.dumps))
 
 
 def _ac_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str:

@@ -18,6 +18,7 @@ from autopar.runtime import checkpoint_state as _ck
 from autopar.runtime import context_mode as _cm
 from autopar.runtime import context_parallel as _cp
 from autopar.runtime import dtensor_layout as _layout
+from autopar.runtime import local_tensors as _local
 from autopar.runtime import experts as _experts
 from autopar.runtime import materialize as _materialize
 from autopar.runtime import piecewise as _piecewise
@@ -179,9 +180,13 @@ DTENSOR_LAYOUT = Template("\n\n".join(inspect.getsource(f) for f in (
     _layout.place_parameters, _layout._Relayout, _layout._redistribute, _layout._first_tensor,
     _layout._input_hook, _layout._output_hook,
     _layout.relayout_modules, _layout._to_dtensor, _layout.gather_output, _layout.distribute_io,
-    _layout._attention_strategies, _layout.register_cpu_attention_sharding)))
-"""DTensors from input to output: the runtime's own functions
-(:mod:`autopar.runtime.dtensor_layout`), copied into the program."""
+    _layout._attention_strategies, _layout.register_cpu_attention_sharding,
+    _local._same_outputs, _local.LocalRegion, _local._local_input, _local._LocalShard,
+    _local._local_shard, _local._local_weights,
+    _local._partial_output, _local._add_bias, _local.localize_regions)))
+"""DTensors from input to output, local tensors inside the regions that allow them: the
+runtime's own functions (:mod:`autopar.runtime.dtensor_layout`,
+:mod:`autopar.runtime.local_tensors`), copied into the program."""
 
 PIECEWISE = Template("\n\n".join(inspect.getsource(f) for f in (
     _piecewise.piecewise_shard, _piecewise.piecewise_pieces, _piecewise._sharded_on,
@@ -195,11 +200,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh$last_arg) -> None:
     """Tensor$sp_text parallelism over tp=$tp. Every parameter becomes a DTensor (split as
     listed, "*" standing for any block index; the rest replicated); activations stay
     DTensors through the model's own code, so its shapes are global; the listed modules'
-    first input and output are redistributed where the plan changes layout. Comments
-    give each module's style and predicted forward + backward time per step."""
+    first input and output are redistributed where the plan changes layout; the listed
+    regions run on local tensors between their colwise and rowwise Linears where their
+    first forward shows that exact. Comments give each module's style and predicted
+    forward + backward time per step."""
     register_cpu_attention_sharding()$piecewise
     place_parameters(model, tp_mesh, $params)
     relayout_modules(model, inputs=$inputs, outputs=$outputs)
+    localize_regions(model, tp_mesh, regions=$regions, linears=$linears)
     distribute_io(model, tp_mesh$gather''')
 """Tensor parallelism: the plan's tables applied by the runtime's functions."""
 

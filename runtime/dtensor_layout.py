@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["place_parameters", "relayout_modules", "distribute_io", "plain_as_replicated",
@@ -50,22 +49,34 @@ def lookup(table: Mapping[str, Any], name: str) -> Any:
     return found if found is not None else table.get(any_index(name))
 
 
-class ReplicateUnsharded(TorchDispatchMode):
-    """Run an operator DTensor has no sharding strategy for (a custom op, a rare aten
-    op), or whose strategy fails, on replicated local tensors: its DTensor inputs are
-    gathered whole, it runs as in one process, and its tensor outputs go on as
-    replicated DTensors. The planner prices such an op replicated. Every other operator
-    passes straight to DTensor."""
+class ReplicateUnsharded:
+    """DTensor's sharding propagation, falling back for an operator DTensor has no
+    sharding strategy for (a custom op, a rare aten op), or whose strategy fails: while
+    plain tensors are read as replicated (:func:`plain_as_replicated`), its DTensor
+    inputs are gathered whole, it runs as in one process, and its tensor outputs go on
+    as replicated DTensors. The planner prices such an op replicated.
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:  # noqa: D105
-        kwargs = kwargs or {}
+    :meth:`install` puts it in place of the dispatcher's slow path, which DTensor's C++
+    dispatch calls only when its cache of sharding decisions misses (a failure is never
+    cached): the operators DTensor shards, and those on plain tensors, never reach it.
+    It reads the implicit-replication flag, thread state that autograd carries into
+    the backward, so it serves only inside :func:`plain_as_replicated` (or torch's own
+    ``implicit_replication``) and on that thread (a private method in torch 2.11 to
+    2.13)."""
+
+    def __init__(self, propagate: Any) -> None:
+        self.propagate = propagate
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict, info: Any,
+                 try_cache: bool) -> Any:  # noqa: D102
         try:
-            return func(*args, **kwargs)
+            return self.propagate(func, args, kwargs, info, try_cache)
         except (NotImplementedError, RuntimeError) as e:
             # no strategy, or one whose shape function refuses what the CPU kernel runs
             # (aten._grouped_mm's asks for bf16 while the CPU kernel takes fp32)
-            if "sharding strategy" not in str(e) and "Sharding propagation failed" not in str(e):
+            if not DTensor._op_dispatcher._allow_implicit_replication or (
+                    "sharding strategy" not in str(e)
+                    and "Sharding propagation failed" not in str(e)):
                 raise
         meshes = [x.device_mesh for x in tree_flatten((args, kwargs))[0]
                   if isinstance(x, DTensor)]
@@ -77,6 +88,14 @@ class ReplicateUnsharded(TorchDispatchMode):
                                                      run_check=False)
                         if isinstance(t, torch.Tensor) else t, out)
 
+    @staticmethod
+    def install() -> None:
+        """Wrap DTensor's dispatcher's slow path in the fallback, once per process."""
+        dispatcher = DTensor._op_dispatcher
+        slow = dispatcher._propagate_op_sharding_dispatch_slow_path
+        if not isinstance(slow, ReplicateUnsharded):
+            dispatcher._propagate_op_sharding_dispatch_slow_path = ReplicateUnsharded(slow)
+
 
 @contextlib.contextmanager
 def plain_as_replicated() -> Iterator[None]:
@@ -85,22 +104,20 @@ def plain_as_replicated() -> Iterator[None]:
     replicated (:class:`ReplicateUnsharded`). Unlike torch's ``implicit_replication``,
     which it extends, it nests: leaving it restores the setting it found. (The flag is
     DTensor's dispatcher's, a private attribute in torch 2.11 to 2.13.)"""
+    ReplicateUnsharded.install()
     dispatcher = DTensor._op_dispatcher
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = True
     try:
-        with ReplicateUnsharded():
-            yield
+        yield
     finally:
         dispatcher._allow_implicit_replication = before
 
 
 def tp_context(tp: int) -> contextlib.AbstractContextManager:
     """:func:`plain_as_replicated` where tensor parallelism makes DTensors meet plain
-    tensors (``tp > 1``), else nothing: its dispatch mode costs host time on every op
-    (about 8 µs per op on an H100 machine's host, torch 2.11: 7.0 ms of Python dispatch
-    over 837 ops of a two-layer step, benchmarks/results/h100_layers.json), which a plan
-    without tensor parallelism need not pay."""
+    tensors (``tp > 1``), else nothing, so that a plan without tensor parallelism never
+    reads a plain tensor as replicated."""
     return plain_as_replicated() if tp > 1 else contextlib.nullcontext()
 
 

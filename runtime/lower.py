@@ -198,7 +198,7 @@ def lower(model: nn.Module, plan: Plan, device: torch.device,
     if meshes.ep is not None:
         apply_expert_parallel(model, plan, meshes.ep)
     if plan.degree("tp") > 1:
-        apply_tensor_parallel(model, plan, meshes.tp)
+        apply_tensor_parallel(model, plan, meshes.tp, local=not compile)
     if meshes.experts is not None:
         shard_plan_experts(model, plan, meshes.experts, meshes.tp)
     apply_ac(model, plan)

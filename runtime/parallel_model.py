@@ -272,9 +272,12 @@ class ParallelModel(nn.Module):
                 self.module.set_requires_gradient_sync(i == n - 1)
             part = slice(i * mb, (i + 1) * mb)
             local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
-            # plain tensors the forward makes meet DTensors; a loss-parallel loss splits
+            # plain tensors the forward makes meet DTensors; a loss-parallel loss splits.
+            # One tp_context for forward, loss and backward
             with tp_context(tp), loss_context(plan.loss_parallel):
-                loss = self._loss(self._forward(*local), targets[part]) / n
+                with self.sequence_shards():
+                    output = self.module(*local)
+                loss = self._loss(output, targets[part]) / n
                 loss.backward()
             total += loss.detach().float()
         if not fsdp:

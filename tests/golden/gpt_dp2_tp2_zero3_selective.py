@@ -37,9 +37,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.experimental import register_sharding
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -229,22 +235,34 @@ def lookup(table: Mapping[str, Any], name: str) -> Any:
     return found if found is not None else table.get(any_index(name))
 
 
-class ReplicateUnsharded(TorchDispatchMode):
-    """Run an operator DTensor has no sharding strategy for (a custom op, a rare aten
-    op), or whose strategy fails, on replicated local tensors: its DTensor inputs are
-    gathered whole, it runs as in one process, and its tensor outputs go on as
-    replicated DTensors. The planner prices such an op replicated. Every other operator
-    passes straight to DTensor."""
+class ReplicateUnsharded:
+    """DTensor's sharding propagation, falling back for an operator DTensor has no
+    sharding strategy for (a custom op, a rare aten op), or whose strategy fails: while
+    plain tensors are read as replicated (:func:`plain_as_replicated`), its DTensor
+    inputs are gathered whole, it runs as in one process, and its tensor outputs go on
+    as replicated DTensors. The planner prices such an op replicated.
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:  # noqa: D105
-        kwargs = kwargs or {}
+    :meth:`install` puts it in place of the dispatcher's slow path, which DTensor's C++
+    dispatch calls only when its cache of sharding decisions misses (a failure is never
+    cached): the operators DTensor shards, and those on plain tensors, never reach it.
+    It reads the implicit-replication flag, thread state that autograd carries into
+    the backward, so it serves only inside :func:`plain_as_replicated` (or torch's own
+    ``implicit_replication``) and on that thread (a private method in torch 2.11 to
+    2.13)."""
+
+    def __init__(self, propagate: Any) -> None:
+        self.propagate = propagate
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict, info: Any,
+                 try_cache: bool) -> Any:  # noqa: D102
         try:
-            return func(*args, **kwargs)
+            return self.propagate(func, args, kwargs, info, try_cache)
         except (NotImplementedError, RuntimeError) as e:
             # no strategy, or one whose shape function refuses what the CPU kernel runs
             # (aten._grouped_mm's asks for bf16 while the CPU kernel takes fp32)
-            if "sharding strategy" not in str(e) and "Sharding propagation failed" not in str(e):
+            if not DTensor._op_dispatcher._allow_implicit_replication or (
+                    "sharding strategy" not in str(e)
+                    and "Sharding propagation failed" not in str(e)):
                 raise
         meshes = [x.device_mesh for x in tree_flatten((args, kwargs))[0]
                   if isinstance(x, DTensor)]
@@ -256,6 +274,14 @@ class ReplicateUnsharded(TorchDispatchMode):
                                                      run_check=False)
                         if isinstance(t, torch.Tensor) else t, out)
 
+    @staticmethod
+    def install() -> None:
+        """Wrap DTensor's dispatcher's slow path in the fallback, once per process."""
+        dispatcher = DTensor._op_dispatcher
+        slow = dispatcher._propagate_op_sharding_dispatch_slow_path
+        if not isinstance(slow, ReplicateUnsharded):
+            dispatcher._propagate_op_sharding_dispatch_slow_path = ReplicateUnsharded(slow)
+
 
 @contextlib.contextmanager
 def plain_as_replicated() -> Iterator[None]:
@@ -264,12 +290,12 @@ def plain_as_replicated() -> Iterator[None]:
     replicated (:class:`ReplicateUnsharded`). Unlike torch's ``implicit_replication``,
     which it extends, it nests: leaving it restores the setting it found. (The flag is
     DTensor's dispatcher's, a private attribute in torch 2.11 to 2.13.)"""
+    ReplicateUnsharded.install()
     dispatcher = DTensor._op_dispatcher
     before = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = True
     try:
-        with ReplicateUnsharded():
-            yield
+        yield
     finally:
         dispatcher._allow_implicit_replication = before
 
@@ -422,13 +448,180 @@ def register_cpu_attention_sharding() -> None:
         return _attention_strategies(6, attn_mask is not None, 2)
 
 
+def _same_outputs(want: Any, got: Any) -> bool:
+    """Whether two forward results agree: the same structure, DTensors of the same
+    placements (compared by local tensor) and plain tensors alike, to float rounding."""
+    a, spec_a = tree_flatten(want)
+    b, spec_b = tree_flatten(got)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if not isinstance(x, torch.Tensor):
+            continue
+        if isinstance(x, DTensor) != isinstance(y, DTensor):
+            return False
+        if isinstance(x, DTensor):
+            if x.placements != y.placements or x.shape != y.shape:
+                return False
+            x, y = x.to_local(), y.to_local()
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.is_floating_point() and x.numel():
+            scale = x.abs().max().item() or 1.0
+            if not torch.allclose(x, y, rtol=1e-4, atol=1e-5 * scale):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+class LocalRegion:
+    """A region's ``forward`` (set as an instance attribute of its module): on its
+    first call it runs the module's own forward both on DTensors and on local tensors
+    and keeps local tensors when every rank of ``group`` found the same outputs; later
+    calls run the way chosen. ``local`` is None until then, and ``active`` is True while
+    a forward runs on local tensors (read by the Linears' hooks); ``linears`` are the
+    region's Linears, whose local weights are dropped after each forward."""
+
+    def __init__(self, forward: Any, group: Any, linears: list[nn.Module]) -> None:
+        self.forward = forward
+        self.group = group
+        self.linears = linears
+        self.local: bool | None = None
+        self.active = False
+
+    def _run(self, local: bool, args: tuple, kwargs: dict) -> Any:
+        if local:
+            args, kwargs = tree_map(_local_input, (args, kwargs))
+        self.active = local
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self.active = False
+            for m in self.linears:  # also after a failure, before the forward hooks
+                m.__dict__.pop("weight", None)
+                m.__dict__.pop("bias", None)
+
+    def _agrees(self, args: tuple, kwargs: dict) -> bool:
+        """Run both ways without gradients on a copy of the random state; True when
+        every rank's outputs agree."""
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        cuda = [t.device for t in tensors if t.device.type == "cuda"][:1]
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            want = self._run(False, args, kwargs)
+            try:
+                same = _same_outputs(want, self._run(True, args, kwargs))
+            except Exception:  # noqa: BLE001 — any failure on local tensors: keep DTensors
+                same = False
+        device = tensors[0].device if tensors else torch.device("cpu")
+        flag = torch.tensor([0.0 if same else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag.item() == 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        if self.local is None:
+            self.local = self._agrees(args, kwargs)
+        return self._run(self.local, args, kwargs)
+
+
+def _local_input(x: Any) -> Any:
+    """A replicated DTensor as its local tensor, whose gradient is this rank's partial
+    sum (the region splits the work over the ranks); anything else as it is."""
+    if isinstance(x, DTensor) and all(p.is_replicate() for p in x.placements):
+        return x.to_local(grad_placements=[Partial()] * x.device_mesh.ndim)
+    return x
+
+
+class _LocalShard(torch.autograd.Function):
+    """``p.to_local()`` of a parameter whose shard is contiguous, its gradient wrapped
+    in the parameter's own spec by DTensor's constructor: ``to_local``'s backward
+    builds a spec and runs ``from_local``, an autograd function of its own, for the
+    same DTensor (private fields in torch 2.11 to 2.13)."""
+
+    @staticmethod
+    def forward(ctx: Any, p: DTensor) -> torch.Tensor:  # noqa: D102
+        ctx.spec = p._spec
+        return p._local_tensor.view_as(p._local_tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # noqa: D102
+        return DTensor(grad.contiguous(), ctx.spec, requires_grad=False)
+
+
+def _local_shard(p: Any) -> torch.Tensor:
+    """The local shard of parameter ``p``, its gradient flowing back to ``p``."""
+    if p._local_tensor.is_contiguous():
+        return _LocalShard.apply(p)
+    return p.to_local()
+
+
+def _local_weights(region: LocalRegion, rowwise: bool, module: nn.Module, args: tuple) -> None:
+    """Before a Linear of an active region: its local weight (and colwise bias) shards
+    in its ``__dict__``, which attribute lookup reads before its parameters."""
+    if not region.active:
+        return
+    module.__dict__["weight"] = _local_shard(module._parameters["weight"])
+    bias = module._parameters.get("bias")
+    if bias is not None:
+        module.__dict__["bias"] = None if rowwise else _local_shard(bias)
+
+
+def _partial_output(region: LocalRegion, mesh: DeviceMesh, module: nn.Module, args: tuple,
+                    output: Any) -> Any:
+    """After a rowwise Linear of an active region: its local partial sum as a
+    ``Partial`` DTensor (laid out next by the plan's own hook)."""
+    if region.active and type(output) is torch.Tensor:
+        return DTensor.from_local(output, mesh, [Partial()], run_check=False)
+    return output
+
+
+def _add_bias(region: LocalRegion, module: nn.Module, args: tuple, output: Any) -> Any:
+    """After a rowwise Linear of an active region is laid out: its replicated bias."""
+    bias = module._parameters.get("bias")
+    if region.active and bias is not None:
+        return output + bias
+    return output
+
+
+def localize_regions(model: nn.Module, mesh: DeviceMesh, regions: Mapping[str, Any],
+                     linears: Mapping[str, str]) -> None:
+    """Run each module of ``regions`` on local tensors where that is exact (see the
+    module docstring); ``linears``: the style ("colwise" or "rowwise") of each Linear
+    inside them. Paths are relative to ``model``, ``*`` for any block index
+    (:func:`lookup`). Call it after :func:`relayout_modules`: a region's first input is
+    laid out by its hook, and a rowwise Linear's partial output by its own."""
+    current: list[tuple[str, LocalRegion]] = []
+    for path, module in model.named_modules():
+        current = [(p, r) for p, r in current if path.startswith(p + ".")]
+        if lookup(regions, path) is not None:
+            region = LocalRegion(module.forward, mesh.get_group(), [])
+            module.forward = region
+            current.append((path, region))
+            continue
+        style = lookup(linears, path) if current else None
+        if style is None:
+            continue
+        region = current[-1][1]
+        region.linears.append(module)
+        rowwise = style == "rowwise"
+        module.register_forward_pre_hook(functools.partial(_local_weights, region, rowwise))
+        if rowwise:
+            module.register_forward_hook(functools.partial(_partial_output, region, mesh),
+                                         prepend=True)
+            module.register_forward_hook(functools.partial(_add_bias, region))
+
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Tensor parallelism over tp=2. Every parameter becomes a DTensor (split as
     listed, "*" standing for any block index; the rest replicated); activations stay
     DTensors through the model's own code, so its shapes are global; the listed modules'
-    first input and output are redistributed where the plan changes layout. Comments
-    give each module's style and predicted forward + backward time per step."""
+    first input and output are redistributed where the plan changes layout; the listed
+    regions run on local tensors between their colwise and rowwise Linears where their
+    first forward shows that exact. Comments give each module's style and predicted
+    forward + backward time per step."""
     register_cpu_attention_sharding()
     place_parameters(model, tp_mesh, {
         "tok_emb.weight": Shard(0),  # rowwise Embedding, 100 us
@@ -454,6 +647,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         "blocks.*.mlp.fc2": Replicate(),  # rowwise Linear, 500 us
         "head": Replicate(),  # colwise Linear, 500 us
     })
+    localize_regions(model, tp_mesh, regions={}, linears={})
     distribute_io(model, tp_mesh)
 
 
