@@ -278,6 +278,7 @@ class ParallelModel(nn.Module):
                 with self.sequence_shards():
                     output = self.module(*local)
                 loss = self._loss(output, targets[part]) / n
+                del output  # the logits live on only where the loss saved them
                 loss.backward()
             total += loss.detach().float()
         if not fsdp:
