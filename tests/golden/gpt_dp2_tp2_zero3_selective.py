@@ -551,8 +551,10 @@ class _LocalShard(torch.autograd.Function):
 
 
 def _local_shard(p: Any) -> torch.Tensor:
-    """The local shard of parameter ``p``, its gradient flowing back to ``p``."""
-    if p._local_tensor.is_contiguous():
+    """The local shard of parameter ``p``, its gradient flowing back to ``p``
+    (``to_local`` where the private fields are not there or the shard is strided)."""
+    local = getattr(p, "_local_tensor", None)
+    if local is not None and hasattr(p, "_spec") and local.is_contiguous():
         return _LocalShard.apply(p)
     return p.to_local()
 
