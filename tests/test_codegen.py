@@ -7,6 +7,7 @@ save and resume under other plans: test_checkpoints.py)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -99,6 +100,20 @@ def torchrun_output(program: Path, *args: str, nproc: int = 4) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+def torchrun_outputs(runs: list[tuple[Path, list[str]]], out_dir: Path,
+                     nproc: int = 4) -> list[str]:
+    """Run each ``(program, args)`` of ``runs`` in turn on ``nproc`` gloo processes, all
+    under one torchrun job (:mod:`tests.program_runner`: each program in fresh processes
+    of its own, without paying torch's import again); what rank 0 printed for each."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [{"program": str(program), "args": list(args), "port": free_port()}
+            for program, args in runs]
+    spec = out_dir / "jobs.json"
+    spec.write_text(json.dumps({"out_dir": str(out_dir), "jobs": jobs}))
+    torchrun_output(TESTS / "program_runner.py", str(spec), nproc=nproc)
+    return [(out_dir / f"{k}.0.out").read_text() for k in range(len(runs))]
 
 
 def printed_losses(stdout: str) -> list[float]:

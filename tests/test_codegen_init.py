@@ -20,7 +20,7 @@ from autopar.demo import sgd_losses
 from autopar.runtime.materialize import choose_build, meta_start_note, tensor_bytes
 from tests import foreign_models
 from tests.dist_utils import RankPool
-from tests.test_codegen import printed_losses, pyflakes, torchrun_output
+from tests.test_codegen import printed_losses, pyflakes, torchrun_outputs
 
 MODELS = Path(foreign_models.__file__)
 STEPS, LR, SEED, TOL = 3, 0.1, 5, 1e-6
@@ -79,10 +79,10 @@ def emit(tmp: Path, name: str, factory: str, plan) -> Path:
     return program
 
 
-def run(program: Path, data: Path, *extra: str) -> str:
-    """What rank 0 printed training ``program`` on 4 processes."""
-    return torchrun_output(program, "--steps", str(STEPS), "--optimizer", "sgd", "--lr",
-                           str(LR), "--seed", str(SEED), "--data", str(data), *extra)
+def train_args(data: Path, *extra: str) -> list[str]:
+    """The command line that trains a program as :func:`one_process` trains the model."""
+    return ["--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--seed", str(SEED),
+            "--data", str(data), *extra]
 
 
 @pytest.mark.multirank
@@ -90,23 +90,27 @@ def test_default_program_equals_one_process(rank_pool: RankPool, tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     """Each initialization, under dp2 x tp2 ZeRO-3, pp2 x dp2 and dp2 x tp2 with SP, from
     the first loss; and a program whose copies do not fit (--host-memory) starts on
-    meta, says so, and trains as the runtime does on meta."""
+    meta, says so, and trains as the runtime does on meta. (The four programs run on 4
+    processes under one torchrun job, each in processes of its own.)"""
     x, y = foreign_models.example_batch()
     data = tmp_path / "batch.pt"
     torch.save({"inputs": x, "targets": y}, data)
     plans = {factory: make_plan(factory, space) for factory, space in CASES}
     capsys.readouterr()
+    runs = []
     for factory, space in CASES:
         program = emit(tmp_path, factory, factory, plans[factory])
         note = capsys.readouterr().err
         assert ("read the model from a CPU build instead" in note) == \
             (factory == "init_in_init"), note
-        out = run(program, data)
-        assert META_NOTE not in out
-        assert printed_losses(out) == pytest.approx(one_process(factory), abs=TOL), factory
+        runs.append((program, train_args(data)))
+    runs.append((tmp_path / "example_gpt.py", train_args(data, "--host-memory", "1e-6")))
+    *outs, out = torchrun_outputs(runs, tmp_path / "runs")
+    for (factory, _), got in zip(CASES, outs):
+        assert META_NOTE not in got
+        assert printed_losses(got) == pytest.approx(one_process(factory), abs=TOL), factory
     gpt = plans["example_gpt"]
     want = rank_pool.run(4, on_meta, gpt.to_json())[0]
-    out = run(tmp_path / "example_gpt.py", data, "--host-memory", "1e-6")
     size = tensor_bytes(foreign_models.example_gpt()[0]) / 1e9
     assert (f"{META_NOTE}, since 4 whole copies of {size:.3g} GB need more than the host's "
             "1e-06 GB (--build cpu builds it anyway)") in out
