@@ -216,20 +216,24 @@ def test_cli_codegen(tmp_path: Path) -> None:
 def test_programs_match_apply_plan(rank_pool: RankPool, tmp_path: Path) -> None:
     """Under torchrun, each emitted program's losses equal apply_plan's (4 steps), the
     Llama program's over two runs: 2 steps saved in --checkpoint-dir, then resumed
-    there up to step 4 (keeping the last 2). Across plans: test_checkpoints.py."""
+    there up to step 4 (keeping the last 2). Across plans: test_checkpoints.py. (The
+    three runs share one torchrun job, each in processes of its own.)"""
     data = str(write_batch(tmp_path / "batch.pt"))
     specs = [(f, kw, opt, lr, 4) for f, kw, opt, lr in CASES.values()]
     expected = rank_pool.run(4, reference_losses, specs, data)[0]
     (gpt_name, (gpt, gpt_kw, gpt_opt, gpt_lr)), (_, (llama, llama_kw, opt, lr)) = CASES.items()
     common = ["--data", data, "--seed", str(SEED)]
-    program = emit_to(tmp_path, "gpt", make_plan(gpt, gpt_kw), gpt)
-    got = torchrun(program, "--steps", "4", "--optimizer", gpt_opt, "--lr", str(gpt_lr), *common)
-    assert got == pytest.approx(expected[0], abs=TOL), gpt_name
+    gpt_program = emit_to(tmp_path, "gpt", make_plan(gpt, gpt_kw), gpt)
     program = emit_to(tmp_path, "llama", make_plan(llama, llama_kw), llama)
     ckpt = tmp_path / "ckpt"  # steps 1-2, then a later run goes on from there to step 4
     args = ["--optimizer", opt, "--lr", str(lr), "--checkpoint-dir", str(ckpt),
             "--checkpoint-every", "1", *common]
-    got = torchrun(program, "--steps", "2", *args)
-    got += torchrun(program, "--steps", "4", *args)
+    outs = torchrun_outputs([
+        (gpt_program, ["--steps", "4", "--optimizer", gpt_opt, "--lr", str(gpt_lr), *common]),
+        (program, ["--steps", "2", *args]), (program, ["--steps", "4", *args])],
+        tmp_path / "runs")
+    got, *llama_outs = [printed_losses(out) for out in outs]
+    assert got == pytest.approx(expected[0], abs=TOL), gpt_name
+    got = llama_outs[0] + llama_outs[1]
     assert got == pytest.approx(expected[1], abs=TOL), llama
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000003", "step-00000004"]
