@@ -12,8 +12,8 @@ from autopar.plans import Plan
 from autopar.runtime.codegen import emit_program, model_facts
 from tests.dist_utils import RankPool
 from tests.handmade_plans import pipeline_plan
-from tests.test_codegen import (MODELS, SEED, TOL, emit_to, pyflakes, reference_losses, torchrun,
-                                write_batch)
+from tests.test_codegen import (MODELS, SEED, TOL, emit_to, printed_losses, pyflakes,
+                                reference_losses, torchrun_outputs, write_batch)
 
 STEPS = 3
 CASES = {  # name -> (factory, pipeline_plan arguments, optimizer, lr)
@@ -54,13 +54,15 @@ def test_pipelined_programs_are_clean(tmp_path: Path) -> None:
 @pytest.mark.multirank
 def test_pipelined_programs_match_apply_plan(rank_pool: RankPool, tmp_path: Path) -> None:
     """Under torchrun, each pipelined program's losses equal apply_plan's (saving and
-    resuming, across plans: test_checkpoints.py)."""
+    resuming, across plans: test_checkpoints.py). (The programs share one torchrun
+    job, each in processes of its own.)"""
     data = str(write_batch(tmp_path / "batch.pt"))
     specs = [(f, kw, opt, lr, STEPS) for f, kw, opt, lr in CASES.values()]
     expected = rank_pool.run(4, reference_losses, specs, data)[0]
     common = ["--data", data, "--seed", str(SEED)]
-    for k, (name, (factory, kwargs, opt, lr)) in enumerate(CASES.items()):
-        program = emit_to(tmp_path, f"case{k}", make_plan(factory, kwargs), factory)
-        args = ["--optimizer", opt, "--lr", str(lr), *common]
-        got = torchrun(program, "--steps", str(STEPS), *args)
-        assert got == pytest.approx(expected[k], abs=TOL), name
+    runs = [(emit_to(tmp_path, f"case{k}", make_plan(factory, kwargs), factory),
+             ["--steps", str(STEPS), "--optimizer", opt, "--lr", str(lr), *common])
+            for k, (factory, kwargs, opt, lr) in enumerate(CASES.values())]
+    outs = torchrun_outputs(runs, tmp_path / "runs")
+    for k, (name, out) in enumerate(zip(CASES, outs)):
+        assert printed_losses(out) == pytest.approx(expected[k], abs=TOL), name
