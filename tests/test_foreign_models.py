@@ -112,20 +112,24 @@ def make_plan(kind: str, space: dict):
 @pytest.mark.slow
 def test_emitted_programs_train_as_one_process(tmp_path: Path) -> None:
     """Each program builds the factory's model on the CPU under its seed and prints the
-    single process's losses, from the first, whatever the model's modules can do on meta."""
+    single process's losses, from the first, whatever the model's modules can do on meta.
+    (The programs share one torchrun job, each in processes of its own.)"""
     from autopar.runtime.codegen import emit_program
-    from tests.test_codegen import printed_losses, torchrun_output
+    from tests.test_codegen import printed_losses, torchrun_outputs
 
     x, y = example_batch()
     data = tmp_path / "batch.pt"
     torch.save({"inputs": x, "targets": y}, data)
+    runs = []
     for i, (kind, space) in enumerate(PROGRAM_CASES):
         program = tmp_path / f"{kind}{i}.py"
         program.write_text(emit_program(
             make_plan(kind, space), f"{MODELS_FILE}:{FACTORIES[kind].__name__}",
             model_file=str(MODELS_FILE), loss_spec=f"{MODELS_FILE}:lm_loss"))
-        out = torchrun_output(program, "--steps", str(STEPS), "--optimizer", "sgd",
-                              "--lr", str(LR), "--seed", str(SEED), "--data", str(data))
+        runs.append((program, ["--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR),
+                               "--seed", str(SEED), "--data", str(data)]))
+    outs = torchrun_outputs(runs, tmp_path / "runs")
+    for (kind, space), out in zip(PROGRAM_CASES, outs):
         assert printed_losses(out) == pytest.approx(single_process(kind, SEED), abs=1e-5), \
             (kind, space)
         assert "starts on meta" not in out, (kind, space, out[:500])
