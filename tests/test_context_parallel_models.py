@@ -144,11 +144,12 @@ program builds it, printing its losses as the program does."""
 @pytest.mark.parametrize("mesh", ["cp2xtp2", "pp2xcp2"])
 def test_the_emitted_program_runs_cp_as_the_runtime(planned, tmp_path, mesh: str) -> None:
     """Llama under cp2 x tp2 and pp2 x cp2 with ring attention: each program under
-    torchrun prints the losses ``apply_plan`` gives under torchrun."""
+    torchrun prints the losses ``apply_plan`` gives under torchrun (the two share one
+    torchrun job, each in processes of its own)."""
     from pathlib import Path
 
     from autopar.runtime.codegen import emit_program
-    from tests.test_codegen import torchrun
+    from tests.test_codegen import printed_losses, torchrun_outputs
 
     plan = planned[("llama", mesh, "ring")]
     x, y = foreign_models.example_batch()
@@ -163,7 +164,8 @@ def test_the_emitted_program_runs_cp_as_the_runtime(planned, tmp_path, mesh: str
     reference.write_text(REFERENCE.format(root=str(Path(__file__).parent.parent),
                                           data=str(data), plan=str(saved), steps=STEPS,
                                           lr=LR))
-    expected = torchrun(reference)
-    got = torchrun(program, "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR),
-                   "--data", str(data), "--seed", "0")
+    expected, got = (printed_losses(out) for out in torchrun_outputs(
+        [(reference, []), (program, ["--steps", str(STEPS), "--optimizer", "sgd", "--lr",
+                                     str(LR), "--data", str(data), "--seed", "0"])],
+        tmp_path / "runs"))
     assert len(got) == STEPS and got == pytest.approx(expected, abs=1e-5)
