@@ -10,7 +10,7 @@ them once, then forks one child per program, which runs the program's file as
 one left behind. Each program gets its own rendezvous (``MASTER_PORT``, chosen by the
 caller, and a store of its own rather than the agent's), as it would under a torchrun
 job of its own. What rank ``r`` printed for program ``k`` goes to ``OUT_DIR/k.r.out``
-and ``.err``; the first program that fails ends the job with its exit status.
+and ``.err``; the first program that fails ends the job, its error printed.
 
 JOBS.json: ``{"out_dir": DIR, "jobs": [{"program": PATH, "args": [...], "port": P}]}``.
 """
@@ -69,9 +69,9 @@ def main() -> None:
             run_program(job["program"], job["args"], job["port"], out)
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         if code != 0:
-            with open(out + ".err") as f:
-                sys.stderr.write(f"program {k} ({job['program']}) failed on rank {rank} "
-                                 f"with status {code}:\n{f.read()[-3000:]}")
+            with open(out + ".err") as f:  # on stdout, whose tail the caller shows first
+                print(f"program {k} ({job['program']}) failed on rank {rank} with status "
+                      f"{code}:\n{f.read()[-3000:]}", flush=True)
             sys.exit(1)
 
 
