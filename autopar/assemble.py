@@ -158,11 +158,12 @@ def param_placements(an: GraphAnalysis, chosen: dict[str, NodeStrategy], st,
     routed = {f"{path}.{local}" for path, ep in experts.items() if ep.kind == "routed"
               for local in ep.params}
     params: dict[str, list[str]] = {}
-    for pnode, (op, pos) in an.param_owner.items():
-        fqn = g.node(pnode).target
+    owned = {g.node(pnode).target: list(chosen[op].ins[pos])
+             for pnode, (op, pos) in an.param_owner.items()}
+    unread = {fqn: ["R"] * len(mesh.names) for fqn in g.params if fqn not in owned}
+    for fqn, pl in {**owned, **unread}.items():  # unread: a layer whose output goes unused
         if fqn in g.params and g.params[fqn].buffer:
             continue  # buffers are not placed: each rank keeps its own copy
-        pl = list(chosen[op].ins[pos])
         for a, name in enumerate(mesh.names):
             if (name in DATA_AXES or name == "cp") and st.zero == 3 and mesh.sizes[a] > 1 and \
                     not (name == "ep" and fqn in split):

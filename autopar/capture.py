@@ -37,6 +37,7 @@ from torch import nn
 
 from autopar.errors import CaptureError
 from autopar.flops import flops_and_bytes
+from autopar.fx_patterns import FLATTEN, Flattened, flattened_cats, without_checks
 from autopar.graph import Graph, OpNode, ParamInfo, TensorMeta
 from autopar.layers import cut_lists, detect_layers, repeated_lists, replicate_layers
 from autopar.masks import mark_causal_masks
@@ -523,6 +524,7 @@ def to_graph(ep: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], name: 
         else:
             env[ph] = None
     out = _walk(b, ep.graph_module, ep.graph, env, grad=True)
+    b.nodes = without_checks(b.nodes, [r.name for r in _flat(out) if isinstance(r, _Ref)])
     kinds = [s.kind.name for s in ep.graph_signature.output_specs]
     loss = out[kinds.index("USER_OUTPUT")] if "USER_OUTPUT" in kinds else None
     if not isinstance(loss, _Ref):
@@ -541,11 +543,17 @@ def to_graph(ep: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], name: 
     return g
 
 
+def _flat(a: Any) -> list[Any]:
+    return [y for x in a for y in _flat(x)] if isinstance(a, (list, tuple)) else [a]
+
+
 def _walk(b: _Builder, gm: Any, graph: Any, env: dict, grad: bool) -> Any:
     """Add ``graph``'s nodes to ``b`` (inlining grad-mode and autocast regions) and
-    return its output, resolved."""
+    return its output, resolved (an ``unbind`` read whole by a ``cat`` as one flatten:
+    :mod:`autopar.fx_patterns`)."""
+    merged, unread = flattened_cats(graph)
     for fx in graph.nodes:
-        if fx.op == "placeholder":
+        if fx.op == "placeholder" or fx in unread:
             continue
         if fx.op == "get_attr":
             obj = gm
@@ -556,13 +564,13 @@ def _walk(b: _Builder, gm: Any, graph: Any, env: dict, grad: bool) -> Any:
         elif fx.op == "output":
             return _resolve(fx.args[0], env)
         elif fx.op == "call_function":
-            _call(b, gm, fx, env, grad)
+            _call(b, fx, env, grad, merged.get(fx))
         else:
             raise CaptureError(f"unexpected {fx.op} node {fx.name} in the exported program")
     return None
 
 
-def _call(b: _Builder, gm: Any, fx: Any, env: dict, grad: bool) -> None:
+def _call(b: _Builder, fx: Any, env: dict, grad: bool, flat: Flattened | None = None) -> None:
     tgt = fx.target
     if isinstance(tgt, torch._ops.HigherOrderOperator):
         env[fx] = _inline(b, fx, env, grad)
@@ -584,6 +592,8 @@ def _call(b: _Builder, gm: Any, fx: Any, env: dict, grad: bool) -> None:
     target = "getitem" if tgt is operator.getitem else (
         str(tgt) if isinstance(tgt, torch._ops.OpOverload) else getattr(tgt, "__name__", str(tgt)))
     args = _normalized(fx)
+    if flat is not None:
+        target, args = FLATTEN, [flat.source, flat.dim, flat.dim + 1]
     path, mtype = _module_of(fx)
     if b.make_targets and target in _TARGET_MAKERS and path == "" and mtype == "LossWrapper":
         b.make_targets = False

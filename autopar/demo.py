@@ -39,12 +39,15 @@ def sgd_losses(params: Iterable[torch.Tensor], step: Callable[[], torch.Tensor],
     return out
 
 
-def reference_step(model: torch.nn.Module, inputs: torch.Tensor,
+def reference_step(model: torch.nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...],
                    targets: torch.Tensor) -> Callable[[], torch.Tensor]:
     """One single-process forward and backward with the default loss (the loss a
-    ParallelModel computes), as a step function for :func:`sgd_losses`."""
+    ParallelModel computes), as a step function for :func:`sgd_losses`; ``inputs`` a
+    tensor or a tuple of the model's positional inputs, as ``ParallelModel.step`` takes."""
+    xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
     def step() -> torch.Tensor:
-        loss = default_loss(first_tensor(model(inputs)), targets)
+        loss = default_loss(first_tensor(model(*xs)), targets)
         loss.backward()
         return loss.detach()
     return step

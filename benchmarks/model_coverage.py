@@ -1,15 +1,24 @@
-"""Which Hugging Face causal-LM families autopar plans and runs: a pass/fail table.
+"""Which Hugging Face model families autopar plans and runs: a pass/fail table.
 
 For each family of :data:`FAMILIES` (a tiny configuration built from ``transformers``:
 2 layers, hidden 64, 4 heads, vocabulary 128, no dropout, fp32) four cells are run:
 
-- ``auto``: ``autopar.parallelize(model, (x,), precision="fp32")`` on 4 gloo ranks,
+- ``auto``: ``autopar.parallelize(model, inputs, precision="fp32")`` on 4 gloo ranks,
   the plan autopar chooses for the 4-process CPU cluster it detects;
 - ``dp2tp2``: the same with ``dp=2, tp=2``;
 - ``pp2dp2``: the same with ``pp=2, dp=2``;
 - ``meta``: ``autopar.plan`` of the family's full-size configuration (about 7B where the
-  family has one), built on the ``meta`` device, for 64 H100 (8 nodes of 8) and a global
-  batch of 128 sequences of 2,048 tokens (1,024 where the family allows no more).
+  family has one, else its largest published size or the config's default), built on the
+  ``meta`` device, for 64 H100 (8 nodes of 8) and a global batch of 128 samples of
+  2,048 tokens (the family's longest where that is less).
+
+Families are of six tasks (:data:`TASKS`), each with the inputs its model takes and the
+targets its loss compares with: causal and masked language models (token ids), encoder-
+decoders (source ids and the decoder's teacher-forced ids), speech encoder-decoders
+(log-mel features and decoder ids), image classifiers (pixels, a class per image) and
+vision-language models (pixels and token ids holding the image's placeholder tokens).
+Models whose forward takes these as keywords are wrapped in :class:`KeywordLogits`, the
+few lines a user writes to pass them positionally.
 
 A run cell passes when the losses of 3 SGD steps (lr 0.1, batch 8, sequence 16) equal a
 single-process run of the same model and data within 1e-5; it fails with the exception's
@@ -54,13 +63,23 @@ ALL_PLANS = (*PLANS, "meta")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+TASKS = ("causal", "masked", "seq2seq", "speech", "image", "vlm")
+"""What a family's model computes, which sets its inputs and targets (:func:`example`)."""
+
+IMAGE, CLASSES, MEL_BINS, IMAGE_TOKEN = 16, 10, 8, VOCAB - 1
+"""Tiny inputs: images of 16 x 16 pixels in 10 classes; 8 mel bins; the vision-language
+model's image placeholder token."""
+
+
 @dataclass(frozen=True)
 class Family:
-    """One causal-LM family: ``transformers`` class names and configuration overrides.
+    """One model family: ``transformers`` class names and configuration overrides.
 
     ``tiny`` is the configuration of the 4-rank runs (on top of :data:`TINY_COMMON`);
     ``full`` overrides the config class's defaults for the meta-device plan (empty where
-    the defaults already are the family's ~7B model).
+    the defaults already are the family's model of that size). ``task`` is one of
+    :data:`TASKS`; ``keywords`` names the forward's keyword arguments where the model is
+    wrapped in :class:`KeywordLogits` (None: called positionally as it is).
     """
 
     config: str
@@ -68,6 +87,8 @@ class Family:
     tiny: dict[str, Any]
     full: dict[str, Any] = field(default_factory=dict)
     attn: str = "sdpa"
+    task: str = "causal"
+    keywords: tuple[str, ...] | None = None
 
 
 TINY_COMMON: dict[str, Any] = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=0,
@@ -77,6 +98,14 @@ _DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 _GQA = dict(_DECODER, num_key_value_heads=2)
 _GPT2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=64)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+_BART = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+             max_position_embeddings=64, decoder_start_token_id=0)
+_BERT = dict(_DECODER, type_vocab_size=1)
+_VIT = dict(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=64,
+            num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            num_labels=CLASSES)
+_SEQ2SEQ = ("input_ids", "decoder_input_ids")
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family("GPT2Config", "GPT2LMHeadModel", _GPT2,
@@ -137,6 +166,86 @@ FAMILIES: dict[str, Family] = {
     "olmo": Family("OlmoConfig", "OlmoForCausalLM", _DECODER),                       # OLMo 7B
     "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", _DECODER),                    # OLMo 2 7B
     "granite": Family("GraniteConfig", "GraniteForCausalLM", _GQA),                  # Granite 7B
+    # encoder-decoders
+    "t5": Family("T5Config", "T5ForConditionalGeneration",                           # T5 v1.1 XL
+                 dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=16, decoder_start_token_id=0),
+                 dict(d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_heads=32,
+                      feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+                 task="seq2seq", keywords=_SEQ2SEQ),
+    "bart": Family("BartConfig", "BartForConditionalGeneration", _BART,                # large
+                   task="seq2seq", keywords=_SEQ2SEQ),
+    "mbart": Family("MBartConfig", "MBartForConditionalGeneration", _BART,             # large
+                    task="seq2seq", keywords=_SEQ2SEQ),
+    "pegasus": Family("PegasusConfig", "PegasusForConditionalGeneration", _BART,       # large
+                      task="seq2seq", keywords=_SEQ2SEQ),
+    "marian": Family("MarianConfig", "MarianMTModel", _BART,                           # Opus-MT
+                     task="seq2seq", keywords=_SEQ2SEQ),
+    "whisper": Family("WhisperConfig", "WhisperForConditionalGeneration",             # large-v3
+                      dict(_BART, num_mel_bins=MEL_BINS, max_source_positions=8,
+                           max_target_positions=64, begin_suppress_tokens=None,
+                           suppress_tokens=None),
+                      dict(d_model=1280, encoder_layers=32, decoder_layers=32,
+                           encoder_attention_heads=20, decoder_attention_heads=20,
+                           encoder_ffn_dim=5120, decoder_ffn_dim=5120, num_mel_bins=128,
+                           vocab_size=51866),
+                      task="speech", keywords=("input_features", "decoder_input_ids")),
+    # encoders
+    "bert": Family("BertConfig", "BertForMaskedLM", _BERT,                              # large
+                   dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                        intermediate_size=4096), task="masked"),
+    "roberta": Family("RobertaConfig", "RobertaForMaskedLM", _BERT,                     # large
+                      dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                           intermediate_size=4096, vocab_size=50265,
+                           max_position_embeddings=514, pad_token_id=1), task="masked"),
+    "distilbert": Family("DistilBertConfig", "DistilBertForMaskedLM",                   # base
+                         dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                              max_position_embeddings=64), task="masked"),
+    "electra": Family("ElectraConfig", "ElectraForMaskedLM",                            # large
+                      dict(_BERT, embedding_size=64),
+                      dict(embedding_size=1024, hidden_size=1024, num_hidden_layers=24,
+                           num_attention_heads=16, intermediate_size=4096), task="masked"),
+    "vit": Family("ViTConfig", "ViTForImageClassification", _VIT,                       # ViT-H/14
+                  dict(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16,
+                       intermediate_size=5120, patch_size=14, num_labels=1000),
+                  task="image"),
+    "deit": Family("DeiTConfig", "DeiTForImageClassification", _VIT,                    # base
+                   dict(num_labels=1000), task="image"),
+    # state space and vision-language
+    "mamba": Family("MambaConfig", "MambaForCausalLM",                                  # 2.8B
+                    dict(hidden_size=64, state_size=8, num_hidden_layers=2, expand=2,
+                         conv_kernel=4),
+                    dict(hidden_size=2560, num_hidden_layers=64, vocab_size=50280),
+                    attn="eager"),
+    "mamba2": Family("Mamba2Config", "Mamba2ForCausalLM",                               # 2.7B
+                     dict(hidden_size=64, num_heads=8, head_dim=16, state_size=8, n_groups=1,
+                          num_hidden_layers=2, expand=2, chunk_size=8),
+                     dict(hidden_size=2560, num_heads=80, head_dim=64, num_hidden_layers=64,
+                          vocab_size=50288), attn="eager"),
+    "llava": Family("LlavaConfig", "LlavaForConditionalGeneration",                     # 1.5 7B
+                    dict(vision_config=dict(model_type="clip_vision_model", image_size=8,
+                                            patch_size=4, hidden_size=64,
+                                            intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4),
+                         text_config=dict(model_type="llama", **TINY_COMMON, **_GQA),
+                         image_token_index=IMAGE_TOKEN),
+                    dict(text_config=dict(model_type="llama", vocab_size=32064),
+                         image_token_index=32000),
+                    task="vlm", keywords=("input_ids", "pixel_values")),
+    # more decoders
+    "gpt_neo": Family("GPTNeoConfig", "GPTNeoForCausalLM",                              # 2.7B
+                      dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                           attention_types=[[["global", "local"], 1]], window_size=8,
+                           max_position_embeddings=64),
+                      dict(hidden_size=2560, num_layers=32, num_heads=20,
+                           attention_types=[[["global", "local"], 16]]), attn="eager"),
+    "starcoder2": Family("Starcoder2Config", "Starcoder2ForCausalLM", _GQA),            # 3B
+    "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM",                                  # 1B-7B
+                    dict(_GQA, num_experts=4, num_experts_per_tok=2)),
+    "nemotron": Family("NemotronConfig", "NemotronForCausalLM", _GQA,                   # 4 15B
+                       dict(num_key_value_heads=8)),
+    "persimmon": Family("PersimmonConfig", "PersimmonForCausalLM", _DECODER),           # 8B
 }
 
 _NOISE = ("dropout", "pdrop", "layerdrop", "jitter")
@@ -158,18 +267,86 @@ def build_config(name: str, full: bool = False) -> Any:
 
 
 def build_model(name: str, full: bool = False) -> torch.nn.Module:
-    """Family ``name``'s causal LM on the current default device, seeded so that every
-    process builds the same weights."""
+    """Family ``name``'s ``transformers`` model on the current default device, seeded so
+    that every process builds the same weights."""
     import transformers
 
     torch.manual_seed(0)
     return getattr(transformers, FAMILIES[name].model)(build_config(name, full))
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+class KeywordLogits(torch.nn.Module):
+    """A model whose forward takes its inputs as keywords (``names``), called with them
+    in that order; returns its logits: the few lines a user wraps such a model in."""
+
+    def __init__(self, inner: torch.nn.Module, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.inner, self.names = inner, names
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.inner(**dict(zip(self.names, inputs))).logits
+
+
+def trainable(name: str, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as it is trained: wrapped in :class:`KeywordLogits` where the family
+    names keywords."""
+    keywords = FAMILIES[name].keywords
+    return KeywordLogits(model, keywords) if keywords else model
+
+
+def model_config(model: torch.nn.Module) -> Any:
+    """The ``transformers`` config of ``model`` or of the model it wraps."""
+    return getattr(model, "config", None) or model.inner.config
+
+
+def _text(cfg: Any) -> Any:
+    """The config that holds the vocabulary (a vision-language model's text config)."""
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def _longest(cfg: Any, decoder: bool = False) -> int:
+    """The longest sequence the (text or decoder) config allows, at most ``META_SEQ``."""
+    cfg = _text(cfg)
+    keys = (("max_target_positions",) if decoder else ()) + (
+        "max_position_embeddings", "n_positions")
+    found = [getattr(cfg, k) for k in keys if isinstance(getattr(cfg, k, None), int)]
+    return min(META_SEQ, found[0]) if found else META_SEQ
+
+
+def example(name: str, cfg: Any, batch: int, seq: int | None = None,
+            device: str = "cpu") -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(inputs, targets) of ``batch`` samples for family ``name`` with config ``cfg``, as
+    its :data:`TASKS` entry takes them: token ids of ``seq`` tokens (the config's longest
+    where None, at most :data:`META_SEQ`); the decoder's input is the targets shifted right
+    after a start token; images and mel features of the config's size. Seeded on the CPU
+    (the same data in every process); shapes only on ``meta``."""
+    task = FAMILIES[name].task
+    gen = torch.Generator().manual_seed(1) if device == "cpu" else None
+    vocab = _text(cfg).vocab_size
+
+    def ids(high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(0, high, shape, generator=gen, device=device)
+
+    def floats(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device)
+
+    if task == "image":
+        pixels = floats(batch, cfg.num_channels, cfg.image_size, cfg.image_size)
+        return (pixels,), ids(cfg.num_labels, batch)
+    seq = seq or _longest(cfg, decoder=task == "speech")
+    if task == "vlm":
+        vision = cfg.vision_config
+        n_image = (vision.image_size // vision.patch_size) ** 2
+        x, y = ids(cfg.image_token_index, batch, seq), ids(cfg.image_token_index, batch, seq)
+        x[:, :n_image] = cfg.image_token_index
+        return (x, floats(batch, vision.num_channels, vision.image_size, vision.image_size)), y
+    x, y = ids(vocab, batch, seq), ids(vocab, batch, seq)
+    if task in ("causal", "masked"):
+        return (x,), y
+    decoder = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
+    if task == "speech":
+        x = floats(batch, cfg.num_mel_bins, 2 * cfg.max_source_positions)
+    return (x, decoder), y
 
 
 class CellError(RuntimeError):
@@ -188,10 +365,10 @@ def rank_train(name: str, space: dict[str, int]) -> dict[str, Any]:
     from autopar.demo import sgd_losses
 
     try:
-        model = build_model(name)
-        x, y = _data()
-        pm = autopar.parallelize(model, (x,), precision="fp32", **space)
-        losses = sgd_losses(pm.parameters(), lambda: pm.step(x, y), STEPS, LR)
+        model = trainable(name, build_model(name))
+        xs, y = example(name, model_config(model), BATCH, SEQ)
+        pm = autopar.parallelize(model, xs, precision="fp32", **space)
+        losses = sgd_losses(pm.parameters(), lambda: pm.step(xs, y), STEPS, LR)
     except Exception as exc:
         raise CellError(json.dumps(_error(exc))) from None
     p = pm.plan
@@ -208,26 +385,24 @@ def run_cell(name: str, plan: str, timeout_s: float) -> dict[str, Any]:
 
     if plan == "meta":
         with torch.device("meta"):
-            model = build_model(name, full=True)
-        cfg = model.config
-        seq = min(META_SEQ, getattr(cfg, "max_position_embeddings", None)
-                  or getattr(cfg, "n_positions", META_SEQ))
-        x = torch.randint(0, cfg.vocab_size, (META_BATCH, seq), device="meta")
+            model = trainable(name, build_model(name, full=True))
+        xs, _ = example(name, model_config(model), META_BATCH, device="meta")
         t0 = time.perf_counter()
         try:
-            p = autopar.plan(model, (x,), cluster=autopar.Cluster(**META_CLUSTER),
+            p = autopar.plan(model, xs, cluster=autopar.Cluster(**META_CLUSTER),
                              global_batch=META_GLOBAL_BATCH)
         except Exception as exc:
             return {"ok": False, **_error(exc), "seconds": time.perf_counter() - t0}
-        return {"ok": True, "seconds": time.perf_counter() - t0, "seq": seq,
+        return {"ok": True, "seconds": time.perf_counter() - t0,
+                "shapes": [list(x.shape) for x in xs],
                 "params": sum(t.numel() for t in model.parameters()), "mesh": p.mesh,
                 "zero": p.zero, "schedule": p.pipeline.schedule if p.pipeline else None,
                 "step_time_s": p.step_time_s, "mfu": p.mfu,
                 "memory_per_device_gb": p.memory_per_device_bytes / 1e9}
     torch.set_num_threads(1)
-    model = build_model(name)
-    x, y = _data()
-    ref = sgd_losses(model.parameters(), reference_step(model, x, y), STEPS, LR)
+    model = trainable(name, build_model(name))
+    xs, y = example(name, model_config(model), BATCH, SEQ)
+    ref = sgd_losses(model.parameters(), reference_step(model, xs, y), STEPS, LR)
     try:
         got = run_distributed(RANKS, rank_train, name, PLANS[plan], timeout_s=timeout_s)[0]
     except RankFailure as exc:

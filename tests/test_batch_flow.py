@@ -2,7 +2,9 @@
 ``nn.TransformerEncoder`` (batch-first or sequence-first), Hugging Face OPT, Falcon,
 Mixtral and Qwen2-MoE, a Llama whose GQA uses ``repeat_interleave`` (which also gets
 per-kv-head tensor-parallel strategies), a model with an operator autopar has no
-rule for, and T5's attention bias broadcast along the batch (issue 40, item 4). Their
+rule for, T5's attention bias broadcast along the batch (issue 40, item 4) and LLaVA's
+image tokens, listed per sample, counted over the batch and scattered (issue 40, item
+5). Their
 2-rank data-parallel training equals a single process; a true batch statistic, or a
 replicated tensor lined up with the batch, still refuses with a clear message."""
 
@@ -124,6 +126,33 @@ class RowsAsSamples(nn.Module):
         return self.head(torch.cat([self.emb(tokens).mean(1), side], 1))
 
 
+class ImageTokens(nn.Module):
+    """LLaVA's pattern: per-sample image features listed and concatenated into the image
+    tokens of the whole batch (``torch.cat(list(x))``), a check that counts the image
+    positions over the batch, the tokens scattered into those positions; a layer whose
+    output goes unused (LLaVA reads the second-to-last vision layer) and a module the
+    forward never calls."""
+
+    def __init__(self, n_image: int = 4) -> None:
+        super().__init__()
+        self.n_image = n_image
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.vision = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.head = nn.Linear(32, VOCAB)
+        self.spare = nn.Linear(32, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, t = tokens.shape
+        h = self.emb(tokens)
+        states = [h[:, :self.n_image]]
+        for layer in self.vision:
+            states.append(torch.tanh(layer(states[-1])))
+        image = torch.cat(list(states[-2]), dim=0)  # (b * n_image, 32): the last layer unread
+        where = (torch.arange(t, device=tokens.device) < self.n_image).expand(b, t)
+        torch._check_tensor_all(where.sum() * 32 == image.numel())
+        return self.head(h.masked_scatter(where[..., None], image))
+
+
 def hf(kind: str) -> nn.Module:
     """A tiny Hugging Face causal LM of family ``kind`` (dropout off)."""
     t = pytest.importorskip("transformers")
@@ -143,6 +172,7 @@ def hf(kind: str) -> nn.Module:
 
 MODELS = {"encoder": lambda: EncoderLM(True), "encoder-seq-first": lambda: EncoderLM(False),
           "tiny-llama": TinyLlama, "gated": GatedLM, "biased": BiasedAttention,
+          "image-tokens": ImageTokens,
           **{k: (lambda k=k: hf(k)) for k in ("opt", "falcon", "mixtral", "qwen2moe")}}
 
 
@@ -287,7 +317,26 @@ def test_a_batch_statistic_still_refuses_data_parallelism() -> None:
                  pp=1)
 
 
-RUN_KINDS = ("encoder-seq-first", "opt", "gated", "biased")
+def test_image_tokens_listed_per_sample_plan_data_parallel() -> None:
+    """``torch.cat(list(x))`` is read as the flatten it is (``unbind`` alone selects
+    single samples), the ops that only feed the check are left out of the graph (the
+    unread layer's stay: eager PyTorch runs it), and the parameters of the module never
+    called are still placed (replicated, or split over the data axes under ZeRO-3)."""
+    x, _ = data()
+    g = capture(make("image-tokens"), (x,))
+    targets = [n.target for n in g.nodes if n.kind == "op"]
+    assert "aten.flatten.using_ints" in targets and "aten.unbind.int" not in targets
+    assert "aten.sum.default" not in targets and "aten._is_all_true.default" not in targets
+    assert targets.count("aten.tanh.default") == 2
+    assert analyze(g).batch_dim[next(n.name for n in g.nodes
+                                     if n.target == "aten.masked_scatter.default")] == 0
+    for zero, want in ((0, ["R", "R"]), (3, ["S(0)", "R"])):
+        plan = autopar.plan(make("image-tokens"), (x,), cluster=CPU4, precision="fp32",
+                            dp=2, tp=2, pp=1, zero=zero)
+        assert plan.params["spare.weight"] == want, zero
+
+
+RUN_KINDS = ("encoder-seq-first", "opt", "gated", "biased", "image-tokens")
 
 
 def reference(kind: str) -> list[float]:

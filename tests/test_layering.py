@@ -11,8 +11,8 @@ layer name        modules
 ====  ==========  ===========================================================
 0     base        autopar.errors, autopar.graph, autopar.memory_choices,
                   autopar.schema, autopar.units_text
-1     capture     autopar.flops, autopar.layers, autopar.masks, autopar.capture,
-                  autopar.loader
+1     capture     autopar.flops, autopar.layers, autopar.masks, autopar.fx_patterns,
+                  autopar.capture, autopar.loader
 2     strategies  autopar.sharding, autopar.strategies.*
 3     cost        autopar.cost_models.*, autopar.cluster
 4     solve       autopar.solvers.*
@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and below
     ("base", ("autopar.errors", "autopar.graph", "autopar.memory_choices",
               "autopar.schema", "autopar.units_text")),
-    ("capture", ("autopar.flops", "autopar.layers", "autopar.masks", "autopar.capture",
-                 "autopar.loader")),
+    ("capture", ("autopar.flops", "autopar.layers", "autopar.masks", "autopar.fx_patterns",
+                 "autopar.capture", "autopar.loader")),
     ("strategies", ("autopar.sharding", "autopar.strategies.*")),
     ("cost", ("autopar.cost_models.*", "autopar.cluster")),
     ("solve", ("autopar.solvers.*",)),
