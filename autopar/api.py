@@ -328,11 +328,12 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                 explain: list[str] | str | None = None):
     """Search the configurations ``spec`` leaves open (its fields, already checked by
     :class:`Spec`) for the fastest plan that fits; (plan, the search's result)."""
-    from autopar import plans
     from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
     from autopar.explain import check_explain, explain_layouts
-    from autopar.solvers.outer_search import SearchResult, candidates, search
+    from autopar.plans import model_fingerprint
+    from autopar.solvers.outer_search import SearchResult, search
+    from autopar.solvers.search_space import candidates
     from autopar.strategies.analysis import analyze
 
     check_choice("precision", precision, PRECISIONS)
@@ -428,7 +429,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     plan.solver["memory_budget_bytes"] = budget
     plan.explanations = explain_layouts(an, res.built, res.solution, explain, budget)
     plan.inputs = _input_specs(example_inputs, gb)
-    plan.model_hash = plans.model_fingerprint(model)
+    plan.model_hash = model_fingerprint(model)
     plan.notes.extend(_whole_vocabularies(model, plan))
     if pp_note:
         plan.notes.append(pp_note)

@@ -1,4 +1,4 @@
-"""``autopar train``'s command line: the options (:class:`TrainArgs`), and, started
+"""``autopar train``'s command line: the options (:class:`~autopar.train_args.TrainArgs`), and, started
 without torchrun, torchrun itself with ``--nproc-per-node`` local processes (gloo on
 CPUs, NCCL on GPUs) each running :func:`autopar.train.train`. Imports no torch, so
 ``autopar --help`` stays fast."""
@@ -9,37 +9,12 @@ import argparse
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from autopar.cli_options import add_memory_budget_arg, add_spec_args, spec_argv, spec_from_args
 from autopar.errors import AutoparError, ConfigError
-
-if TYPE_CHECKING:
-    from autopar.spec import Spec
+from autopar.train_args import TrainArgs
 
 __all__ = ["TrainArgs", "add_train_parser", "cmd_train", "main"]
-
-
-@dataclass(frozen=True)
-class TrainArgs:
-    """What ``autopar train`` runs (its command line's options)."""
-
-    model: str = "tiny-gpt"
-    steps: int = 20
-    data: str = "builtin"
-    global_batch: int = 8
-    seq_len: int | None = None
-    lr: float = 3e-3
-    seed: int = 0
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 10
-    keep: int = 2
-    log_every: int = 1
-    precision: str = "bf16"
-    compile: bool = False
-    space: Spec | None = None  # the plan's search space (--dp, --tp, ...; None: all free)
-    memory_budget: float | None = None  # bytes per device (None: the device's)
 
 
 class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
@@ -135,13 +110,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
     _, vocab, seq = build(args, device="meta")  # what would fail on every rank, once here
     shard_batch(load_tokens(args.data, vocab), 0, args.global_batch, seq, 0, 1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(ns.nproc_per_node), "-m", "autopar.train", *_argv(args)]
+           "--nproc-per-node", str(ns.nproc_per_node), "-m", "autopar.cli_train", *_argv(args)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.run(cmd, env=env).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m autopar.train ARGS`` (what torchrun runs on each rank)."""
+    """``python -m autopar.cli_train ARGS`` (what torchrun runs on each rank)."""
     ap = argparse.ArgumentParser(prog="autopar")
     add_train_parser(ap.add_subparsers(dest="command", required=True))
     ns = ap.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
@@ -150,3 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":  # what each torchrun rank runs
+    sys.exit(main())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from autopar.cli_train import TrainArgs
+from autopar.train_args import TrainArgs
 from autopar.errors import ConfigError
 from autopar.units_text import fmt_bytes
 
@@ -213,9 +213,3 @@ def train(args: TrainArgs) -> list[float]:
     if ckpt is not None:
         ckpt.close()
     return losses
-
-
-if __name__ == "__main__":  # what each torchrun rank runs
-    from autopar.cli_train import main
-
-    sys.exit(main())

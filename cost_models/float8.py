@@ -12,12 +12,24 @@ docs/cost_models.md, section ``autopar.cost_models.float8``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from autopar.flops import op_name
 
-if TYPE_CHECKING:  # hardware reads float8_rate_ratio: no import at run time
-    from autopar.cost_models.hardware import HardwareProfile
+
+class Rates(Protocol):
+    """What these prices read of a :class:`~autopar.cost_models.hardware.HardwareProfile`
+    (named structurally: the profile module reads :func:`float8_rate_ratio`)."""
+
+    name: str
+    matmul_flops: dict[str, float]
+    matmul_efficiency: dict[str, float]
+    kernel_overhead_s: float
+
+    @property
+    def achieved_memory_bandwidth(self) -> float:
+        """Bytes per second the profile's kernels move."""
+
 
 FP8 = "fp8"
 """The precision name of bf16 training with float8 Linear products."""
@@ -70,7 +82,7 @@ def linear_products(dims: tuple[float, float, float],
     return [(m, k, n), (n, k, m)] if backward else [(m, n, k)]
 
 
-def float8_rate_ratio(hw: HardwareProfile) -> float:
+def float8_rate_ratio(hw: Rates) -> float:
     """Achieved float8 over achieved bf16 tensor-core rate of the profile
     (``matmul_flops`` × ``matmul_efficiency`` of each); raises ``ConfigError`` where the
     profile lists no float8 rate."""
@@ -86,7 +98,7 @@ def float8_rate_ratio(hw: HardwareProfile) -> float:
 
 
 def float8_gemm_time(bf16_s: float, m: float, n: float, k: float,
-                     hw: HardwareProfile) -> float:
+                     hw: Rates) -> float:
     """Seconds of one (m, n, k) float8 product whose bf16 time is ``bf16_s``: the bf16
     time over :func:`float8_rate_ratio`, at least the time to read both operands in
     float8 and write the bf16 output at the achieved memory bandwidth."""
@@ -95,7 +107,7 @@ def float8_gemm_time(bf16_s: float, m: float, n: float, k: float,
                hw.kernel_overhead_s)
 
 
-def cast_time(elements: list[tuple[float, float]], hw: HardwareProfile) -> float:
+def cast_time(elements: list[tuple[float, float]], hw: Rates) -> float:
     """Seconds of cast kernels given as (elements, bytes per element), each at the
     achieved memory bandwidth and at least one kernel launch."""
     return sum(max(e * b / hw.achieved_memory_bandwidth, hw.kernel_overhead_s)
@@ -103,7 +115,7 @@ def cast_time(elements: list[tuple[float, float]], hw: HardwareProfile) -> float
 
 
 def float8_linear_time(bf16_parts: list[float], dims: tuple[float, float, float], *,
-                       backward: bool, hw: HardwareProfile) -> float:
+                       backward: bool, hw: Rates) -> float:
     """Seconds of a float8 Linear's forward (``bf16_parts`` = [the output product's
     bf16 seconds]) or backward ([input-gradient, weight-gradient products]) with
     ``dims`` = (m, n, k) of the forward product: :func:`float8_gemm_time` of each

@@ -16,82 +16,32 @@ from __future__ import annotations
 
 import inspect
 import json
-import io
 import keyword
-import tokenize
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Callable
 
-import torch
 from torch import nn
 
-from autopar.errors import ConfigError, FactoryError
-from autopar.loader import load, load_callable
+from autopar.errors import ConfigError
+from autopar.loader import load_callable
 from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
 from autopar.runtime import codegen_pipeline_templates as PT
 from autopar.runtime import codegen_templates as T
+from autopar.runtime.codegen_facts import ModelFacts, model_facts
+from autopar.runtime.codegen_imports import import_block
 from autopar.runtime.codegen_pipeline import pipeline_text
 from autopar.units_text import fmt_bytes
 from autopar.runtime.lower import check_plan
 from autopar.runtime.mesh import expert_fsdp_axes, expert_mesh_shape, needs_fsdp
 from autopar.runtime.pipeline import ZERO_BUBBLE_SCHEDULES
 from autopar.runtime.dtensor_layout import any_index
-from autopar.runtime.tensor_parallel import piecewise, tied_parameter_groups, tp_layout
+from autopar.runtime.tensor_parallel import piecewise, tp_layout
 from autopar.sharding import shard_dim, shard_pieces
 
 __all__ = ["ModelFacts", "model_facts", "emit_program"]
 
 _DEFAULT_LR = MappingProxyType({"sgd": 0.1, "adamw": 1e-3})
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the program needs to know about the model beyond the plan (read from a
-    ``meta`` instance at generation time, or a CPU one where the factory cannot run on
-    meta).
-
-    Attributes:
-        model: the model, on the meta device (or the CPU, see ``note``).
-        tied: parameter names sharing one tensor, first owner first.
-        input_shape: one sample's shape of the first example input (synthetic data).
-        input_is_tokens: whether that input holds integer token ids.
-        num_classes: the token vocabulary (first Embedding) or the last Linear's outputs.
-        note: why the model was built on the CPU ('' when on meta).
-    """
-
-    model: nn.Module
-    tied: list[list[str]]
-    input_shape: tuple[int, ...]
-    input_is_tokens: bool
-    num_classes: int
-    note: str = ""
-
-
-def model_facts(model_spec: str) -> ModelFacts:
-    """Build ``path/to/file.py:factory`` on the meta device and read its facts; a
-    factory whose own code cannot run there (example data made on a real device) is
-    built again on the CPU, and ``note`` says so."""
-    note = ""
-    try:
-        with torch.device("meta"):
-            model, inputs = load(model_spec)
-    except FactoryError as e:
-        model, inputs = load(model_spec)
-        note = f"{e}; read the model from a CPU build instead"
-    x = inputs[0]
-    tokens = not torch.is_floating_point(x)
-    layer = nn.Embedding if tokens else nn.Linear
-    found = [m for m in model.modules() if isinstance(m, layer)]
-    if not found:
-        raise ConfigError(f"{model_spec}: cannot tell the number of classes for synthetic data "
-                          f"(no {layer.__name__} in the model)")
-    m = found[0] if tokens else found[-1]
-    classes = m.num_embeddings if isinstance(m, nn.Embedding) else m.out_features
-    return ModelFacts(model=model, tied=tied_parameter_groups(model),
-                      input_shape=tuple(x.shape[1:]), input_is_tokens=tokens,
-                      num_classes=int(classes), note=note)
 
 
 def _seconds(s: float) -> str:
@@ -405,88 +355,6 @@ def _save_ops() -> str:
     return "\n".join(lines + [cur, "}"])
 
 
-_IMPORTS = MappingProxyType({  # name used in the program -> the import that provides it
-    "argparse": "import argparse", "functools": "import functools",
-    "datetime": "import datetime", "json": "import json", "shutil": "import shutil",
-    "importlib": "import importlib.util", "os": "import os", "time": "import time",
-    "Path": "from pathlib import Path", "Any": "from typing import Any",
-    "Callable": "from typing import Callable",
-    "torch": "import torch", "dist": "import torch.distributed as dist",
-    "dcp": "import torch.distributed.checkpoint as dcp", "F": "import torch.nn.functional as F",
-    "nn": "from torch import nn", "fx": "from torch import fx", "contextlib": "import contextlib",
-    "re": "import re", "operator": "import operator", "sys": "import sys",
-    "warnings": "import warnings",
-    "fc": "import torch.distributed._functional_collectives as fc",
-    "torch_loss": "import torch.distributed.tensor.parallel.loss as torch_loss",
-})
-_FROM = MappingProxyType({  # name -> module, for `from module import a, b`
-    "Iterator": "collections.abc", "Mapping": "collections.abc",
-    "Collection": "collections.abc", "Sequence": "collections.abc",
-    "get_state_dict": "torch.distributed.checkpoint.state_dict",
-    "set_state_dict": "torch.distributed.checkpoint.state_dict",
-    "DeviceMesh": "torch.distributed.device_mesh",
-    "init_device_mesh": "torch.distributed.device_mesh",
-    "CPUOffloadPolicy": "torch.distributed.fsdp", "MixedPrecisionPolicy": "torch.distributed.fsdp",
-    "fully_shard": "torch.distributed.fsdp", "DTensor": "torch.distributed.tensor",
-    "all_to_all_single_autograd": "torch.distributed._functional_collectives",
-    "Placement": "torch.distributed.tensor", "Replicate": "torch.distributed.tensor",
-    "Shard": "torch.distributed.tensor", "distribute_module": "torch.distributed.tensor",
-    "Partial": "torch.distributed.tensor", "distribute_tensor": "torch.distributed.tensor",
-    "register_sharding": "torch.distributed.tensor.experimental",
-    "TorchDispatchMode": "torch.utils._python_dispatch",
-    "TorchFunctionMode": "torch.overrides",
-    "tree_flatten": "torch.utils._pytree", "tree_map": "torch.utils._pytree",
-    "ColwiseParallel": "torch.distributed.tensor.parallel",
-    "ParallelStyle": "torch.distributed.tensor.parallel",
-    "PrepareModuleInput": "torch.distributed.tensor.parallel",
-    "RowwiseParallel": "torch.distributed.tensor.parallel",
-    "SequenceParallel": "torch.distributed.tensor.parallel",
-    "parallelize_module": "torch.distributed.tensor.parallel",
-    "PipelineStage": "torch.distributed.pipelining",
-    "Schedule1F1B": "torch.distributed.pipelining",
-    "ScheduleGPipe": "torch.distributed.pipelining",
-    "ScheduleInterleaved1F1B": "torch.distributed.pipelining",
-    "ScheduleInterleavedZeroBubble": "torch.distributed.pipelining",
-    "ScheduleZBVZeroBubble": "torch.distributed.pipelining",
-    "CheckpointPolicy": "torch.utils.checkpoint", "checkpoint": "torch.utils.checkpoint",
-    "create_selective_checkpoint_contexts": "torch.utils.checkpoint",
-    "ConstantArgument": "torch.export.graph_signature",
-    "InputKind": "torch.export.graph_signature", "OutputKind": "torch.export.graph_signature",
-    "TensorArgument": "torch.export.graph_signature",
-})
-
-
-def _names(code: str) -> set[str]:
-    """The names ``code`` refers to (not attributes, strings or comments)."""
-    names, prev = set(), ""
-    for tok in tokenize.generate_tokens(io.StringIO(code).readline):
-        if tok.type == tokenize.NAME and prev != ".":
-            names.add(tok.string)
-        if tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
-            prev = tok.string
-    return names
-
-
-def _imports(code: str) -> str:
-    """The import block for exactly the names ``code`` uses (stdlib, then torch)."""
-    used = _names(code) & (set(_IMPORTS) | set(_FROM))
-    std = sorted(_IMPORTS[n] for n in used if n in _IMPORTS and not _IMPORTS[n].startswith(
-        ("import torch", "from torch")))
-    plain = sorted((_IMPORTS[n] for n in used if n in _IMPORTS and _IMPORTS[n] not in std),
-                   key=lambda s: (s.startswith("from"), s))
-    modules: dict[str, list[str]] = {}
-    for n in sorted((n for n in used if n in _FROM), key=lambda n: (not n[0].isupper(), n)):
-        modules.setdefault(_FROM[n], []).append(n)
-    froms = []
-    for mod in sorted(modules):
-        line = f"from {mod} import {', '.join(modules[mod])}"
-        if len(line) > 99:
-            line = f"from {mod} import (\n    " + ",\n    ".join(modules[mod]) + ",\n)"
-        (froms if mod.startswith("torch") else std).append(line)
-    std = sorted(std, key=lambda s: (s.startswith("from"), s))
-    return "\n".join(std) + "\n\n" + "\n".join(plain + froms)
-
-
 def _cluster_text(plan: Plan) -> str:
     c = plan.cluster
     if not c.get("gpu"):
@@ -656,5 +524,5 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         step_time=_seconds(plan.step_time_s), memory=_bytes(plan.memory_per_device_bytes),
         throughput=f"{plan.throughput:.1f}", mfu=f"{plan.mfu:.1%}", world=plan.world_size,
         program=program_name, cuda_note="NCCL on GPUs, gloo on CPUs")
-    return T.PROGRAM.substitute(header=header, imports=_imports(constants + "\n" + body),
+    return T.PROGRAM.substitute(header=header, imports=import_block(constants + "\n" + body),
                                 constants=constants, sections=body)

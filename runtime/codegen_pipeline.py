@@ -24,7 +24,7 @@ from autopar.runtime.pipeline import (SCHEDULE_CLASSES, SINGLE_STAGE_SCHEDULES,
                                       stage_blocks)
 
 if TYPE_CHECKING:
-    from autopar.runtime.codegen import ModelFacts
+    from autopar.runtime.codegen_facts import ModelFacts
 
 __all__ = ["PipelineText", "pipeline_text"]
 

@@ -23,14 +23,14 @@ from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.solvers.idle_axis import splits_nothing
 from autopar.solvers.intra_op_ilp import Solution
-from autopar.solvers.outer_search import Candidate, candidate_settings, mesh_key, tiers
+from autopar.solvers.search_space import Candidate, candidate_settings, mesh_key, tiers
 from autopar.solvers.pipelined_candidate import (boundary_p2p, rank_host_time, rank_transients,
                                                  shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
 from autopar.solvers.problem_build import Built, build_problem
 from autopar.solvers.cost_terms import PieceCost
 from autopar.solvers.schedule_sim import simulate, stage_ranks
-from autopar.solvers.stage_split import after_backward, stage_in_flight
+from autopar.solvers.stage_split_problem import after_backward, stage_in_flight
 from autopar.solvers.units import Unit, unit_costs, unit_of_nodes
 from autopar.strategies.analysis import GraphAnalysis
 
@@ -312,7 +312,7 @@ def brute_force_search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_pe
     :func:`autopar.solvers.outer_search.search` defines it, by enumeration: every candidate's
     problem is built and solved by :func:`solve_exhaustive` (no pipeline) or
     :func:`solve_pipeline_exhaustive` (pipeline), one list of
-    :func:`~autopar.solvers.outer_search.tiers` after another, as the search tries them.
+    :func:`~autopar.solvers.search_space.tiers` after another, as the search tries them.
 
     Raises NoFeasiblePlanError when no candidate fits."""
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,

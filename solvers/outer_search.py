@@ -5,7 +5,8 @@ micro-batch size, ZeRO stage and pipeline schedule; one intra-op ILP per candida
 (:mod:`.idle_axis`). Recomputation is chosen inside each ILP (one mode per distinct
 layer), not here.
 
-:func:`candidates` lists the space and :func:`tiers` the order it is tried in: CPU
+:func:`~autopar.solvers.search_space.candidates` lists the space and
+:func:`~autopar.solvers.search_space.tiers` the order it is tried in: CPU
 offload and tensor parallelism wider than a node only when no other candidate fits,
 unless asked for. Candidates are visited in a fixed order (by lower bound) and ties
 keep the first found, so the same inputs always give the same plan. The ZeRO stages
@@ -17,64 +18,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from autopar.errors import ConfigError, NoFeasiblePlanError
-from autopar.graph import Graph
-from autopar.sharding import Mesh
-from autopar.units_text import fmt_bytes
-from autopar.solvers.bounds import combo_bounds, pipeline_stage_bound, step_bound
+from autopar.errors import NoFeasiblePlanError
 from autopar.solvers.idle_axis import splits_nothing
-from autopar.solvers.intra_op_ilp import Solution, SolverTimeout, solve_ilp
-from autopar.memory_choices import RECOMPUTE
-from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, in_flight,
-                                                 pipeline_problem, refine_modes, solve_pipeline)
-from autopar.solvers.problem import evaluate, least_memory
+from autopar.solvers.intra_op_ilp import Solution, SolverTimeout
+from autopar.solvers.intra_op_solve import solve_ilp
+from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, refine_modes,
+                                                 solve_pipeline)
+from autopar.solvers.problem import evaluate
 from autopar.solvers.problem_build import Built, build_problem
-from autopar.solvers.schedule_sim import ZERO_BUBBLE, needs_a_microbatch_per_stage, validate
-from autopar.solvers.units import least_unit_costs, unit_members
+from autopar.solvers.search_bounds import candidate_bounds, lower_bound_memory, no_fit_message
+from autopar.solvers.search_space import Candidate, Outcome, candidate_settings, mesh_key, tiers
 from autopar.strategies.analysis import GraphAnalysis
-from autopar.strategies.settings import Settings
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the outer search space (``pp`` = 1: no pipeline)."""
-
-    dp: int
-    tp: int
-    microbatch_size: int
-    num_microbatches: int
-    zero: int
-    pp: int = 1
-    schedule: str = ""
-    virtual_stages: int = 1
-    offload: bool = False
-    ep: int = 1  # experts split over ep of the dp ranks (ep divides dp)
-    split_experts: bool = False  # every expert module split over ep (ep asked for)
-    expert_imbalance: float = 1.0  # busiest ep rank's routed tokens over the mean
-    cp: int = 1  # context parallelism: every sequence split over cp ranks
-    cp_variant: str = ""  # how its attention brings the keys (context_parallel.VARIANTS)
-
-    def label(self) -> str:
-        """Short readable description."""
-        pipe = f"pp={self.pp} {self.schedule}" + (
-            f" v={self.virtual_stages}" if self.virtual_stages > 1 else "") + " " \
-            if self.pp > 1 else ""
-        ep = f" ep={self.ep}" if self.ep > 1 else ""
-        cp = f" cp={self.cp} {self.cp_variant}" if self.cp > 1 else ""
-        return (f"{pipe}dp={self.dp}{ep}{cp} tp={self.tp} mb={self.microbatch_size}x"
-                f"{self.num_microbatches} zero={self.zero}" + (" offload" if self.offload else ""))
-
-
-@dataclass
-class Outcome:
-    """What one candidate gave: a step time, or why it was dropped."""
-
-    candidate: Candidate
-    step_time_s: float | None
-    memory_bytes: float | None
-    reason: str = ""
 
 
 @dataclass
@@ -94,173 +50,6 @@ class SearchResult:
     gap_bound_s: float | None = None  # least bound of what a time limit left unproven
     notes: list[str] = field(default_factory=list)  # what the search left out, in words
     set_aside: "Scored | None" = None  # a faster layout whose tp splits nothing (idle_axis)
-
-
-def divisors(n: int) -> list[int]:
-    """Positive divisors of n, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-AUTO_SCHEDULES = (("1f1b", 1), *((s, v) for s in ("interleaved_1f1b", "interleaved_zero_bubble")
-                                  for v in (2, 3, 4)), ("zbv", 2))
-"""Schedules the search tries by itself, with their virtual stages per rank: the
-interleaved ones with 2 to 4 chunks per rank (Megatron-LM's published runs use 2 and 3,
-benchmarks/reference_configs.json; each more chunk shrinks the bubble and adds a stage
-boundary to cross per micro-batch, and the stage split needs pp x v blocks), ZBV with its 2.
-GPipe is left out: it takes the time of 1F1B with more activation memory (Narayanan et
-al., SC'21 §2.2), so it never wins; ask for it with ``schedule="gpipe"``."""
-
-
-def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int | None = None,
-               pp: int | None = None, microbatch_size: int | None = None,
-               zero: int | None = None, schedule: str | None = None,
-               virtual_stages: int | None = None, num_units: int = 0,
-               heads: int | None = None, ep: int | None = None,
-               experts: int = 0, expert_imbalance: float = 1.0, cp: int | None = None,
-               seq_len: int = 0, cp_variants: tuple[str, ...] = (),
-               cp_variant: str | None = None, cp_with_pp: bool = True) -> list[Candidate]:
-    """Every candidate allowed by the fixed degrees (None = free). ``num_units`` (the
-    model's pipeline units) bounds the pipeline: each stage needs one unit. A free
-    ``tp`` must divide ``heads`` (the attention heads; None = any), since attention
-    cannot split otherwise; a free micro-batch size must leave a pipeline at least
-    ``pp`` micro-batches (fewer leave ranks idle for most of the step). A free ``ep``
-    is each divisor of both ``dp`` and ``experts`` (the experts of every expert module;
-    0 = the model has none, so ep is 1); every candidate carries ``expert_imbalance``,
-    the load imbalance its pricing assumes for routed experts. A free ``cp`` is each
-    degree whose head-tail chunks divide ``seq_len`` (2·cp of them), each with every
-    variant of ``cp_variants`` that can split the heads left by tp (or ``cp_variant``
-    alone); no ``cp_variants`` (a model context parallelism cannot split): cp is 1;
-    ``cp_with_pp`` False: not both cp and pp above 1."""
-    out = []
-    for p in divisors(world):
-        if (pp is not None and p != pp) or (pp is None and p > 1 and p * 2 > num_units):
-            continue
-        for t, c, variant in _model_degrees(world // p, tp, cp, heads, seq_len, cp_variants,
-                                            cp_variant):
-            d = world // p // t // c
-            if (tp is not None and t != tp) or (dp is not None and d != dp):
-                continue
-            if p > 1 and c > 1 and not cp_with_pp:
-                continue
-            if global_batch % d:
-                continue
-            local = global_batch // d
-            mbs = [microbatch_size] if microbatch_size is not None else divisors(local)
-            for mb in mbs:
-                if local % mb or (microbatch_size is None and local // mb < p):
-                    continue
-                m = local // mb
-                r = d * c  # the ranks holding each parameter: ZeRO shards over them
-                zs = [zero] if zero is not None else ([0, 2, 3] if r > 1 and p == 1 else
-                                                      [0, 2] if r > 1 else [0])
-                for z in zs:
-                    for sched, v in _schedules(p, m, schedule, virtual_stages, num_units):
-                        for e in _expert_degrees(d, ep, experts):
-                            out.append(Candidate(d, t, mb, m, z, p, sched, v, ep=e,
-                                                 split_experts=ep is not None and e > 1,
-                                                 expert_imbalance=expert_imbalance,
-                                                 cp=c, cp_variant=variant))
-    if not out:
-        raise ConfigError(
-            f"no pipeline x data x{' context x' if cp_variants else ''} tensor parallel "
-            f"layout of {world} devices divides the global batch of {global_batch} under the "
-            f"requested degrees (pp={pp}, dp={dp}, {f'cp={cp}, ' if cp_variants else ''}"
-            f"tp={tp}, microbatch={microbatch_size}); choose a global batch divisible by "
-            f"the data-parallel degree, or fewer pipeline stages than the model has blocks")
-    return out
-
-
-def _model_degrees(n: int, tp: int | None, cp: int | None, heads: int | None, seq_len: int,
-                   variants: tuple[str, ...], variant: str | None
-                   ) -> list[tuple[int, int, str]]:
-    """The (tp, cp, cp variant) triples to try on ``n`` devices of a stage
-    (:func:`candidates`): tp dividing ``heads`` when free; cp 1, or, when the model
-    allows it (``variants``), each degree whose 2·cp head-tail chunks divide
-    ``seq_len``, with each variant that splits the heads tp leaves (Ulysses: cp
-    divides them)."""
-    out = []
-    for t in divisors(n):
-        if (tp is not None and t != tp) or (tp is None and heads is not None and heads % t):
-            continue
-        for c in divisors(n // t):
-            if (cp is not None and c != cp) or (cp is None and c > 1 and not variants):
-                continue
-            if c == 1:
-                out.append((t, 1, ""))
-                continue
-            if not seq_len or seq_len % (2 * c):
-                continue
-            for v in ((variant,) if variant else variants):
-                if v == "ulysses" and (heads is None or (heads // t) % c):
-                    continue
-                out.append((t, c, v))
-    return out
-
-
-def _expert_degrees(dp: int, ep: int | None, experts: int) -> list[int]:
-    """The expert-parallel degrees to try with ``dp`` data-parallel ranks: the one
-    asked for if it divides ``dp``, else every common divisor of ``dp`` and
-    ``experts``."""
-    if ep is not None:
-        return [ep] if dp % ep == 0 else []
-    return [e for e in divisors(dp) if experts and experts % e == 0] or [1]
-
-
-def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None,
-               num_units: int) -> list[tuple[str, int]]:
-    """The (schedule, virtual stages) pairs to try for ``pp`` stages and ``m``
-    micro-batches: none without a pipeline, the requested one (a schedule asked for
-    without its virtual stages: each count AUTO_SCHEDULES tries it with, else 1), or
-    AUTO_SCHEDULES; those
-    torch runs (:func:`~autopar.solvers.schedule_sim.validate`) and autopar's runtime
-    lowers (:func:`~autopar.solvers.schedule_sim.needs_a_microbatch_per_stage`)."""
-    if pp == 1:
-        return [("", 1)]
-    def runs(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        return [(sc, v) for sc, v in pairs if pp * v <= num_units and
-                validate(sc, pp, m, v) is None and
-                not (needs_a_microbatch_per_stage(sc) and m < pp * v)]
-
-    if schedule is None:
-        return runs(list(AUTO_SCHEDULES))
-    if virtual_stages is not None:
-        return runs([(schedule, virtual_stages)])
-    # an interleaved schedule asked for without its chunks: the counts AUTO tries it with
-    return runs([(sc, v) for sc, v in AUTO_SCHEDULES if sc == schedule]) or \
-        runs([(schedule, 2 if schedule == "zbv" else 1)])
-
-
-def offload_candidates(cands: list[Candidate]) -> list[Candidate]:
-    """The ZeRO-3 candidates without a pipeline, with CPU offload (for when nothing else
-    fits)."""
-    out = []
-    for c in cands:
-        if c.pp == 1 and c.zero == 3 and not c.offload:
-            out.append(replace(c, offload=True))
-    return out
-
-
-def tiers(cands: list[Candidate], gpus_per_node: int,
-          offload: bool | None) -> list[list[Candidate]]:
-    """``cands`` in the order the search tries them, each list only when none of the
-    earlier ones has a plan that fits: tensor and expert parallelism within a node
-    without context parallelism first (all of ``cands`` when none is), then the rest:
-    context parallelism, tensor parallelism wider than a node and (``offload`` None)
-    CPU offload together, each a way to fit at a price in time. ``offload=True``: only
-    the offload variants (:func:`offload_candidates`), in the same order."""
-    local = [c for c in cands if c.tp * c.ep <= gpus_per_node]
-    wide = [c for c in cands if c.tp * c.ep > gpus_per_node]
-    if not local:  # every candidate is wider than a node: the caller asked for that tp
-        local, wide = wide, []
-    first = [c for c in local if c.cp == 1] or local  # cp asked for: every one has it
-    split = [c for c in local if c.cp > 1 and first is not local]
-    if offload:
-        out = [offload_candidates(first + split), offload_candidates(wide)]
-    elif offload is None:
-        out = [first, split + wide + offload_candidates(cands)]
-    else:
-        out = [first, split + wide]
-    return [t for t in out if t]
 
 
 def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
@@ -451,7 +240,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                           max_built=max_built)
     if unbuilt is not None:
         unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))
-    bound = _bounds(an.graph, cands, built_by, memory_budget)
+    bound = candidate_bounds(an.graph, cands, built_by, memory_budget)
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     rank = {k: i for i, k in enumerate(order)}  # ties between equal plans go by it
     if top_k > 1:  # cheap ILPs first: their plans tighten the k-th best time before
@@ -522,7 +311,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     if not kept and have_plan and unproven:
         raise _OutOfTime(min(unproven))
     if not kept:
-        err = NoFeasiblePlanError(_no_fit_message(an.graph, infeasible, memory_budget, outcomes,
+        err = NoFeasiblePlanError(no_fit_message(an.graph, infeasible, memory_budget, outcomes,
                                                   recompute))
         err.least_bytes = min((lower_bound_memory(an.graph, b, c) for c, b in infeasible),
                               default=float("inf"))
@@ -597,29 +386,6 @@ def _keep(kept: list[Scored], scored: Scored | None, top_k: int) -> list[Scored]
         return scored.step_time_s <= s.step_time_s * (1 + 1e-9) and scored.rank < s.rank
     at = next((i for i, s in enumerate(kept) if before(s)), len(kept))
     return (kept[:at] + [scored] + kept[at:])[:top_k]
-
-
-def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
-                       optimizer: str, memory_budget: float,
-                       sequence_parallel: bool | None = None,
-                       recompute: tuple[str, ...] | None = None,
-                       loss_parallel: bool | None = None,
-                       split_weights: bool = False) -> Settings:
-    """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh, or
-    dp/ep × ep × tp with expert parallelism)."""
-    names, sizes = ["dp", "tp"], [c.dp, c.tp]
-    if c.ep > 1:
-        names, sizes = ["dp", "ep", "tp"], [c.dp // c.ep, c.ep, c.tp]
-    if c.cp > 1:
-        names.insert(-1, "cp")
-        sizes.insert(-1, c.cp)
-    return Settings(Mesh(tuple(names), tuple(sizes)), c.microbatch_size, c.num_microbatches,
-                    c.zero, precision, optimizer, memory_budget, hw, gpus_per_node,
-                    sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                    split_weights=split_weights, offload=c.offload,
-                    split_experts=c.split_experts, expert_imbalance=c.expert_imbalance,
-                    recompute_modes=recompute or RECOMPUTE,
-                    cp_variant=c.cp_variant or "allgather", pipelined=c.pp > 1)
 
 
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
@@ -713,7 +479,7 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
     plan must beat to be kept); record its outcome either way. Without ``refine``, a
     pipelined candidate that would search its modes raises RefineLater instead (and
     records nothing). ``time_limit_s`` bounds its intra-op ILP without a pipeline
-    (:func:`~autopar.solvers.intra_op_ilp.solve_ilp`: SolverTimeout when it found
+    (:func:`~autopar.solvers.intra_op_solve.solve_ilp`: SolverTimeout when it found
     nothing, records nothing). ``pruned``: the outcome of a pipelined candidate that
     cannot beat ``limit`` (default: it is no better than the best plans found)."""
     def drop(reason: str, fits: bool = True) -> None:
@@ -750,103 +516,3 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
     ev = evaluate(built.problem, sol.choice, sol.modes)
     outcomes.append(Outcome(c, ev.step_time_s, ev.memory_bytes))
     return Scored(ev.step_time_s, built, sol, c)
-
-
-def mesh_key(c: Candidate) -> tuple:
-    """What a candidate's intra-op problem depends on (pipelined or not)."""
-    return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload, c.ep,
-            c.split_experts, c.expert_imbalance, c.cp, c.cp_variant)
-
-
-def _bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: float) -> list[float]:
-    """Each candidate's lower bound on the step time (inf: nothing fits in memory):
-    the least :func:`~autopar.solvers.bounds.step_bound` of the recomputation modes
-    whose memory bound fits — its micro-batches' work and its once-per-step optimizer
-    and exposed gradient traffic, spread perfectly over the pipeline's ranks — and, on a
-    pipeline, its ranks' loads in whole units and the fill and drain every split pays
-    (:func:`~autopar.solvers.bounds.pipeline_stage_bound`; over the processes' share of
-    a core, :func:`~autopar.solvers.pipelined_candidate.shared_cores_time`)."""
-    per: dict[tuple, float] = {}
-    staged: dict[tuple, float] = {}
-    least: dict[tuple, list] = {}
-    members = unit_members(g) if any(c.pp > 1 for c in cands) else []
-    out = []
-    for c in cands:
-        built = built_by[mesh_key(c)]
-        if not isinstance(built, Built):
-            out.append(float("inf"))
-            continue
-        held = in_flight(c.schedule, c.pp, c.num_microbatches) if c.pp > 1 else 1
-        key = (mesh_key(c), c.pp, held)
-        if key not in per:
-            acts = [[ns.memory.get("activations", 0.0) for ns in ds] for ds in built.strategies]
-            per[key] = step_bound(combo_bounds(built.problem, acts, c.pp, held), budget,
-                                  c.num_microbatches, c.pp)
-        bound = per[key]
-        if c.pp > 1 and bound < float("inf"):
-            skey = (mesh_key(c), c.pp, c.virtual_stages, c.schedule in ZERO_BUBBLE)
-            if skey not in staged:
-                if mesh_key(c) not in least:
-                    least[mesh_key(c)] = least_unit_costs(built, members)
-                units = least[mesh_key(c)]
-                staged[skey] = pipeline_stage_bound(
-                    [u.forward_s for u in units], [u.backward_s for u in units],
-                    [u.optimizer_s for u in units], pp=c.pp, m=c.num_microbatches,
-                    v=c.virtual_stages, drains=c.schedule not in ZERO_BUBBLE) / \
-                    max(1.0, built.settings.hw.oversubscription)
-            bound = max(bound, staged[skey])
-        out.append(bound)
-    return out
-
-
-def lower_bound_memory(g: Graph, built: Built, c: Candidate | None = None) -> float:
-    """A lower bound on the memory per device of candidate ``c`` (every node's smallest
-    memory with its most saving recomputation mode; on a pipeline, that of one rank
-    holding 1/pp of the model and the schedule's in-flight micro-batches)."""
-    if c is None or c.pp == 1:
-        return least_memory(built.problem)
-    held = in_flight(c.schedule, c.pp, c.num_microbatches)
-    return least_memory(pipeline_problem(g, built, c.pp, held))
-
-
-def _consumers(built: Built, c: Candidate) -> dict[str, float]:
-    """Bytes per device by category of each node's smallest-memory strategy (a
-    pipeline rank's share: static / pp, activations · in-flight / pp)."""
-    held = in_flight(c.schedule, c.pp, c.num_microbatches) if c.pp > 1 else 1
-    cats: dict[str, float] = {}
-    for k, n in enumerate(built.problem.nodes):
-        i = min(range(len(n.strategies)), key=lambda j: n.strategies[j].memory_bytes)
-        for cat, v in built.strategies[k][i].memory.items():
-            scale = held if cat == "activations" else 1
-            cats[cat] = cats.get(cat, 0.0) + n.multiplicity * v * scale / c.pp
-    return cats
-
-
-def _no_fit_message(g: Graph, infeasible: list[tuple[Candidate, Built]], budget: float,
-                    outcomes: list[Outcome], recompute: tuple[str, ...] | None = None) -> str:
-    """Why no candidate gave a plan: the least memory any needs (with the most saving
-    recomputation the search may use: every mode, or the one ``recompute`` fixed), its
-    largest consumers, and what to change."""
-    if not infeasible:
-        reasons = "; ".join(sorted({o.reason for o in outcomes if o.reason}))
-        return f"no candidate plan could be built ({reasons})"
-    c, best = min(infeasible, key=lambda cb: lower_bound_memory(g, cb[1], cb[0]))
-    need = lower_bound_memory(g, best, c)
-    if need <= budget:
-        return (f"no plan was found for {c.label()}, though its least memory ({fmt_bytes(need)}) "
-                f"is within {fmt_bytes(budget)} per device: either no choice of layouts "
-                f"lets every operator hand its output on as the next one reads it under the "
-                f"options forced on the search, or the layouts that join need more memory "
-                f"than that bound. Drop a forced option (e.g. sequence_parallel) or raise "
-                f"memory_budget.")
-    top = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in
-                    sorted(_consumers(best, c).items(), key=lambda kv: -kv[1]) if v > 0)
-    fixed = recompute is not None and len(recompute) == 1
-    how = f"with recompute={recompute[0]!r} as asked" if fixed else \
-        "with the most saving recomputation"
-    more = ", allow more recomputation (recompute='full', or leave it to the solver)" if \
-        fixed and recompute[0] != "full" else ""  # type: ignore[index]
-    return (f"no plan fits in {fmt_bytes(budget)} per device: the smallest needs at least "
-            f"{fmt_bytes(need)} ({c.label()}, {how}; largest consumers without "
-            f"recomputation: {top}). Raise memory_budget, use more devices{more}, or a "
-            f"smaller global batch.")

@@ -28,11 +28,13 @@ from autopar.graph import Graph
 from autopar.sharding import Mesh, data_parallel_degree, replica_degree, shard_count
 from autopar.units_text import fmt_bytes
 from autopar.solvers.cost_terms import PieceCost, StepTerms
-from autopar.solvers.intra_op_ilp import ENUMERATE_MODES, Solution, fold_modes, solve_ilp
+from autopar.solvers.intra_op_ilp import Solution, fold_modes
+from autopar.solvers.intra_op_solve import ENUMERATE_MODES, solve_ilp
 from autopar.solvers.problem import NodeChoice, Problem, least_memory
 from autopar.solvers.problem_build import Built
 from autopar.solvers.schedule_sim import simulate, stage_ranks
-from autopar.solvers.stage_split import StageSplit, split_stages, stage_in_flight
+from autopar.solvers.stage_split import StageSplit, split_stages
+from autopar.solvers.stage_split_problem import stage_in_flight
 from autopar.solvers.units import (Unit, backward_transients, copy_static_bytes, tied_copies,
                                     unit_costs)
 
@@ -304,7 +306,7 @@ def refine_modes(g: Graph, built: Built, po: PipelineOutcome | None, *, pp: int,
     * a class of the boundary node's strategies that hand over the same bytes
       (:func:`boundary_classes`; the node limited to it with :func:`restrict_node`);
     * recomputation modes, one per group (when there are at most
-      :data:`~autopar.solvers.intra_op_ilp.ENUMERATE_MODES` combinations; else the ILP picks)
+      :data:`~autopar.solvers.intra_op_solve.ENUMERATE_MODES` combinations; else the ILP picks)
 
     is solved, split into stages and simulated, and the fastest pipeline that fits is
     kept. Within one class the transfer time is fixed, so the ILP's flat objective

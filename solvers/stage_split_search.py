@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from autopar.solvers.schedule_sim import ZERO_BUBBLE
 
 if TYPE_CHECKING:
-    from autopar.solvers.stage_split import _Problem
+    from autopar.solvers.stage_split_problem import SplitProblem
 
 Bounds = list[tuple[int, int]]
 _NODE_LIMIT = 4_000  # keeps one split under ~0.1 s for 128 units; past it the split is feasible, maybe not optimal
@@ -43,7 +43,7 @@ of 96 micro-batches, or one of a 64-rank ZB-V step of 512. Evaluating the lower 
 of a neighbouring split counts as S operations."""
 
 
-def _ends(prob: "_Problem", t: float, budget: float) -> list[list[int]]:
+def _ends(prob: "SplitProblem", t: float, budget: float) -> list[list[int]]:
     """J_s(i) for every stage s and start i (i+1 > J means no stage starts at i)."""
     pre, n, S = prob.pre, prob.n, prob.stages
     tol_t = 1e-12 * max(1.0, pre.c[-1])
@@ -62,7 +62,7 @@ def _ends(prob: "_Problem", t: float, budget: float) -> list[list[int]]:
     return out
 
 
-def _finishable(prob: "_Problem", ends: list[list[int]]) -> list[list[bool]]:
+def _finishable(prob: "SplitProblem", ends: list[list[int]]) -> list[list[bool]]:
     """fin[s][i]: units [i, n) can be cut into stages s..S−1, each allowed."""
     n, S = prob.n, prob.stages
     fin = [[False] * (n + 1) for _ in range(S + 1)]
@@ -79,12 +79,12 @@ def _finishable(prob: "_Problem", ends: list[list[int]]) -> list[list[bool]]:
     return fin
 
 
-def _coupled(prob: "_Problem", budget: float) -> bool:
+def _coupled(prob: "SplitProblem", budget: float) -> bool:
     """True when a rank holds several stages under a finite budget."""
     return prob.v > 1 and budget != float("inf")
 
 
-def feasible_split(prob: "_Problem", t: float, budget: float) -> Bounds | None:
+def feasible_split(prob: "SplitProblem", t: float, budget: float) -> Bounds | None:
     """A split with every stage ≤ t and every rank ≤ budget, or None. Among the
     choices it cuts each stage as short as it can, leaving later stages — which hold
     fewer micro-batches in flight on 1F1B-like schedules — the longer runs."""
@@ -103,7 +103,7 @@ def feasible_split(prob: "_Problem", t: float, budget: float) -> Bounds | None:
     return found[1] if found else None
 
 
-def min_g_split(prob: "_Problem", t: float, budget: float, g) -> tuple[float, Bounds] | None:
+def min_g_split(prob: "SplitProblem", t: float, budget: float, g) -> tuple[float, Bounds] | None:
     """The least Σ_s g(i, j) over splits with every stage ≤ t and rank ≤ budget."""
     ends = _ends(prob, t, budget)
     n, S = prob.n, prob.stages
@@ -130,7 +130,7 @@ def min_g_split(prob: "_Problem", t: float, budget: float, g) -> tuple[float, Bo
     return best[0][0], bounds
 
 
-def _fitting_ends(prob: "_Problem", ends: list[list[int]], fin: list[list[bool]],
+def _fitting_ends(prob: "SplitProblem", ends: list[list[int]], fin: list[list[bool]],
                   mem: list[float], s: int, i: int, room: float) -> Iterator[tuple[int, float]]:
     """(j, bytes) for each end j of stage s from i within ``ends`` from which the rest can
     be finished, in increasing order, while the stage's rank stays within ``room`` bytes
@@ -145,7 +145,7 @@ def _fitting_ends(prob: "_Problem", ends: list[list[int]], fin: list[list[bool]]
         yield j, add
 
 
-def _dfs(prob: "_Problem", ends, fin, budget: float, sum_g) -> tuple[float, Bounds] | None:
+def _dfs(prob: "SplitProblem", ends, fin, budget: float, sum_g) -> tuple[float, Bounds] | None:
     """Depth-first search over allowed stage ends, tracking each rank's memory; with
     ``sum_g = (g, best)`` it is a branch and bound on Σ g (``best`` — the DP without the
     shared-budget constraint — is the admissible bound), else it stops at the first
@@ -222,7 +222,7 @@ class PathBound:
     zero_bubble: bool
 
     @classmethod
-    def of(cls, prob: "_Problem", paths: bool = True) -> "PathBound":
+    def of(cls, prob: "SplitProblem", paths: bool = True) -> "PathBound":
         """Read the schedule's orders (``paths``: also ``before``, from the compiled
         schedule; without it, enough for :func:`can_beat`). Each stage runs its F, B, I
         and W in micro-batch order, so the count of one kind before a position is found
@@ -261,7 +261,7 @@ class PathBound:
         return cls(first, last_b, hops, before, prob.schedule in ZERO_BUBBLE)
 
 
-def lower_bound(prob: "_Problem", pb: PathBound, bounds: Bounds) -> float:
+def lower_bound(prob: "SplitProblem", pb: PathBound, bounds: Bounds) -> float:
     """L(split) ≤ F(split) (docs/solvers.md), in O(S·v)."""
     pre, m, p2p, n, pp = prob.pre, prob.m, prob.p2p_s, prob.n, prob.pp
     f = [pre.f[j] - pre.f[i] for i, j in bounds]
@@ -288,7 +288,7 @@ def lower_bound(prob: "_Problem", pb: PathBound, bounds: Bounds) -> float:
                prob.host(bounds))
 
 
-def _admitted(prob: "_Problem", pb: PathBound, theta: float) -> list[list[int]]:
+def _admitted(prob: "SplitProblem", pb: PathBound, theta: float) -> list[list[int]]:
     """J_s(i): the last end of a stage s starting at i whose own memory fits and whose
     rank term and host seconds can stay below ``theta`` (docs/solvers.md); i+1 > J:
     none."""
@@ -311,7 +311,7 @@ def _admitted(prob: "_Problem", pb: PathBound, theta: float) -> list[list[int]]:
     return out
 
 
-def can_beat(prob: "_Problem", bound: float) -> bool:
+def can_beat(prob: "SplitProblem", bound: float) -> bool:
     """False when no split that fits can have F below ``bound``: every split has a stage
     that the admission of docs/solvers.md rejects at θ = bound (its own memory
     over the budget, or its rank's term with it alone already at ``bound``). O(S·n·log n),
@@ -320,7 +320,7 @@ def can_beat(prob: "_Problem", bound: float) -> bool:
     return _finishable(prob, ends)[0][0]
 
 
-def _count(prob: "_Problem", ends: list[list[int]], cap: int) -> int:
+def _count(prob: "SplitProblem", ends: list[list[int]], cap: int) -> int:
     """The number of splits with every stage's end within ``ends`` (at most cap + 1)."""
     n, S = prob.n, prob.stages
     cnt = [0] * (n + 1)
@@ -335,7 +335,7 @@ def _count(prob: "_Problem", ends: list[list[int]], cap: int) -> int:
     return cnt[0]
 
 
-def _splits(prob: "_Problem", ends: list[list[int]]) -> list[Bounds]:
+def _splits(prob: "SplitProblem", ends: list[list[int]]) -> list[Bounds]:
     """Every split with every stage's end within ``ends`` and every rank's memory within
     the budget."""
     S, budget = prob.stages, prob.budget
@@ -363,7 +363,7 @@ def _splits(prob: "_Problem", ends: list[list[int]]) -> list[Bounds]:
     return out
 
 
-def _move(prob: "_Problem", pb: PathBound, cur: Bounds, best: float, bound: float,
+def _move(prob: "SplitProblem", pb: PathBound, cur: Bounds, best: float, bound: float,
           budget: list[int], stats: dict) -> tuple[Bounds, float] | None:
     """The first split one boundary step away from ``cur`` (in increasing order of
     :func:`lower_bound`) that simulates faster than ``best``; None when none does or
@@ -396,7 +396,7 @@ def _move(prob: "_Problem", pb: PathBound, cur: Bounds, best: float, bound: floa
     return None
 
 
-def improve_split(prob: "_Problem", seed: Bounds,
+def improve_split(prob: "SplitProblem", seed: Bounds,
                   bound: float = float("inf")) -> tuple[Bounds, dict]:
     """The split with the least F = simulate + exposed dp sync, from ``seed`` (which fits
     the budget), and stats: ``exact`` is True when the answer is proven to be the least F

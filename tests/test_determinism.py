@@ -117,7 +117,8 @@ def _candidate_times(case: Case, keep) -> list[float]:
     from autopar.api import _heads
     from autopar.capture import capture
     from autopar.errors import NoFeasiblePlanError
-    from autopar.solvers.outer_search import candidates, search
+    from autopar.solvers.outer_search import search
+    from autopar.solvers.search_space import candidates
     from autopar.solvers.problem import evaluate
     from autopar.strategies.analysis import analyze
 

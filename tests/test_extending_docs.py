@@ -22,7 +22,7 @@ from autopar.capture import capture
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.solvers.cost_terms import PieceCost
-from autopar.solvers.intra_op_ilp import solve_ilp
+from autopar.solvers.intra_op_solve import solve_ilp
 from autopar.solvers.problem import Problem, evaluate
 from autopar.solvers.problem_build import build_problem
 from autopar.solvers.schedule_sim import Timeline, simulate

@@ -14,7 +14,7 @@ from autopar.cost_models.profiling.host_wrappers import (DTENSOR_OP_KEYS, HOST_K
                                                          REDISTRIBUTE_KEYS)
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
-from autopar.solvers.intra_op_ilp import solve_ilp
+from autopar.solvers.intra_op_solve import solve_ilp
 from autopar.solvers.problem import evaluate
 from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze

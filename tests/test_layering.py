@@ -12,7 +12,8 @@ layer name        modules
 0     base        autopar.errors, autopar.graph, autopar.memory_choices,
                   autopar.schema, autopar.units_text
 1     capture     autopar.flops, autopar.layers, autopar.masks, autopar.fx_patterns,
-                  autopar.capture, autopar.loader
+                  autopar.capture_errors, autopar.export_graph, autopar.capture,
+                  autopar.loader
 2     strategies  autopar.sharding, autopar.strategies.*
 3     cost        autopar.cost_models.*, autopar.cluster
 4     solve       autopar.solvers.*
@@ -22,7 +23,8 @@ layer name        modules
 6     runtime     autopar.runtime.*
 7     api         autopar (the package's __init__), autopar.api, autopar.compare,
                   autopar.cli, autopar.cli_checkpoint, autopar.demo, autopar.launch,
-                  autopar.train, autopar.cli_train, autopar.cli_options
+                  autopar.train, autopar.train_args, autopar.cli_train,
+                  autopar.cli_options
 8     examples    autopar.examples.*: imported by autopar.cli, autopar.demo and
                   autopar.train alone
 ====  ==========  ===========================================================
@@ -44,7 +46,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and
     ("base", ("autopar.errors", "autopar.graph", "autopar.memory_choices",
               "autopar.schema", "autopar.units_text")),
     ("capture", ("autopar.flops", "autopar.layers", "autopar.masks", "autopar.fx_patterns",
-                 "autopar.capture", "autopar.loader")),
+                 "autopar.capture_errors", "autopar.export_graph", "autopar.capture",
+                 "autopar.loader")),
     ("strategies", ("autopar.sharding", "autopar.strategies.*")),
     ("cost", ("autopar.cost_models.*", "autopar.cluster")),
     ("solve", ("autopar.solvers.*",)),
@@ -53,8 +56,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and
               "autopar.report_png", "autopar.batch_default", "autopar.explain")),
     ("runtime", ("autopar.runtime.*",)),
     ("api", ("autopar", "autopar.api", "autopar.compare", "autopar.cli", "autopar.cli_checkpoint",
-             "autopar.demo", "autopar.launch", "autopar.train", "autopar.cli_train",
-             "autopar.cli_options")),
+             "autopar.demo", "autopar.launch", "autopar.train", "autopar.train_args",
+             "autopar.cli_train", "autopar.cli_options")),
     ("examples", ("autopar.examples.*",)),
 ]
 EXAMPLES = len(LAYERS) - 1

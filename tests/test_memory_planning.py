@@ -15,7 +15,8 @@ from autopar.errors import NoFeasiblePlanError
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.solvers.exhaustive import solve_exhaustive
-from autopar.solvers.intra_op_ilp import IntraOpILP, solve_ilp
+from autopar.solvers.intra_op_ilp import IntraOpILP
+from autopar.solvers.intra_op_solve import solve_ilp
 from autopar.solvers.problem import evaluate
 from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze

@@ -12,7 +12,7 @@ from autopar.cost_models.hardware import load_profile
 from autopar.errors import CaptureError, ConfigError, NoFeasiblePlanError, PlanFormatError
 from autopar.sharding import Mesh
 from autopar.solvers.exhaustive import solve_exhaustive
-from autopar.solvers.intra_op_ilp import solve_ilp
+from autopar.solvers.intra_op_solve import solve_ilp
 from autopar.solvers.problem import evaluate
 from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze

@@ -29,7 +29,8 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from autopar.examples.moe import MoEConfig, MoETransformer
 from autopar.solvers.exhaustive import BruteForceResult, brute_force_search, score_pipeline
-from autopar.solvers.outer_search import Candidate, SearchResult, candidates, search
+from autopar.solvers.outer_search import SearchResult, search
+from autopar.solvers.search_space import Candidate, candidates
 from autopar.solvers.problem import evaluate
 from autopar.strategies.analysis import GraphAnalysis, analyze
 

@@ -142,7 +142,7 @@ def test_a_model_the_runtime_cannot_cut_is_planned_without_pipelining(gpt, full)
 def test_tensor_parallelism_wider_than_a_node_only_when_nothing_else_fits(gpt, full):
     """On 2 nodes of 4, tp=8 is tried only when no plan with tp <= 4 fits (or when asked
     for); the search's order is the brute-force reference's too (tiers)."""
-    from autopar.solvers.outer_search import candidates, offload_candidates, tiers
+    from autopar.solvers.search_space import candidates, offload_candidates, tiers
 
     cands = candidates(8, 16, heads=8, num_units=6)
     wide = [c for c in cands if c.tp == 8]

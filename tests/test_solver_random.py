@@ -6,7 +6,7 @@ import pytest
 
 from autopar.errors import NoFeasiblePlanError
 from autopar.solvers.exhaustive import solve_exhaustive
-from autopar.solvers.intra_op_ilp import solve_ilp
+from autopar.solvers.intra_op_solve import solve_ilp
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie, evaluate
 
 

@@ -10,8 +10,8 @@ import pytest
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.solvers.schedule_sim import validate
 from autopar.solvers.cost_terms import PieceCost
-from autopar.solvers.stage_split import (_problem, split_stages, split_stages_exhaustive,
-                                         stage_in_flight)
+from autopar.solvers.stage_split import split_stages, split_stages_exhaustive
+from autopar.solvers.stage_split_problem import split_problem, stage_in_flight
 from autopar.solvers.stage_split_search import PathBound, lower_bound
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 1), ("interleaved_1f1b", 2),
@@ -93,7 +93,7 @@ def test_lower_bound_never_exceeds_the_simulation(seed):
         m = rng.choice([pp, 2 * pp, pp + 1, 3, 7])
         if pp * v > n or validate(schedule, pp, m, v):
             continue
-        prob = _problem(_random_units(rng, n, sync=rng.choice([0.0, 3.0]),
+        prob = split_problem(_random_units(rng, n, sync=rng.choice([0.0, 3.0]),
                                       host=rng.choice([0.0, 16.0])), pp, m, schedule, v,
                         rng.choice([0.0, 0.1, 1.0]), float("inf"), rng.choice([1.0, 0.3]))
         pb = PathBound.of(prob)
@@ -217,7 +217,7 @@ def test_an_even_interleaved_split_that_fits_at_its_peak_is_found() -> None:
     free = split_stages(units, pp, m, schedule="interleaved_1f1b", virtual_stages=v)
     assert [j - i for i, j in free.bounds] == [2] * (pp * v)
     peak = max(free.estimate.peak_memory_bytes)
-    bounded = max(_problem(units, pp, m, "interleaved_1f1b", v, 0.0, 0.0).rank_memory(
+    bounded = max(split_problem(units, pp, m, "interleaved_1f1b", v, 0.0, 0.0).rank_memory(
         free.bounds))
     assert peak < bounded  # the additive bound is loose here
     tight = split_stages(units, pp, m, schedule="interleaved_1f1b", virtual_stages=v,

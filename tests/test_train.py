@@ -16,7 +16,7 @@ import torch
 
 from autopar.capture import default_loss
 from autopar.errors import ConfigError
-from autopar.cli_train import TrainArgs
+from autopar.train_args import TrainArgs
 from autopar.train import builtin_text, load_tokens, shard_batch
 
 

@@ -7,7 +7,7 @@ from autopar.capture import capture
 from autopar.cost_models.hardware import load_profile
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
-from autopar.solvers.intra_op_ilp import solve_ilp
+from autopar.solvers.intra_op_solve import solve_ilp
 from autopar.solvers.problem import evaluate
 from autopar.solvers.problem_build import build_problem
 from autopar.solvers.units import recompute_transient, unit_costs
