@@ -29,7 +29,8 @@ from autopar.capture_errors import explain_failure, failure_site, first_line
 from autopar.errors import CaptureError
 from autopar.export_graph import WRAPPED, to_graph
 from autopar.graph import Graph
-from autopar.layers import cut_lists, detect_layers, repeated_lists, replicate_layers
+from autopar.layers import (cut_lists, detect_layers, repeated_lists, replicate_layers,
+                            restored_modules)
 
 
 def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -214,7 +215,7 @@ def _fast_capture(model: nn.Module, wrapper: LossWrapper, args: tuple,
     lists = repeated_lists(model)
     if not lists:
         return None
-    with cut_lists(lists) as used_len:
+    with restored_modules(model), cut_lists(lists) as used_len:
         try:
             with _quiet():
                 ep = torch.export.export(wrapper, args, strict=False)

@@ -374,6 +374,31 @@ def _same_blocks(kids: list[nn.Module]) -> bool:
     return True
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+               "_backward_hooks", "_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def restored_modules(model: nn.Module) -> Iterator[None]:
+    """Undo on exit what a forward installs lazily on ``model``'s modules (hooks, and
+    attributes it sets, such as Hugging Face's output-capturing hooks and their
+    ``_output_capturing_hooks_installed`` flag): installed while blocks are cut
+    (:func:`cut_lists`), they would cover only the kept blocks ever after."""
+    saved = [(m, {k: dict(getattr(m, k)) for k in _HOOK_DICTS if hasattr(m, k)},
+              set(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, hooks, keys in saved:
+            for k, d in hooks.items():
+                live = getattr(m, k)
+                live.clear()
+                live.update(d)
+            for k in set(m.__dict__) - keys:
+                del m.__dict__[k]
+
+
 @contextlib.contextmanager
 def cut_lists(lists: list[RepeatedList]) -> Iterator[list[int]]:
     """Cut each container after the second block of its identical run for the duration

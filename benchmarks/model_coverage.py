@@ -322,7 +322,6 @@ def example(name: str, cfg: Any, batch: int, seq: int | None = None,
     (the same data in every process); shapes only on ``meta``."""
     task = FAMILIES[name].task
     gen = torch.Generator().manual_seed(1) if device == "cpu" else None
-    vocab = _text(cfg).vocab_size
 
     def ids(high: int, *shape: int) -> torch.Tensor:
         return torch.randint(0, high, shape, generator=gen, device=device)
@@ -340,6 +339,7 @@ def example(name: str, cfg: Any, batch: int, seq: int | None = None,
         x, y = ids(cfg.image_token_index, batch, seq), ids(cfg.image_token_index, batch, seq)
         x[:, :n_image] = cfg.image_token_index
         return (x, floats(batch, vision.num_channels, vision.image_size, vision.image_size)), y
+    vocab = _text(cfg).vocab_size
     x, y = ids(vocab, batch, seq), ids(vocab, batch, seq)
     if task in ("causal", "masked"):
         return (x,), y

@@ -199,18 +199,21 @@ def t5() -> torch.nn.Module:
                                 decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
                                 use_cache=False)
     torch.manual_seed(0)
-    return _Seq2SeqLogits(transformers.T5ForConditionalGeneration(cfg))
+    return _Keywords(transformers.T5ForConditionalGeneration(cfg),
+                     ("input_ids", "decoder_input_ids"))
 
 
-class _Seq2SeqLogits(torch.nn.Module):
-    """A user's wrapper of an encoder-decoder: the logits of teacher-forced decoding."""
+class _Keywords(torch.nn.Module):
+    """A user's wrapper passing its inputs to a Hugging Face model by keyword (``names``,
+    in order): an encoder-decoder's source and teacher-forced decoder ids, LLaVA's ids
+    and images; returns the logits."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, names: tuple[str, ...]) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.names = inner, names
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        return self.inner(input_ids=src, decoder_input_ids=tgt).logits
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.inner(**dict(zip(self.names, inputs))).logits
 
 
 def seq2seq_data() -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -296,3 +299,42 @@ def test_t5_trains_under_auto_tensor_and_pipeline_parallelism(rank_pool: RankPoo
             assert torch.allclose(g, want_grads[name], atol=1e-5, rtol=0), (key, name)
     assert got[0]["dp2tp2"][2] == {"dp": 2, "tp": 2}
     assert got[0]["pp2dp2"][2] == {"pp": 2, "dp": 2, "tp": 1}
+
+
+def tiny_llava(vision_layers: int) -> torch.nn.Module:
+    """A LLaVA (CLIP vision tower, Llama text model) returning the logits for (token ids
+    holding 4 image tokens, 8 x 8 images)."""
+    cfg = transformers.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", image_size=8, patch_size=4,
+                           hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                           num_hidden_layers=vision_layers),
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=SEQ),
+        image_token_index=VOCAB - 1)
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(cfg)
+
+
+def test_a_cut_capture_leaves_no_partial_hooks_behind() -> None:
+    """LLaVA's vision tower records its hidden states with hooks transformers installs on
+    the first forward. The fast capture's first forward ran with the block list cut to
+    two, so those hooks covered only the kept blocks, and the full export that followed
+    found none on the others and failed. What the cut forward installs is now undone:
+    the model captures (8 blocks: 6 vision, 2 text) with every vision block hooked alike,
+    and still runs."""
+    model = _Keywords(tiny_llava(6), ("input_ids", "pixel_values"))
+    ids = data()[0] % (VOCAB - 1)  # text tokens, then the image's 4 placeholders first
+    ids[:, :4] = VOCAB - 1
+    pixels = torch.randn(BATCH, 3, 8, 8)
+    g = capture(model, (ids, pixels))
+    assert len(g.layers) == 8
+    hooked = {len(layer._forward_hooks) for layer in model.inner.model.vision_tower.encoder.layers}
+    assert len(hooked) == 1, hooked
+    assert first_logits(model, ids, pixels).shape == (BATCH, SEQ, VOCAB)
+
+
+def first_logits(model: torch.nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+    """The model's output on ``inputs`` without gradients."""
+    with torch.no_grad():
+        return model(*inputs)

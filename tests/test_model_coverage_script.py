@@ -60,3 +60,5 @@ def test_full_config_builds_on_meta(name: str) -> None:
         model = build_model(name, full=True)
     params = sum(p.numel() for p in model.parameters())
     assert params > (1e9 if FAMILIES[name].task == "causal" else 5e7), params
+    xs, y = example(name, model.config, 2, device="meta")  # the meta cell's inputs
+    assert all(x.device.type == "meta" and x.shape[0] == 2 for x in xs) and y.shape[0] == 2
