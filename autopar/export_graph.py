@@ -100,7 +100,7 @@ def to_graph(ep: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], name: 
         else:
             env[ph] = None
     out = _walk(b, ep.graph_module, ep.graph, env, grad=True)
-    b.nodes = without_checks(b.nodes, [r.name for r in _flat(out) if isinstance(r, _Ref)])
+    b.nodes = without_checks(b.nodes, [r.name for r in out or () if isinstance(r, _Ref)])
     kinds = [s.kind.name for s in ep.graph_signature.output_specs]
     loss = out[kinds.index("USER_OUTPUT")] if "USER_OUTPUT" in kinds else None
     if not isinstance(loss, _Ref):
@@ -117,10 +117,6 @@ def to_graph(ep: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], name: 
     g = Graph(b.nodes, params, [], {}, b.inputs, loss.name, int(x.shape[0]), seq, name, ep)
     mark_causal_masks(g, model)
     return g
-
-
-def _flat(a: Any) -> list[Any]:
-    return [y for x in a for y in _flat(x)] if isinstance(a, (list, tuple)) else [a]
 
 
 def _walk(b: _Builder, gm: Any, graph: Any, env: dict, grad: bool) -> Any:

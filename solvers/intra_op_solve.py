@@ -5,6 +5,7 @@ docstring gives."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import replace
 
@@ -62,10 +63,6 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
     time reaches it are skipped, and when that leaves none, None is returned (the
     problem may well fit: it just cannot beat the bound).
 """
-    import itertools
-
-    solve = solve_host_aware
-
     end = None if time_limit_s is None else time.perf_counter() + time_limit_s
 
     def left() -> float | None:
@@ -80,18 +77,18 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
             folded = fold_modes(problem, list(combos[0]))
             if _least_time(folded) >= bound:
                 return None
-            sol = solve(folded, left(), bound)
+            sol = solve_host_aware(folded, left(), bound)
             if sol is not None:
                 sol.modes = list(combos[0])
             return sol
-        return solve(problem, left(), bound)
+        return solve_host_aware(problem, left(), bound)
     none = (0,) * len(groups)
     if _recompute_only_adds_time(problem):
         if _least_time(fold_modes(problem, list(none))) >= bound:
             return None
         if least_memory(fold_modes(problem, list(none))) <= problem.memory_budget:
             plain = replace(fold_modes(problem, list(none)), memory_budget=float("inf"))
-            free = solve(plain, left(), bound)
+            free = solve_host_aware(plain, left(), bound)
             if free is None:  # recomputation and the budget only add time
                 return None
             free.modes = list(none)
@@ -115,7 +112,7 @@ def solve_ilp(problem: Problem, time_limit_s: float | None = None,
             stopped = True  # the combinations not solved may hold a faster one
             break
         try:
-            sol = solve(folded, left(), min(bound, best.objective_s if best else bound))
+            sol = solve_host_aware(folded, left(), min(bound, best.objective_s if best else bound))
         except NoFeasiblePlanError:
             continue
         if sol is None:
