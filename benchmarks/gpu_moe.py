@@ -135,7 +135,7 @@ def predicted_parts(case: MoECase, gpu: str) -> dict[str, dict[str, float]]:
     for the router timed alone, where each op takes the longer of its host and device
     times (``autopar.cost_models.compute``)."""
     import autopar
-    from autopar.cost_models.host import op_host_time, op_kind
+    from autopar.cost_models.host import kind_host_time, op_kind
     from layer_accuracy import node_prices
 
     model, x, y = build(case)
@@ -152,7 +152,7 @@ def predicted_parts(case: MoECase, gpu: str) -> dict[str, dict[str, float]]:
         out[part][term] += cost.compute_s * mult
         out[part]["memory"] += cost.param_copy_s * mult
         if part == "router":
-            fwd, bwd = op_host_time(hw, n.target, n.flops, n.bytes, n.requires_grad)
+            fwd, bwd = kind_host_time(hw, n.target, n.flops, n.bytes, n.requires_grad)
             alone += max(cost.compute_s, fwd + bwd)
     out["router"]["alone"] = alone
     return out

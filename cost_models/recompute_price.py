@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.cost_models.host import checkpoint_host_time
+from autopar.cost_models.host import charges_host, checkpoint_host_time
 from autopar.cost_models.memory import saved_for_backward
 from autopar.cost_models.strategy_price import OpTerms, StrategyPricer
 from autopar.flops import op_name
@@ -119,18 +119,24 @@ def _extra(p: StrategyPricer, name: str, ns: NodeStrategy, op: OpTerms, mode: st
     """Forward seconds re-run in backward under ``mode`` (docs/cost_models.md,
     section ``autopar.cost_models.recompute_price``): the op's forward and its output's
     forward conversion (not the reduction of its parameters' gradients), as far as the
-    recomputation ``reach``es the node."""
-    if mode == "none" or reach == SKIPPED:
+    recomputation ``reach``es the node; on a CPU under ``selective``, also what DTensor
+    adds to the op in its module that then runs on DTensors, not local tensors."""
+    if mode == "none":
         return 0.0
+    dtensor = 0.0  # the host is the device: DTensor's seconds of the op's first pass
+    if mode == "selective" and not p.st.hw.host_runs_ahead:
+        dtensor = op.dtensor_waived[0] + op.dtensor_waived[1]
+    if reach == SKIPPED:
+        return dtensor
     n = p.node(name)
-    fwd = op.compute_s - op.bwd_compute_s
+    fwd = op.compute_s - op.bwd_compute_s + (op.dtensor_waived[0] if dtensor else 0.0)
     if mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS:
         fwd = 0.0
     if reach == STOPS:  # saved before it runs, unless it saves its output
-        return fwd if _saves_output(p, name) else 0.0
+        return dtensor + (fwd if _saves_output(p, name) else 0.0)
     conversion = p.convert(ns.raw_out, ns.out, p.out_bytes(name)) if ns.out != ns.raw_out \
         else 0.0
-    return fwd + conversion
+    return dtensor + fwd + conversion
 
 
 def _host(p: StrategyPricer, name: str, op: OpTerms, mode: str,
@@ -146,4 +152,18 @@ def _host(p: StrategyPricer, name: str, op: OpTerms, mode: str,
     hook_f, hook_b = checkpoint_host_time(p.st.hw, mode)
     saved = mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS
     issued = reach == RUNS or (reach == STOPS and _saves_output(p, name))
+    if mode == "selective":  # its dispatch mode sees every aten op; no local tensors
+        per = _forward_dispatches(p, name)
+        hook_f, hook_b = hook_f * per, hook_b * per
+        if p.st.hw.host_runs_ahead:
+            hook_f, hook_b = hook_f + op.dtensor_waived[0], hook_b + op.dtensor_waived[1]
+            again += op.dtensor_waived[0]
     return hook_f, hook_b + (again if issued and not saved else 0.0)
+
+
+def _forward_dispatches(p: StrategyPricer, name: str) -> int:
+    """The aten ops node ``name``'s forward dispatches (1 where not counted)."""
+    if not charges_host(p.st.hw):
+        return 1
+    d = p.host_facts.dispatches.get(name)
+    return d.forward_ops if d is not None else 1

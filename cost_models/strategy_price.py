@@ -15,13 +15,14 @@ What each term counts: docs/cost_models.md, section
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.cost_models.comm import INF, collective_time
 from autopar.cost_models.context_parallel import AttentionShape, CPAttentionCost, cp_attention
 from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
                                          local_shape, op_time)
 from autopar.cost_models.float8 import FP8, element_dtype, runs_float8
-from autopar.cost_models.host import op_host_time
+from autopar.cost_models.host import HostFacts, charges_host, dispatch_rates, op_host_time
 from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
 from autopar.cost_models.param_price import ParamPricer, ParamTerms
 from autopar.graph import OpNode, TensorMeta
@@ -47,6 +48,10 @@ class OpTerms:
     host_bwd_s: float
     activations: float
     backward_start_bytes: float
+    dtensor_waived: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) host seconds DTensor would add to the op were its module
+    not run on local tensors, as under selective recomputation
+    (:meth:`StrategyPricer.dtensor_host`)."""
 
 
 @dataclass
@@ -68,7 +73,8 @@ class StrategyPricer(ParamPricer):
 
     def __init__(self, an: GraphAnalysis, st: Settings,
                  saved_owner: dict[tuple[str, int], str] | None = None,
-                 facts: GraphFacts | None = None) -> None:
+                 facts: GraphFacts | None = None,
+                 host_facts: HostFacts | None = None) -> None:
         super().__init__(StrategySpace(an, st, facts))
         self.an, self.g = an, an.graph
         self.meta = self.space.meta
@@ -78,6 +84,21 @@ class StrategyPricer(ParamPricer):
         self._out_bytes: dict[str, float] = {}
         self._tensor_bytes: dict[str, float] = {}
         self._attention: dict[tuple, CPAttentionCost] = {}
+        self._host_facts = host_facts
+        self._rates = dispatch_rates(st.hw)
+
+    @property
+    def host_facts(self) -> HostFacts:
+        """The graph's dispatched aten ops and local-tensor regions
+        (:class:`~autopar.cost_models.host.HostFacts`), found on first use."""
+        if self._host_facts is None:
+            self._host_facts = HostFacts.of(self.g, frozenset(self.an.experts))
+        return self._host_facts
+
+    @property
+    def has_host_facts(self) -> bool:
+        """Whether :attr:`host_facts` was found (a GPU profile's pricing needed it)."""
+        return self._host_facts is not None
 
     def price(self, n: OpNode, ns: NodeStrategy, op: OpTerms) -> StrategyPrice:
         """Strategy ``ns`` of op ``n`` priced, its own terms ``op`` given
@@ -166,14 +187,15 @@ class StrategyPricer(ParamPricer):
         """The op's own terms under strategy ``ns`` (:class:`OpTerms`): a routed expert
         module's op under expert parallelism runs on the busiest rank's tokens, the
         settings' ``expert_imbalance`` times the mean."""
-        device, bwd, host, host_b = self._times(n, ns)
+        device, bwd, host, host_b, waived = self._times(n, ns)
         if self.ep_axis is not None and n.name in self.an.routed_ops:
             device, bwd = device * self.st.expert_imbalance, bwd * self.st.expert_imbalance
         saved = self._activations(n, ns.ins, ns.out)
         cp = self.cp_attention(n, ns.ins)
         if cp is not None and cp.variant != "ring":  # gathered or head-split keys saved
             saved += cp.kv_bytes
-        return OpTerms(device, bwd, host, host_b, saved, self._loss_gradient(n, ns.ins))
+        return OpTerms(device, bwd, host, host_b, saved, self._loss_gradient(n, ns.ins),
+                       waived)
 
     # ---- bytes ------------------------------------------------------------------
     def nbytes(self, m: TensorMeta | None) -> float:
@@ -247,9 +269,10 @@ class StrategyPricer(ParamPricer):
                             self.out_bytes(n.name))
 
     # ---- the op's own terms -----------------------------------------------------
-    def _times(self, n: OpNode, ns: NodeStrategy) -> tuple[float, ...]:
+    def _times(self, n: OpNode, ns: NodeStrategy) -> tuple[Any, ...]:
         """(forward + backward device, backward device, forward + backward host,
-        backward host) seconds of op ``n`` under its label assignment: the same for
+        backward host) seconds of op ``n`` under its label assignment, and the host
+        seconds its local tensors spare (:attr:`OpTerms.dtensor_waived`): the same for
         every placement its output is handed on in, so memoized by the assignment."""
         key = (n.name, ns.labels)
         found = self._ops.get(key)
@@ -258,7 +281,7 @@ class StrategyPricer(ParamPricer):
         return found
 
     def _op_times(self, n: OpNode, combo, raw: Placements,
-                  ins: tuple[Placements, ...]) -> tuple[float, float, float, float]:
+                  ins: tuple[Placements, ...]) -> tuple[Any, ...]:
         """:meth:`_times`, not memoized."""
         shard = self.space.sequence_split(n)
         for lab, size in zip(combo, self.mesh.sizes):
@@ -286,10 +309,12 @@ class StrategyPricer(ParamPricer):
         cp = self.cp_attention(n, ins)
         if cp is not None:  # the queries on every key they attend, as the variant runs it
             fwd, bwd = cp.compute_s - cp.backward_s, cp.backward_s if n.requires_grad else 0.0
-        host_f, host_b = self._op_host(n, ins)
+        (dt_f, dt_b), waived = self.dtensor_host(n, ins)
+        host_f, host_b = self._op_host(n)
+        host_f, host_b = host_f + dt_f, host_b + dt_b
         if not hw.host_runs_ahead:  # on a CPU the host is the device
             fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0
-        return fwd + bwd, bwd, host_f + host_b, host_b
+        return fwd + bwd, bwd, host_f + host_b, host_b, waived
 
     def _dtype(self, n: OpNode) -> str:
         """The dtype op ``n`` computes in: ``"fp8"`` for a float8 Linear product
@@ -304,43 +329,72 @@ class StrategyPricer(ParamPricer):
                 return FP8
         return element_dtype(prec)
 
-    def _op_host(self, n: OpNode, ins) -> tuple[float, float]:
-        """(forward, backward) host seconds of op ``n`` under input placements ``ins``:
-        its dispatch (:func:`~autopar.cost_models.host.op_host_time`, GPU profiles) and
-        what DTensor adds (:meth:`_dtensor_host`)."""
-        dt_f, dt_b = self._dtensor_host(n, ins)
-        op_f, op_b = op_host_time(self.st.hw, n.target, n.flops, n.bytes, n.requires_grad)
-        return op_f + dt_f, op_b + dt_b
-
-    def _dtensor_host(self, n: OpNode, ins) -> tuple[float, float]:
-        """(forward, backward) host seconds DTensor adds to op ``n`` under input
-        placements ``ins``: a matrix product (or embedding) whose parameter is split over
-        a non-dp axis runs as a tensor-parallel Linear, a norm whose input is split so
-        runs as a sequence-parallel one, and with a model-parallel axis every other op
-        but those computed from shapes runs on DTensors too (figure ``dtensor_op``)
-        (:attr:`HardwareProfile.host_overhead_s`; 0 where the profile has no figure).
-        On a CPU it adds to the op's time (the host is the device); on a GPU it is host
-        time beside the device's (:meth:`_op_host`)."""
-        over = self.st.hw.host_overhead_s
-        free = self.free
-        if not over or not free:
+    def _op_host(self, n: OpNode) -> tuple[float, float]:
+        """(forward, backward) host seconds of dispatching op ``n`` on a GPU profile
+        (:func:`~autopar.cost_models.host.op_host_time`: its dispatched aten ops,
+        never less than the measured op of its kind)."""
+        if not charges_host(self.st.hw):
             return 0.0, 0.0
+        d = self.host_facts.dispatches.get(n.name)
+        if d is None:
+            return 0.0, 0.0
+        return op_host_time(self.st.hw, self._rates, n, d)
+
+    def dtensor_host(self, n: OpNode, ins) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(forward, backward) host seconds DTensor adds to op ``n`` under input
+        placements ``ins``, and what it would add were the op's module not run on
+        local tensors (figures of :attr:`HardwareProfile.host_overhead_s`; 0 where the
+        profile has none). Outside a local-tensor region
+        (:mod:`~autopar.cost_models.local_regions`), with a model-parallel axis: a
+        matrix product (or embedding) whose parameter is split over it runs as a
+        tensor-parallel Linear (``linear``), a norm whose input is split so as a
+        sequence-parallel one (``norm``), and every other op but those computed from
+        shapes on DTensors (``dtensor_op``). Inside a region, under no context
+        parallelism, the ops run on local tensors: a Linear with a split weight pays
+        one ``dtensor_op`` for its edge (its weight's local view, a rowwise Linear's
+        output wrapped back), the other ops nothing; a Linear with a replicated
+        weight keeps the region on DTensors, so it pays its share of the region's
+        ops at ``dtensor_op``. On a CPU the seconds add to the op's time (the host is
+        the device); on a GPU they are host time beside the device's."""
+        zero = (0.0, 0.0)
+        over = self.st.hw.host_overhead_s
+        if not over or not self.free:
+            return zero, zero
+        grad = n.requires_grad
+
+        def fig(kind: str, times: float = 1.0) -> tuple[float, float]:
+            return (times * over.get(f"{kind}_fwd", 0.0),
+                    times * over.get(f"{kind}_bwd", 0.0) if grad else 0.0)
+        kind = self._dtensor_kind(n, ins)
+        whole = fig(kind) if kind is not None else zero
+        region = self.host_facts.regions.get(n.name) if self.space.cp_axis is None else None
+        if region is None:
+            return whole, zero
+        if kind == "linear":
+            return fig("dtensor_op"), (whole[0] - fig("dtensor_op")[0],
+                                       whole[1] - fig("dtensor_op")[1])
+        if kind == "dtensor_op" and self._reads_param(n):
+            return fig("dtensor_op", region.ops / region.linears), zero
+        return zero, whole
+
+    def _reads_param(self, n: OpNode) -> bool:
+        """Whether op ``n`` is a matrix product of a parameter (a Linear)."""
+        return is_matmul(n.target) and "param" in self.facts.input_kinds(n)
+
+    def _dtensor_kind(self, n: OpNode, ins) -> str | None:
+        """The DTensor figure of op ``n`` outside a region (:meth:`dtensor_host`)."""
         kinds = self.facts.input_kinds(n)
 
         def split(pl: Placements) -> bool:
-            return any(pl[a].startswith("S(") for a in free)
-        kind = None
+            return any(pl[a].startswith("S(") for a in self.free)
         if (is_matmul(n.target) or n.target.endswith(("embedding", "embedding.default"))) and \
                 any(k == "param" and split(p) for k, p in zip(kinds, ins)):
-            kind = "linear"
-        elif is_norm(n.target) and ins and kinds[0] != "param" and split(ins[0]):
-            kind = "norm"
-        elif n.name not in self.an.constants:
-            kind = "dtensor_op"
-        if kind is None:
-            return 0.0, 0.0
-        return (over.get(f"{kind}_fwd", 0.0),
-                over.get(f"{kind}_bwd", 0.0) if n.requires_grad else 0.0)
+            return "linear"
+        if is_norm(n.target) and ins and kinds[0] != "param" and split(ins[0]):
+            return "norm"
+        if n.name not in self.an.constants:
+            return "dtensor_op"
+        return None
 
     def _activations(self, n: OpNode, ins, out) -> float:
         """Bytes per device that autograd saves for op ``n``'s backward under

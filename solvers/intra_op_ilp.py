@@ -64,6 +64,14 @@ class Solution:
     modes: list[int] = field(default_factory=list)
 
 
+DEVICE_TIE = 1e-7
+"""Weight of the device's seconds added to a host-bound objective: where the host
+bounds the step, every layout whose device time stays under the host's is as fast, and
+this picks the one that keeps the device least busy (least compute and traffic, the
+layout that stays fastest when the host speeds up) at a cost of at most 1e-7 of the
+step. A preference, not a cost."""
+
+
 class IntraOpILP:
     """Builds and solves the ILP for one :class:`Problem`.
 
@@ -276,7 +284,9 @@ class IntraOpILP:
         """min n·(Σ m·(compute + comm) + Σ_e m_e·cost_e·y_e) + E_step + n·E_micro, with
         E_step ≥ Σ m·step_param_comm − overlap·Σ m·bwd_compute, E_micro ≥
         Σ m·micro_param_comm − overlap·Σ m·compute, and E ≥ 0; compute and bwd_compute
-        include the recomputation Σ_g Σ m_v·extra_s·w; plus Σ m·optimizer (once per step)."""
+        include the recomputation Σ_g Σ m_v·extra_s·w; plus Σ m·optimizer (once per step);
+        where the host may bound the step, plus :data:`DEVICE_TIE` times the device's
+        part."""
         p = self.p
         n = p.num_microbatches
         edge_cost = _affine((self.y[k][ij], self.TIME * e.multiplicity * c)
@@ -290,7 +300,9 @@ class IntraOpILP:
         total = n * (self._sum("compute_s") + self._sum("comm_s") + edge_cost) \
             + e_step + n * e_micro + self._sum("optimizer_s")
         if self.mix is None:
-            self.model += total + self._host_exposure(total, edge_cost)
+            exposure = self._host_exposure(total, edge_cost)
+            tie = DEVICE_TIE * total if charges_host(p) else 0
+            self.model += total + exposure + tie
         else:  # a Lagrangian of max(T, host): see autopar.solvers.intra_op_host
             a, b = self.mix
             self.model += a * total + (b * self._host_total() if b else 0)

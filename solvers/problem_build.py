@@ -59,9 +59,10 @@ def build_problem(an: GraphAnalysis, st: Settings, cache: dict | None = None) ->
     only in ZeRO stage, micro-batch count, offload, optimizer or budget reprices just
     the parameter terms (:func:`_reprice`) and shares the rest. It also keeps the
     graph's facts that no setting changes (``"saved_owner"``, ``"facts"``,
-    ``"edge_counts"``)."""
+    ``"edge_counts"``, ``"host_facts"``)."""
     p = StrategyPricer(an, st, cache.get("saved_owner") if cache is not None else None,
-                       cache.get("facts") if cache is not None else None)
+                       cache.get("facts") if cache is not None else None,
+                       cache.get("host_facts") if cache is not None else None)
     if cache is not None:  # the graph's, the same for every layout
         cache["saved_owner"] = p.saved_owner
         cache["facts"] = p.facts
@@ -71,6 +72,8 @@ def build_problem(an: GraphAnalysis, st: Settings, cache: dict | None = None) ->
     layout = _build(p, cache)
     if cache is not None:
         cache[key] = layout
+        if p.has_host_facts:
+            cache["host_facts"] = p.host_facts
     return layout.built
 
 

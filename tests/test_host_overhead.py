@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from autopar.capture import capture
+from autopar.cost_models.local_regions import region_candidates
 from autopar.cost_models.hardware import load_profile
 from autopar.cost_models.profiling.host_wrappers import (DTENSOR_OP_KEYS, HOST_KEYS,
                                                          REDISTRIBUTE_KEYS)
@@ -133,65 +134,92 @@ def _as_cpu(hw, over: dict[str, float]):
     return replace(hw, host_overhead_s=over, provenance={**hw.provenance, "device_type": "cpu"})
 
 
-def _gpt_problem(mesh: tuple[int, int], hw, sequence_parallel: bool):
+def _gpt_problem(mesh: tuple[int, int], hw, sequence_parallel: bool, recompute: str = "none"):
+    st = Settings(Mesh(("dp", "tp"), mesh), 8 // mesh[0], 1, 0, "fp32", "adamw", 1e12, hw, 4,
+                  sequence_parallel=sequence_parallel, recompute_modes=(recompute,))
+    return build_problem(_gpt_graph(), st)
+
+
+def _gpt_graph():
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=1024, n_layers=2, n_heads=4))
-    g = capture(model, (torch.randint(0, 512, (8, 64), device="meta"),))
-    st = Settings(Mesh(("dp", "tp"), mesh), 8 // mesh[0], 1, 0, "fp32", "adamw", 1e12, hw, 4,
-                  sequence_parallel=sequence_parallel)
-    return build_problem(analyze(g), st)
+    return analyze(capture(model, (torch.randint(0, 512, (8, 64), device="meta"),)))
+
+
+def _charged(mesh: tuple[int, int], over: dict[str, float], sequence_parallel: bool = False,
+             recompute: str = "none") -> tuple[float, Any, list[int]]:
+    """(extra compute seconds, recomputation's included, the DTensor figures ``over`` add to the plan the ILP picks
+    without them, the problem, that choice) on GPT at ``mesh`` (dp, tp)."""
+    base = _as_cpu(load_profile("h100-sxm"), {})  # fast links: the ILP splits the weights
+    built = _gpt_problem(mesh, base, sequence_parallel, recompute)
+    sol = solve_ilp(built.problem)
+    charged = _gpt_problem(mesh, _as_cpu(base, over), sequence_parallel, recompute)
+    delta = (evaluate(charged.problem, sol.choice, sol.modes).compute_s
+             - evaluate(built.problem, sol.choice, sol.modes).compute_s)
+    return delta, built, sol.choice
+
+
+def _split_linears(built, choice) -> tuple[int, int]:
+    """(Linears whose weight the choice splits over tp inside an attention or MLP
+    region, outside one), counted with multiplicity."""
+    an = _gpt_graph()
+    regions = region_candidates(an.graph)
+    inside = outside = 0
+    for k, c in enumerate(choice):
+        ns = built.strategies[k][c]
+        if built.names[k].startswith(("linear", "addmm")) and \
+                any(p.startswith("S(") for p in ns.ins[1][1:]):
+            mult = built.problem.nodes[k].multiplicity
+            if built.names[k] in regions:
+                inside += mult
+            else:
+                outside += mult
+    return inside, outside
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallel_ops_are_charged_the_dtensor_overhead(sequence_parallel) -> None:
-    """On tp=2 the planned step grows by the measured DTensor figures times the wrapped
-    modules: 12 Linears (q, k, v, proj, fc1, fc2 per block) whose weights are split,
-    and with sequence parallelism also the 5 norms whose inputs are."""
-    base = _as_cpu(load_profile("h100-sxm"), {})  # fast links: the ILP splits the weights
+def test_linears_of_local_regions_skip_the_dtensor_linear_figure(sequence_parallel) -> None:
+    """On tp=2 the 12 Linears (q, k, v, proj, fc1, fc2 per block) have their weights
+    split and sit in the attention and MLP modules that run on local tensors: none pays
+    the tensor-parallel Linear's DTensor figure; with sequence parallelism the 5 norms
+    whose inputs are split pay theirs."""
     over = {"linear_fwd": 1e-3, "linear_bwd": 2e-3, "norm_fwd": 1e-4, "norm_bwd": 3e-4}
-    built = _gpt_problem((1, 2), base, sequence_parallel)
-    choice = solve_ilp(built.problem).choice
-    charged = _gpt_problem((1, 2), _as_cpu(base, over), sequence_parallel)
-    delta = evaluate(charged.problem, choice).compute_s - evaluate(built.problem, choice).compute_s
-    chosen = [built.strategies[k][c] for k, c in enumerate(choice)]
-    linears = sum(built.problem.nodes[k].multiplicity for k, ns in enumerate(chosen)
-                  if built.names[k].startswith(("linear", "addmm"))
-                  and any(p.startswith("S(") for p in ns.ins[1][1:]))
-    assert linears == 12
+    delta, built, choice = _charged((1, 2), over, sequence_parallel)
+    assert _split_linears(built, choice) == (12, 0)
     norms = 5 if sequence_parallel else 0
-    expect = linears * 3e-3 + norms * 4e-4
-    assert delta == pytest.approx(expect, rel=1e-9)
+    assert delta == pytest.approx(norms * 4e-4, rel=1e-9, abs=1e-15)
+
+
+def test_selective_recomputation_keeps_regions_on_dtensors() -> None:
+    """Under selective recomputation the runtime runs no module on local tensors: the
+    12 split Linears pay the tensor-parallel Linear's figure again, forward and
+    backward (selective recomputation saves their outputs: none is re-issued)."""
+    over = {"linear_fwd": 1e-3, "linear_bwd": 2e-3}
+    delta, built, choice = _charged((1, 2), over, recompute="selective")
+    assert _split_linears(built, choice) == (12, 0)
+    assert delta == pytest.approx(12 * (1e-3 + 2e-3), rel=1e-9)
 
 
 def test_every_other_op_on_dtensors_is_charged_the_dtensor_op_figure() -> None:
-    """Under tensor parallelism every op runs on DTensors: each op that is neither a
-    Linear with a split weight nor computed from shapes alone (position ids) pays the
-    per-op figure, forward, and backward where a gradient flows; on one device none
-    does."""
-    base = _as_cpu(load_profile("h100-sxm"), {})
+    """Under tensor parallelism the ops outside the local-tensor regions run on
+    DTensors: each that is not computed from shapes alone (position ids) pays the
+    per-op figure, forward, and backward where a gradient flows; inside a region only
+    each split Linear pays it once (its edge); on one device none does."""
     over = {"dtensor_op_fwd": 1e-3, "dtensor_op_bwd": 2e-3}
+    an = _gpt_graph()
+    g, regions = an.graph, region_candidates(an.graph)
     for mesh in ((1, 2), (2, 1)):
-        built = _gpt_problem(mesh, base, False)
-        choice = solve_ilp(built.problem).choice
-        charged = _gpt_problem(mesh, _as_cpu(base, over), False)
-        delta = (evaluate(charged.problem, choice).compute_s
-                 - evaluate(built.problem, choice).compute_s)
-        with torch.device("meta"):
-            model = GPT(GPTConfig(vocab_size=512, max_seq_len=64, dim=1024, n_layers=2,
-                                  n_heads=4))
-        an = analyze(capture(model, (torch.randint(0, 512, (8, 64), device="meta"),)))
-        g = an.graph
+        delta, built, choice = _charged(mesh, over)
         expect = 0.0
         for k, name in enumerate(built.names):
-            node, ns = g.node(name), built.strategies[k][choice[k]]
-            split_param = any(g.node(i).kind == "param" and p[1:] != ("R",) * (len(p) - 1)
-                              for i, p in zip(node.inputs, ns.ins))
-            if mesh[1] == 1 or node.kind != "op" or name in an.constants or (
-                    name.startswith(("linear", "addmm", "embedding")) and split_param):
+            node = g.node(name)
+            if mesh[1] == 1 or node.kind != "op" or name in an.constants:
+                continue
+            if name in regions and not name.startswith(("linear", "addmm")):
                 continue
             mult = built.problem.nodes[k].multiplicity
             expect += mult * (1e-3 + (2e-3 if node.requires_grad else 0.0))
-        assert delta == pytest.approx(expect, rel=1e-9), mesh
+        assert delta == pytest.approx(expect, rel=1e-9, abs=1e-15), mesh
         assert (delta > 0) == (mesh[1] > 1)
 
 

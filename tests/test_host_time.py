@@ -12,7 +12,8 @@ import torch
 
 from autopar.capture import capture
 from autopar.cost_models.hardware import load_profile
-from autopar.cost_models.host import op_kind
+from autopar.cost_models.dispatch import graph_dispatches
+from autopar.cost_models.host import dispatch_rates, op_host_time
 from autopar.cost_models.memory import saved_for_backward
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.flops import op_name
@@ -137,7 +138,12 @@ def _gpt(mode: str, n_mb: int):
 
 def _ops_host(g, mode: str) -> tuple[float, float]:
     """(forward + backward per micro-batch, of it the recomputation's) host seconds of
-    every op instance of ``g`` by its kind's figure, under recomputation ``mode``."""
+    every op instance of ``g``: the aten ops it dispatches at the figures' seconds per
+    dispatched op of each kind, at least its kind's figure, under recomputation
+    ``mode``."""
+    hw = replace(load_profile("h100-sxm"), host_overhead_s=FIGURES)
+    rates = dispatch_rates(hw)
+    counts = graph_dispatches(g)
     total = extra = 0.0
     last: dict[int, str] = {}  # layer -> its last op that saves a tensor (early stop)
     for n in g.nodes:
@@ -148,17 +154,17 @@ def _ops_host(g, mode: str) -> tuple[float, float]:
     for n in g.nodes:
         if n.kind != "op":
             continue
-        kind = op_kind(n.target, n.flops, n.bytes)
-        total += FIGURES[f"op_{kind}_fwd"] + (FIGURES[f"op_{kind}_bwd"] if n.requires_grad
-                                              else 0.0)
+        fwd, bwd = op_host_time(hw, rates, n, counts[n.name])
+        total += fwd + bwd
         if mode != "none" and n.layer is not None:
             hook = "sac_op" if mode == "selective" else "ckpt_op"
-            extra += FIGURES[f"{hook}_fwd"] + FIGURES[f"{hook}_bwd"]
+            per = counts[n.name].forward_ops if mode == "selective" else 1
+            extra += per * (FIGURES[f"{hook}_fwd"] + FIGURES[f"{hook}_bwd"])
             stops = last.get(n.layer) == n.name
             issued = n.layer not in reached and (
                 not stops or -1 in saved_for_backward(n.target, len(n.inputs)))
             if issued and (mode == "full" or op_name(n.target) not in SELECTIVE_SAVE_OPS):
-                extra += FIGURES[f"op_{kind}_fwd"]
+                extra += fwd
             if stops:
                 reached.add(n.layer)
     return total, extra
@@ -168,9 +174,10 @@ def _ops_host(g, mode: str) -> tuple[float, float]:
                                         ("full", 2)])
 def test_builder_charges_each_op_parameter_and_mode(mode: str, n_mb: int) -> None:
     """One bf16 device (FSDP2 lays the parameters out): per micro-batch every op's
-    figure by kind and FSDP2's per parameter, per step the optimizer's per DTensor
-    parameter; selective recomputation adds its dispatch figures to every op of the
-    blocks and re-issues the forward of the ops it recomputes; full recomputation adds
+    dispatched aten ops at their kind's seconds and FSDP2's per parameter, per step
+    the optimizer's per DTensor parameter; selective recomputation adds its dispatch
+    figures to every aten op the blocks' ops dispatch and re-issues the forward of the
+    ops it recomputes; full recomputation adds
     the checkpoint's hook figures to every op of the blocks and re-issues every forward,
     each up to the block's last op that saves a tensor (torch's early stop)."""
     g, built, params = _gpt(mode, n_mb)
