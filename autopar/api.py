@@ -330,6 +330,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     :class:`Spec`) for the fastest plan that fits; (plan, the search's result)."""
     from autopar.assemble import add_pipeline, assemble, runner_up
     from autopar.capture import capture
+    from autopar.cost_models.compiled import compiles_where_it_pays
     from autopar.explain import check_explain, explain_layouts
     from autopar.plans import model_fingerprint
     from autopar.solvers.outer_search import SearchResult, search
@@ -372,6 +373,11 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     if asked:  # a model that cannot be cut is an error
         _unsplittable_for_pipelining(model, example_inputs, graph, spec.pp)
 
+    if spec.compile and not graph.layers:
+        raise ConfigError("compile=True compiles the model's repeated blocks, and autopar "
+                          "found none in this model; leave compile out")
+    compile_blocks = spec.compile if spec.compile is not None else \
+        compiles_where_it_pays(hw) and bool(graph.layers)
     # the time limit bounds the search as a whole, a second one without pipelines included
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
 
@@ -383,7 +389,7 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
                       split_weights=bool(spec.split_weights),
                       recompute=(spec.recompute,) if spec.recompute is not None else None,
                       offload=spec.offload, top_k=top_k, progress=progress,
-                      deadline=deadline)
+                      deadline=deadline, compile_blocks=compile_blocks)
 
     try:
         res = run(cands)
@@ -434,6 +440,11 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     if pp_note:
         plan.notes.append(pp_note)
     plan.notes.extend(res.notes)
+    if plan.compile_blocks:
+        plan.notes.append(f"each block compiled with torch.compile (priced so: fused "
+                          f"memory-bound kernels, no per-op dispatch; about "
+                          f"{plan.compile_s:.0f} s to compile, once); compile=False runs "
+                          f"them eager")
     if plan.context is not None and spec.cp is None and res.passed_over:
         why = res.passed_over[-1].split(" Raise memory_budget")[0]
         plan.notes.append(f"context parallelism, because without it (and without tensor "
@@ -530,7 +541,7 @@ def estimate(model, example_inputs, spec: Spec, *, cluster: Cluster | None = Non
 def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
                 cluster: Cluster | None = None, loss_fn: Callable | None = None,
                 example_targets: torch.Tensor | None = None,
-                collective_timeout_s: float | None = None, compile: bool = False,
+                collective_timeout_s: float | None = None, compile: bool | None = None,
                 **plan_kwargs) -> "ParallelModel":
     """Plan (unless ``plan`` is given) and apply the plan inside a running job.
 
@@ -543,7 +554,8 @@ def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
     type and message, with a note naming the rank that raised it; see
     :func:`autopar.runtime.agree.agreed`), so no rank waits for a peer that has given
     up. ``loss_fn``, ``example_targets`` and ``plan_kwargs`` are those of :func:`plan`;
-    ``compile`` that of :func:`autopar.runtime.apply_plan` (torch.compile per block).
+    ``compile`` that of :func:`autopar.runtime.apply_plan` (torch.compile per block;
+    given, the plan is also searched and priced so).
     """
     import torch.distributed as dist
 
@@ -561,9 +573,10 @@ def parallelize(model, example_inputs=None, *, plan: "Plan | None" = None,
                 raise ConfigError("parallelize() needs example_inputs (one global batch) or "
                                   "a plan")
             if dist.get_rank() == 0:
+                asked = {"compile": compile} if compile is not None else {}
                 text = make_plan(model, example_inputs, cluster=cluster or detect_cluster(),
                                  loss_fn=loss_fn, example_targets=example_targets,
-                                 **plan_kwargs).to_json()
+                                 **asked, **plan_kwargs).to_json()
         elif not isinstance(plan, Plan):
             raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
     if plan is None:

@@ -6,6 +6,7 @@ MFU."""
 
 from __future__ import annotations
 
+from autopar.cost_models.compiled import compile_time_s
 from autopar.graph import Graph
 from autopar.plans import ContextPlan, ExpertPlan, ModulePlan, PipelinePlan, Plan, StagePlan
 from autopar.sharding import DATA_AXES, shard_dim
@@ -145,7 +146,10 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
         memory=memory, throughput=global_batch / ev.step_time_s if ev.step_time_s else 0.0,
         mfu=mfu, solver=dict(sol.stats), notes=[], recompute=recompute, offload=st.offload,
         loss_reduction=loss_reduction(g), experts=experts,
-        context=context_plan(an, st, per_node), loss_parallel=splits_classes(an, chosen))
+        context=context_plan(an, st, per_node), loss_parallel=splits_classes(an, chosen),
+        compile_blocks=st.compiled,
+        compile_s=compile_time_s(sum(1 for n in g.nodes if n.kind == "op" and n.layer == 0))
+        if st.compiled else 0.0)
 
 
 def param_placements(an: GraphAnalysis, chosen: dict[str, NodeStrategy], st,

@@ -26,7 +26,8 @@ ESTIMATE_DEFAULTS = {"dp": "the devices the other degrees leave", "tp": "1", "pp
                      "schedule": "1f1b", "virtual_stages": "the solver's choice",
                      "recompute": "the solver's choice", "zero": "0",
                      "sequence_parallel": "off", "loss_parallel": "the solver's choice",
-                     "split_weights": "the solver's choice", "offload": "off"}
+                     "split_weights": "the solver's choice", "offload": "off",
+                     "compile": "off"}
 """What ``autopar compare`` scores for each configuration option left out
 (:meth:`autopar.Spec.for_estimate`)."""
 
@@ -67,6 +68,9 @@ def add_spec_args(g: argparse._ActionsContainer,
     g.add_argument("--offload", action=argparse.BooleanOptionalAction,
                    help="parameters, gradients and optimizer state in host memory (with "
                    "--zero 3)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="each repeated block compiled with torch.compile (plans without a "
+                   "pipeline; left out: on the GPUs where it was measured faster)")
 
 
 class _DefaultsNoted:

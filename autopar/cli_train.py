@@ -57,8 +57,6 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=d.precision,
                    help="parameters and compute (gradients reduced and kept in fp32)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each of the plan's blocks (plans without a pipeline)")
     p.add_argument("--nproc-per-node", type=int, default=1,
                    help="outside torchrun: start torchrun with this many local processes")
     plan = p.add_argument_group("the plan (as `autopar plan` takes them; each option fixes "
@@ -77,7 +75,7 @@ def _args(ns: argparse.Namespace) -> TrainArgs:
                      global_batch=ns.global_batch, seq_len=ns.seq_len, lr=ns.lr, seed=ns.seed,
                      checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
                      keep=ns.keep, log_every=ns.log_every, precision=ns.precision,
-                     compile=ns.compile, space=spec_from_args(ns),
+                     space=spec_from_args(ns),
                      memory_budget=ns.memory_budget)
 
 
@@ -91,8 +89,6 @@ def _argv(a: TrainArgs) -> list[str]:
         out += ["--seq-len", str(a.seq_len)]
     if a.checkpoint_dir is not None:
         out += ["--checkpoint-dir", a.checkpoint_dir]
-    if a.compile:
-        out.append("--compile")
     if a.memory_budget is not None:
         out += ["--memory-budget", repr(a.memory_budget)]
     return out + (spec_argv(a.space) if a.space is not None else [])

@@ -357,6 +357,8 @@ class Plan:
     loss_parallel: bool = False
     batch_source: str = ""
     explanations: list[LayoutExplanation] = field(default_factory=list)
+    compile_blocks: bool = False
+    compile_s: float = 0.0
     version: int = PLAN_FORMAT_VERSION
 
     @property

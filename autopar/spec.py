@@ -70,6 +70,9 @@ class Spec:
             sequence instead).
         offload: parameters, gradients and optimizer state in host memory between uses
             (needs ``zero=3``; None: only when nothing fits without it).
+        compile: each repeated block compiled with ``torch.compile`` (plans without a
+            pipeline; None: on the GPUs where it was measured faster,
+            :mod:`autopar.cost_models.compiled`).
     """
 
     dp: int | None = None
@@ -87,6 +90,7 @@ class Spec:
     loss_parallel: bool | None = None
     split_weights: bool | None = None
     offload: bool | None = None
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         """Check every field given (the one place they are checked)."""
@@ -113,7 +117,8 @@ class Spec:
                 f"from dp x cp, with every cp rank's tokens routed to them (Megatron-Core "
                 f"folds EP over DP x CP), while autopar's ep takes its ranks from dp alone; "
                 f"choose one (cp for long sequences, ep for the experts)")
-        for name in ("sequence_parallel", "loss_parallel", "split_weights", "offload"):
+        for name in ("sequence_parallel", "loss_parallel", "split_weights", "offload",
+                     "compile"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected True or False")
         if self.offload and self.zero not in (None, 3):
@@ -134,7 +139,8 @@ class Spec:
         ``pp``, ``cp`` and ``ep`` left out are 1, ``dp`` fills the world,
         ``microbatch_size`` is :func:`default_microbatch`, ``schedule`` (with ``pp`` >
         1) is "1f1b", ``cp_variant`` (with ``cp`` > 1) "allgather", ``zero`` 0,
-        ``sequence_parallel`` (with ``tp`` > 1) and ``offload`` False; ``recompute``
+        ``sequence_parallel`` (with ``tp`` > 1), ``offload`` and ``compile`` False (a
+        hand-written configuration runs eager unless it says otherwise); ``recompute``
         and ``virtual_stages`` left out stay the solver's.
 
         Raises:
@@ -161,6 +167,7 @@ class Spec:
                        schedule=(self.schedule or "1f1b") if pp > 1 else self.schedule,
                        cp_variant=(self.cp_variant or "allgather") if cp > 1 else None,
                        zero=self.zero or 0, offload=bool(self.offload),
+                       compile=bool(self.compile),
                        sequence_parallel=bool(self.sequence_parallel) if tp > 1 else None)
 
 

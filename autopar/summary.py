@@ -311,7 +311,9 @@ def plan_summary(plan: Plan) -> str:
         f"data par. ZeRO-{plan.zero} ({ZERO_TEXT.get(plan.zero, '')})"
         + (", CPU offload of parameters, gradients and optimizer state" if plan.offload
            else ""),
-        f"recompute {recompute_text(plan)}",
+        f"recompute {recompute_text(plan)}"
+        + (f", blocks compiled (torch.compile, ~{plan.compile_s:.0f} s once)"
+           if plan.compile_blocks else ""),
         f"tensor p. {'tp=' + str(plan.degree('tp')) if plan.degree('tp') > 1 else 'none'}"
         f"{', sequence parallel' if plan.sequence_parallel else ''}"
         f"{', loss on vocabulary-split logits' if plan.loss_parallel else ''}"

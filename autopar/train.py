@@ -173,7 +173,7 @@ def train(args: TrainArgs) -> list[float]:
     example = shard_batch(tokens, 0, args.global_batch, seq, 0, 1)
     pm = autopar.parallelize(model, (example[0],), example_targets=example[1],
                              global_batch=args.global_batch, precision=args.precision,
-                             compile=args.compile, space=args.space,
+                             space=args.space,
                              memory_budget=args.memory_budget)
     rank = dist.get_rank()
     pm.plan.batch_source = f"autopar train's --global-batch, default {TrainArgs.global_batch}"

@@ -28,6 +28,5 @@ class TrainArgs:
     keep: int = 2
     log_every: int = 1
     precision: str = "bf16"
-    compile: bool = False
     space: Spec | None = None  # the plan's search space (--dp, --tp, ...; None: all free)
     memory_budget: float | None = None  # bytes per device (None: the device's)

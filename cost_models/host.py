@@ -28,18 +28,21 @@ from autopar.graph import Graph, OpNode
 
 @dataclass(frozen=True)
 class HostFacts:
-    """What a graph's host time is priced from, found once per graph: the aten ops each
-    op dispatches (:func:`~autopar.cost_models.dispatch.graph_dispatches`) and the
-    modules that can run on local tensors
-    (:func:`~autopar.cost_models.local_regions.region_candidates`)."""
+    """What a graph's host time on one profile is priced from, found once per search:
+    the aten ops each op dispatches
+    (:func:`~autopar.cost_models.dispatch.graph_dispatches`), the modules that can run
+    on local tensors (:func:`~autopar.cost_models.local_regions.region_candidates`) and
+    the profile's seconds per dispatched op (:func:`dispatch_rates`)."""
 
     dispatches: dict[str, Dispatches]
     regions: dict[str, Region]
+    rates: tuple[tuple[float, ...], tuple[float, ...]]
 
     @classmethod
-    def of(cls, g: Graph, expert_paths: frozenset[str]) -> HostFacts:
-        """The facts of graph ``g`` with expert modules at ``expert_paths``."""
-        return cls(graph_dispatches(g), region_candidates(g, expert_paths))
+    def of(cls, g: Graph, expert_paths: frozenset[str], hw: HardwareProfile) -> HostFacts:
+        """The facts of graph ``g`` with expert modules at ``expert_paths`` on ``hw``."""
+        return cls(graph_dispatches(g), region_candidates(g, expert_paths),
+                   dispatch_rates(hw))
 
 
 def charges_host(hw: HardwareProfile) -> bool:

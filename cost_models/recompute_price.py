@@ -152,7 +152,9 @@ def _host(p: StrategyPricer, name: str, op: OpTerms, mode: str,
     hook_f, hook_b = checkpoint_host_time(p.st.hw, mode)
     saved = mode == "selective" and op_name(n.target) in SELECTIVE_SAVE_OPS
     issued = reach == RUNS or (reach == STOPS and _saves_output(p, name))
-    if mode == "selective":  # its dispatch mode sees every aten op; no local tensors
+    if p.st.compiled and n.layer is not None:  # traced once: no hooks, no dispatch mode
+        hook_f = hook_b = 0.0
+    elif mode == "selective":  # its dispatch mode sees every aten op; no local tensors
         per = _forward_dispatches(p, name)
         hook_f, hook_b = hook_f * per, hook_b * per
         if p.st.hw.host_runs_ahead:

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.cost_models.comm import INF, collective_time
+from autopar.cost_models.compiled import compiled_op_times
 from autopar.cost_models.context_parallel import AttentionShape, CPAttentionCost, cp_attention
 from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
                                          local_shape, op_time)
 from autopar.cost_models.float8 import FP8, element_dtype, runs_float8
-from autopar.cost_models.host import HostFacts, charges_host, dispatch_rates, op_host_time
+from autopar.cost_models.host import HostFacts, charges_host, op_host_time
 from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
 from autopar.cost_models.param_price import ParamPricer, ParamTerms
 from autopar.graph import OpNode, TensorMeta
@@ -85,14 +86,14 @@ class StrategyPricer(ParamPricer):
         self._tensor_bytes: dict[str, float] = {}
         self._attention: dict[tuple, CPAttentionCost] = {}
         self._host_facts = host_facts
-        self._rates = dispatch_rates(st.hw)
 
     @property
     def host_facts(self) -> HostFacts:
-        """The graph's dispatched aten ops and local-tensor regions
-        (:class:`~autopar.cost_models.host.HostFacts`), found on first use."""
+        """The graph's dispatched aten ops, local-tensor regions and the profile's
+        seconds per dispatched op (:class:`~autopar.cost_models.host.HostFacts`), found
+        on first use."""
         if self._host_facts is None:
-            self._host_facts = HostFacts.of(self.g, frozenset(self.an.experts))
+            self._host_facts = HostFacts.of(self.g, frozenset(self.an.experts), self.st.hw)
         return self._host_facts
 
     @property
@@ -309,9 +310,14 @@ class StrategyPricer(ParamPricer):
         cp = self.cp_attention(n, ins)
         if cp is not None:  # the queries on every key they attend, as the variant runs it
             fwd, bwd = cp.compute_s - cp.backward_s, cp.backward_s if n.requires_grad else 0.0
-        (dt_f, dt_b), waived = self.dtensor_host(n, ins)
-        host_f, host_b = self._op_host(n)
-        host_f, host_b = host_f + dt_f, host_b + dt_b
+        if self.st.compiled and n.layer is not None:  # torch.compile of the blocks
+            fwd, bwd, host_f, host_b = compiled_op_times(hw, is_matmul(n.target), fwd, bwd,
+                                                         n.requires_grad)
+            waived = (0.0, 0.0)
+        else:
+            (dt_f, dt_b), waived = self.dtensor_host(n, ins)
+            host_f, host_b = self._op_host(n)
+            host_f, host_b = host_f + dt_f, host_b + dt_b
         if not hw.host_runs_ahead:  # on a CPU the host is the device
             fwd, bwd, host_f, host_b = fwd + host_f, bwd + host_b, 0.0, 0.0
         return fwd + bwd, bwd, host_f + host_b, host_b, waived
@@ -338,7 +344,7 @@ class StrategyPricer(ParamPricer):
         d = self.host_facts.dispatches.get(n.name)
         if d is None:
             return 0.0, 0.0
-        return op_host_time(self.st.hw, self._rates, n, d)
+        return op_host_time(self.st.hw, self.host_facts.rates, n, d)
 
     def dtensor_host(self, n: OpNode, ins) -> tuple[tuple[float, float], tuple[float, float]]:
         """(forward, backward) host seconds DTensor adds to op ``n`` under input

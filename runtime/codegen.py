@@ -194,7 +194,8 @@ def _tp_section(plan: Plan, facts: ModelFacts, pipelined: bool) -> str:
 
 
 def _ac_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str:
-    """``apply_ac``: one loop per recomputation mode."""
+    """``apply_ac``: one loop per recomputation mode, then ``torch.compile`` of the
+    blocks where the plan compiles them."""
     by_mode: dict[str, list[str]] = {}
     for block in plan.blocks:
         mode = plan.recompute.get(block, "none")
@@ -210,6 +211,11 @@ def _ac_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str:
                      f"# {mode}\n"
                      f"        block.forward = functools.partial(\n"
                      f"            checkpoint, block.forward, use_reentrant=False{extra})")
+    if plan.compile_blocks and plan.blocks:  # after recomputation, before FSDP2
+        lines.append(f"    if torch.cuda.is_available():  # compiled as planned (on a CPU: "
+                     f"eager)\n"
+                     f"        for block in {_blocks_expr(facts.model, plan.blocks, pipelined)}:\n"
+                     f"            block.compile()")
     mem = plan.memory
     cost = (f"predicted per device: activations {_bytes(mem.get('activations', 0.0))},\n"
             f"    recomputation buffers {_bytes(mem.get('recompute', 0.0))}")

@@ -293,7 +293,7 @@ class ParallelModel(nn.Module):
 
 def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
                device: torch.device | str | None = None,
-               example_inputs: Any = None, compile: bool = False) -> ParallelModel:
+               example_inputs: Any = None, compile: bool | None = None) -> ParallelModel:
     """Lay ``model`` out in place as ``plan`` says and wrap it in a :class:`ParallelModel`.
 
     Needs an initialized default process group whose world size equals the plan's
@@ -315,7 +315,9 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
 
     ``compile=True`` compiles each of the plan's blocks with ``torch.compile`` after
     tensor parallelism and recomputation and before FSDP2 (as torchtitan does; see
-    :mod:`autopar.runtime.compiled`); plans without a pipeline only.
+    :mod:`autopar.runtime.compiled`); plans without a pipeline only. None (the
+    default): as the plan chose (``plan.compile_blocks``) where the model runs on a
+    GPU; on a CPU the blocks run eager.
     """
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
@@ -325,6 +327,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None,
     no_kv_cache(model)
     dev = torch.device(device) if device is not None else default_device()
     names = state_names(model)  # the plain model's, for checkpoints
+    if compile is None:
+        compile = plan.compile_blocks and dev.type == "cuda"
     if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
         if compile:
             raise ConfigError("compile=True applies to plans without a pipeline: a "

@@ -58,12 +58,14 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
            loss_parallel: bool | None = None, split_weights: bool = False,
            offload: bool | None = None, time_limit_s: float | None = None, top_k: int = 1,
            progress: Callable[[int, int, float | None], None] | None = None,
-           deadline: float | None = None) -> SearchResult:
+           deadline: float | None = None, compile_blocks: bool = False) -> SearchResult:
     """Solve every candidate and return the fastest feasible plan's pieces, trying the
     lists of :func:`tiers` in turn until one has a plan that fits (``offload=True``:
     only CPU offload; False: never). ``recompute`` limits the recomputation modes
     (None: all); ``split_weights`` keeps the layouts that split every block matrix over
-    tp (:class:`~autopar.strategies.settings.Settings`).
+    tp (:class:`~autopar.strategies.settings.Settings`); ``compile_blocks`` prices the
+    blocks of every candidate without a pipeline as compiled
+    (:mod:`autopar.cost_models.compiled`).
 
     ``top_k`` > 1 also keeps the next fastest plans (:attr:`SearchResult.runners_up`):
     pruning then compares bounds with the k-th best time found, so the runners-up are
@@ -88,7 +90,7 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
               loss_parallel=loss_parallel, split_weights=split_weights, recompute=recompute,
-              deadline=deadline, top_k=top_k, progress=progress)
+              deadline=deadline, top_k=top_k, progress=progress, compile_blocks=compile_blocks)
     failed: NoFeasiblePlanError | None = None
     passed: list[str] = []
     order = tiers(cands, gpus_per_node, offload) or [[]]
@@ -214,7 +216,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             precision: str, optimizer: str, memory_budget: float,
             sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
             deadline: float | None, top_k: int, loss_parallel: bool | None = None,
-            split_weights: bool = False,
+            split_weights: bool = False, compile_blocks: bool = False,
             progress: Callable[[int, int, float | None], None] | None,
             have_plan: bool = False, unbuilt: list[Candidate] | None = None,
             max_built: int | None = None, seed: list[Scored] | None = None) -> SearchResult:
@@ -236,6 +238,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute,
                           loss_parallel=loss_parallel, split_weights=split_weights,
+                          compile_blocks=compile_blocks,
                           deadline=_halfway(deadline) if have_plan else None,
                           max_built=max_built)
     if unbuilt is not None:
@@ -392,7 +395,7 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
                precision: str, optimizer: str, memory_budget: float,
                sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
                loss_parallel: bool | None = None, split_weights: bool = False,
-               deadline: float | None = None,
+               compile_blocks: bool = False, deadline: float | None = None,
                max_built: int | None = None) -> dict[tuple, Built | NoFeasiblePlanError]:
     """One intra-op problem per distinct :func:`mesh_key` (or the error saying an op has
     no strategy on that mesh, or that a smaller micro-batch already needs more memory
@@ -435,7 +438,8 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         st = candidate_settings(c, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                                 optimizer=optimizer, memory_budget=memory_budget,
                                 sequence_parallel=sequence_parallel, recompute=recompute,
-                                loss_parallel=loss_parallel, split_weights=split_weights)
+                                loss_parallel=loss_parallel, split_weights=split_weights,
+                                compile_blocks=compile_blocks)
         built_count += 1
         try:
             built = built_by[key] = build_problem(an, st, layouts)

@@ -91,7 +91,8 @@ def layout_key(st: Settings) -> tuple:
     return (st.mesh.names, sizes, st.microbatch_size, st.precision, id(st.hw),
             st.gpus_per_node, st.overlap, st.sequence_parallel, st.loss_parallel,
             st.split_weights,
-            st.recompute_modes, st.split_experts, st.expert_imbalance, st.cp_variant)
+            st.recompute_modes, st.split_experts, st.expert_imbalance, st.cp_variant,
+            st.compiled)
 
 
 def strategy_cost(name: str, price: StrategyPrice) -> StrategyCost:

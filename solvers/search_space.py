@@ -217,9 +217,10 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                        sequence_parallel: bool | None = None,
                        recompute: tuple[str, ...] | None = None,
                        loss_parallel: bool | None = None,
-                       split_weights: bool = False) -> Settings:
+                       split_weights: bool = False, compile_blocks: bool = False) -> Settings:
     """The intra-op problem settings of candidate ``c`` (its dp × tp stage mesh, or
-    dp/ep × ep × tp with expert parallelism)."""
+    dp/ep × ep × tp with expert parallelism); ``compile_blocks``: its blocks compiled
+    where it has no pipeline (the runtime compiles only those)."""
     names, sizes = ["dp", "tp"], [c.dp, c.tp]
     if c.ep > 1:
         names, sizes = ["dp", "ep", "tp"], [c.dp // c.ep, c.ep, c.tp]
@@ -232,7 +233,8 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                     split_weights=split_weights, offload=c.offload,
                     split_experts=c.split_experts, expert_imbalance=c.expert_imbalance,
                     recompute_modes=recompute or RECOMPUTE,
-                    cp_variant=c.cp_variant or "allgather", pipelined=c.pp > 1)
+                    cp_variant=c.cp_variant or "allgather", pipelined=c.pp > 1,
+                    compiled=compile_blocks and c.pp == 1)
 
 
 def mesh_key(c: Candidate) -> tuple:

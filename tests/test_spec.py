@@ -87,8 +87,8 @@ def test_an_unknown_planning_keyword_names_the_valid_ones(gpt):
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, tensor_parallel=2)) == (
         "unknown planning option(s) tensor_parallel; known: dp, tp, pp, cp, ep, cp_variant, "
         "microbatch_size, schedule, virtual_stages, recompute, zero, sequence_parallel, "
-        "loss_parallel, split_weights, offload, time_limit_s, top_k, progress, explain (or "
-        "space=autopar.Spec(...))")
+        "loss_parallel, split_weights, offload, compile, time_limit_s, top_k, progress, "
+        "explain (or space=autopar.Spec(...))")
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, space={"tp": 2})) == \
         "space must be an autopar.Spec, got dict"
 
@@ -109,17 +109,17 @@ def test_keywords_and_space_are_the_same_search(gpt):
 
 def test_estimate_fills_what_the_spec_leaves_out():
     """Degrees left out are 1 except dp, which fills the world; ZeRO 0; the largest
-    micro-batch that still gives pp micro-batches; 1F1B with a pipeline; recomputation
-    and virtual stages stay the solver's."""
+    micro-batch that still gives pp micro-batches; 1F1B with a pipeline; eager blocks;
+    recomputation and virtual stages stay the solver's."""
     assert Spec(pp=2).for_estimate(8, 32) == Spec(
         dp=4, tp=1, pp=2, cp=1, ep=1, microbatch_size=4, schedule="1f1b", zero=0,
-        offload=False)
+        offload=False, compile=False)
     assert Spec(tp=2, recompute="full").for_estimate(8, 32) == Spec(
         dp=4, tp=2, pp=1, cp=1, ep=1, microbatch_size=8, recompute="full", zero=0,
-        sequence_parallel=False, offload=False)
+        sequence_parallel=False, offload=False, compile=False)
     assert Spec(cp=2).for_estimate(8, 32) == Spec(
         dp=4, tp=1, pp=1, cp=2, ep=1, cp_variant="allgather", microbatch_size=8, zero=0,
-        offload=False)
+        offload=False, compile=False)
     assert repr(Spec(tp=2, recompute="full")) == "Spec(tp=2, recompute='full')"
     with pytest.raises(ConfigError) as err:
         Spec(tp=3).for_estimate(8, 32)
@@ -138,7 +138,7 @@ def test_the_cli_has_an_option_per_spec_field_by_its_name():
               "microbatch_size": 2,
               "schedule": "gpipe", "virtual_stages": 1, "recompute": "full", "zero": 3,
               "sequence_parallel": True, "loss_parallel": True, "split_weights": True,
-              "offload": True}
+              "offload": True, "compile": True}
     assert set(values) == {f.name for f in fields(Spec)}
     options = [a for k, v in values.items() for a in (
         [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)])]

@@ -128,6 +128,8 @@ def test_each_rank_gets_back_the_options_it_was_started_with() -> None:
     add_train_parser(ap.add_subparsers(dest="command", required=True))
     first = _args(ap.parse_args(["train", "tiny-gpt", "--steps", "7", "--compile",
                                  "--checkpoint-dir", "ck", "--seq-len", "64"]))
-    assert first.compile and first.steps == 7 and first.checkpoint_dir == "ck"
+    assert first.space.compile and first.steps == 7 and first.checkpoint_dir == "ck"
     assert _args(ap.parse_args(["train", *_argv(first)])) == first
-    assert not _args(ap.parse_args(["train"])).compile
+    assert _args(ap.parse_args(["train"])).space.compile is None  # the plan's choice
+    off = _args(ap.parse_args(["train", "--no-compile"]))
+    assert _args(ap.parse_args(["train", *_argv(off)])).space.compile is False
