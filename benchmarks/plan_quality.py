@@ -13,7 +13,8 @@ in a fresh process:
   schedule, recomputation, ZeRO stage and sequence parallelism; the intra-op layout
   within those degrees is still the solver's best);
 * the plan: ``autopar.plan`` on the same cluster, global batch, precision and optimizer,
-  with its whole search space;
+  with its whole search space but ``torch.compile`` (the reference is scored eager, so
+  the plan is too);
 * ratio = reference step time / plan step time (above 1: the plan is faster).
 
 ::
@@ -252,7 +253,7 @@ def measure(row: Row) -> dict:
     out["estimate_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
-        plan = autopar.plan(model, inputs, **kw)
+        plan = autopar.plan(model, inputs, compile=False, **kw)  # eager, as scored
         out.update(plan=describe_plan(plan), plan_step_s=plan.step_time_s, plan_mfu=plan.mfu,
                    plan_memory_gib=plan.memory.get("total", 0.0) / 2**30,
                    candidates=plan.solver.get("candidates"))

@@ -22,7 +22,6 @@ import numpy as np
 from autopar.cost_models.dispatch import KINDS, Dispatches, graph_dispatches, op_kind
 from autopar.cost_models.hardware import HardwareProfile
 from autopar.cost_models.local_regions import Region, region_candidates
-from autopar.flops import op_name
 from autopar.graph import Graph, OpNode
 
 

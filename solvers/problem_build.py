@@ -12,7 +12,7 @@ problem reprices it through the same :meth:`StrategyPricer.price` as a first bui
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from autopar.cost_models.host import charges_host
 from autopar.cost_models.recompute_price import ModeCosts, edge_extra, mode_costs, rerun_reach
@@ -77,22 +77,26 @@ def build_problem(an: GraphAnalysis, st: Settings, cache: dict | None = None) ->
     return layout.built
 
 
+REPRICED_SETTINGS = frozenset({"num_microbatches", "zero", "offload", "optimizer",
+                               "memory_budget", "pipelined"})
+"""The :class:`Settings` fields a repricing covers (:func:`_reprice`: the parameters'
+terms); every other field is part of :func:`layout_key`, a new one included."""
+
+
 def layout_key(st: Settings) -> tuple:
     """What a problem's strategies, compute and activation costs, edges, ties and
-    recomputation groups depend on: everything in ``st`` but the ZeRO stage, the
-    micro-batch count, offload, the optimizer, the memory budget and the size of the
-    data-parallel axis beyond 1 or more than 1. (The ``dp`` axis only splits the batch:
+    recomputation groups depend on: every field of ``st`` but those of
+    :data:`REPRICED_SETTINGS`, with the hardware profile by identity and the size of
+    the data-parallel axis as 1 or more than 1. (The ``dp`` axis only splits the batch:
     every device keeps ``microbatch_size`` samples whatever its size, so local shapes,
     compute and the collectives of the other axes, whose groups are the innermost
     ranks, do not change; what does — parameter communication over ``dp`` and the
     sharded parameter memory — is repriced.)"""
     sizes = tuple(min(n, 2) if name == "dp" else n
                   for name, n in zip(st.mesh.names, st.mesh.sizes))
-    return (st.mesh.names, sizes, st.microbatch_size, st.precision, id(st.hw),
-            st.gpus_per_node, st.overlap, st.sequence_parallel, st.loss_parallel,
-            st.split_weights,
-            st.recompute_modes, st.split_experts, st.expert_imbalance, st.cp_variant,
-            st.compiled)
+    rest = tuple(getattr(st, f.name) for f in fields(st)
+                 if f.name not in REPRICED_SETTINGS and f.name not in ("mesh", "hw"))
+    return (st.mesh.names, sizes, id(st.hw)) + rest
 
 
 def strategy_cost(name: str, price: StrategyPrice) -> StrategyCost:

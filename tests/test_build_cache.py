@@ -56,3 +56,35 @@ def test_repriced_partial_gradients_follow_the_micro_batch_count(analysis, micro
     repriced = build_problem(analysis, settings(micro), cache)
     fresh = build_problem(analysis, settings(micro))
     assert repriced.problem == fresh.problem
+
+
+def test_every_settings_field_is_in_the_key_or_repriced(analysis):
+    """A field that changes layouts or op prices must be in the layout key, else a
+    cached build would be reused with stale prices: every field outside
+    REPRICED_SETTINGS changes the key; each repriced one, changed (pipelined and the
+    memory budget too), gives the problem a fresh build gives."""
+    from dataclasses import fields, replace
+
+    from autopar.solvers.problem_build import REPRICED_SETTINGS, layout_key
+
+    hw = Cluster("h100-sxm", 1, 8).hardware()
+    base = Settings(Mesh(("dp", "tp"), (4, 2)), 2, 2, 1, "bf16", "adamw", 5e9, hw, 8)
+    other = {"mesh": Mesh(("dp", "tp"), (2, 4)), "microbatch_size": 1, "precision": "fp32",
+             "hw": Cluster("a100-80g", 1, 8).hardware(), "gpus_per_node": 4,
+             "sequence_parallel": True, "loss_parallel": True, "split_weights": True,
+             "recompute_modes": ("full",), "split_experts": True, "expert_imbalance": 1.5,
+             "cp_variant": "ring", "compiled": True}
+    keyed = {f.name for f in fields(Settings)} - REPRICED_SETTINGS
+    assert set(other) == keyed
+    for name, value in other.items():
+        assert layout_key(replace(base, **{name: value})) != layout_key(base), name
+    changes = {"num_microbatches": 4, "zero": 3, "offload": True, "optimizer": "sgd",
+               "memory_budget": 7e9, "pipelined": True}
+    assert set(changes) == REPRICED_SETTINGS
+    for name, value in changes.items():
+        st = replace(base, **{name: value}, **({"zero": 3} if name == "offload" else {}))
+        assert layout_key(st) == layout_key(base), name
+        cache: dict = {}
+        build_problem(analysis, base, cache)
+        fresh = build_problem(analysis, st).problem
+        assert build_problem(analysis, st, cache).problem == fresh, name

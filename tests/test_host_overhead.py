@@ -4,6 +4,7 @@ the profile per process count, and charged to exactly the ops that run wrapped."
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -148,8 +149,9 @@ def _gpt_graph():
 
 def _charged(mesh: tuple[int, int], over: dict[str, float], sequence_parallel: bool = False,
              recompute: str = "none") -> tuple[float, Any, list[int]]:
-    """(extra compute seconds, recomputation's included, the DTensor figures ``over`` add to the plan the ILP picks
-    without them, the problem, that choice) on GPT at ``mesh`` (dp, tp)."""
+    """(extra compute seconds, recomputation's included, that the DTensor figures
+    ``over`` add to the plan the ILP picks without them, the problem, that choice) on
+    GPT at ``mesh`` (dp, tp)."""
     base = _as_cpu(load_profile("h100-sxm"), {})  # fast links: the ILP splits the weights
     built = _gpt_problem(mesh, base, sequence_parallel, recompute)
     sol = solve_ilp(built.problem)
