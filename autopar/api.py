@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from autopar.plans import Plan
     from autopar.runtime import ParallelModel
+    from autopar.solvers.outer_search import SearchResult
 
 
 def _budget(memory_budget: float | None, hw) -> float:
@@ -320,6 +321,31 @@ def _collect_less() -> Iterator[None]:
 
 
 @_collect_less()
+def _compiled_if_faster(res: "SearchResult", solve: Callable) -> "SearchResult":
+    """The configuration search result ``res`` chose, solved again by ``solve(candidate)``
+    with its blocks compiled (:mod:`autopar.cost_models.compiled`), where it has no
+    pipeline; kept when faster and its ``tp`` still splits something (a compiled layout
+    may win by replicating everything over tp, which the search sets aside:
+    :mod:`autopar.solvers.idle_axis`). The runners-up and notes stay ``res``'s."""
+    from autopar.solvers.idle_axis import splits_nothing
+
+    c = res.candidate
+    if c is None or c.pp > 1:
+        return res
+    try:
+        other = solve(c)
+    except NoFeasiblePlanError:
+        return res
+    if other.candidate != c or other.set_aside is not None or \
+            splits_nothing(other.built, other.solution.choice) or \
+            other.step_time_s >= res.step_time_s:
+        return res
+    other.runners_up, other.set_aside, other.outcomes = res.runners_up, res.set_aside, \
+        res.outcomes
+    other.notes, other.passed_over = res.notes, res.passed_over
+    return other
+
+
 def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | None,
                 loss_fn, precision: str, optimizer: str, memory_budget, spec: Spec,
                 expert_imbalance: float = 1.0, time_limit_s: float | None = None, top_k: int = 1,
@@ -376,19 +402,18 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
     if spec.compile and not graph.layers:
         raise ConfigError("compile=True compiles the model's repeated blocks, and autopar "
                           "found none in this model; leave compile out")
-    compile_blocks = spec.compile if spec.compile is not None else \
-        compiles_where_it_pays(hw) and bool(graph.layers)
     # the time limit bounds the search as a whole, a second one without pipelines included
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
 
-    def run(cands: list) -> SearchResult:
+    def run(cands: list, compile_blocks: bool = bool(spec.compile), top: int = top_k
+            ) -> SearchResult:
         return search(an, cands, hw=hw, gpus_per_node=cluster.gpus_per_node,
                       precision=precision, optimizer=optimizer, memory_budget=budget,
                       sequence_parallel=spec.sequence_parallel,
                       loss_parallel=spec.loss_parallel,
                       split_weights=bool(spec.split_weights),
                       recompute=(spec.recompute,) if spec.recompute is not None else None,
-                      offload=spec.offload, top_k=top_k, progress=progress,
+                      offload=spec.offload, top_k=top, progress=progress,
                       deadline=deadline, compile_blocks=compile_blocks)
 
     try:
@@ -408,6 +433,8 @@ def _run_search(model, example_inputs, *, cluster: Cluster, global_batch: int | 
         pp_note = _unsplittable_for_pipelining(model, example_inputs, graph, spec.pp)
         if pp_note:
             res = run([c for c in cands if c.pp == 1])
+    if spec.compile is None and compiles_where_it_pays(hw) and graph.layers:
+        res = _compiled_if_faster(res, lambda c: run([c], True, 1))
     # MFU against bf16's peak under fp8, as torchtitan and NeMo report float8 runs
     peak = hw.matmul_flops.get(element_dtype(precision), hw.matmul_flops.get("fp32", 1.0))
 
