@@ -71,7 +71,8 @@ class Spec:
         offload: parameters, gradients and optimizer state in host memory between uses
             (needs ``zero=3``; None: only when nothing fits without it).
         compile: each repeated block compiled with ``torch.compile`` (plans without a
-            pipeline; None: on the GPUs where it was measured faster,
+            pipeline; None: the chosen configuration compiled where that makes it
+            faster, on the GPUs where it was measured faster,
             :mod:`autopar.cost_models.compiled`).
     """
 
