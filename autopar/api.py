@@ -343,6 +343,13 @@ def _compiled_if_faster(res: "SearchResult", solve: Callable) -> "SearchResult":
     other.runners_up, other.set_aside, other.outcomes = res.runners_up, res.set_aside, \
         res.outcomes
     other.notes, other.passed_over = res.notes, res.passed_over
+    searched = res.solution.stats  # the search's counts stand; the solution's own are new
+    stats = other.solution.stats
+    stats["candidates"] = searched.get("candidates", 0)
+    stats["search_s"] = searched.get("search_s", 0.0) + stats.get("search_s", 0.0)
+    if "gap" in searched:
+        stats["gap"] = searched["gap"]
+    other.gap_bound_s = res.gap_bound_s
     return other
 
 
