@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.cost_models.host import charges_host, checkpoint_host_time
+from autopar.cost_models.host import checkpoint_host_time
 from autopar.cost_models.memory import saved_for_backward
 from autopar.cost_models.strategy_price import OpTerms, StrategyPricer
 from autopar.flops import op_name
@@ -165,7 +165,5 @@ def _host(p: StrategyPricer, name: str, op: OpTerms, mode: str,
 
 def _forward_dispatches(p: StrategyPricer, name: str) -> int:
     """The aten ops node ``name``'s forward dispatches (1 where not counted)."""
-    if not charges_host(p.st.hw):
-        return 1
-    d = p.host_facts.dispatches.get(name)
+    d = p.dispatches(name)
     return d.forward_ops if d is not None else 1

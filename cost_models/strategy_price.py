@@ -22,6 +22,7 @@ from autopar.cost_models.compiled import compiled_op_times
 from autopar.cost_models.context_parallel import AttentionShape, CPAttentionCost, cp_attention
 from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
                                          local_shape, op_time)
+from autopar.cost_models.dispatch import Dispatches
 from autopar.cost_models.float8 import FP8, element_dtype, runs_float8
 from autopar.cost_models.host import HostFacts, charges_host, op_host_time
 from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
@@ -339,12 +340,17 @@ class StrategyPricer(ParamPricer):
         """(forward, backward) host seconds of dispatching op ``n`` on a GPU profile
         (:func:`~autopar.cost_models.host.op_host_time`: its dispatched aten ops,
         never less than the measured op of its kind)."""
-        if not charges_host(self.st.hw):
-            return 0.0, 0.0
-        d = self.host_facts.dispatches.get(n.name)
+        d = self.dispatches(n.name)
         if d is None:
             return 0.0, 0.0
         return op_host_time(self.st.hw, self.host_facts.rates, n, d)
+
+    def dispatches(self, name: str) -> Dispatches | None:
+        """The aten ops op ``name`` dispatches, on a profile that charges host time
+        (else None, nor where the op was not counted)."""
+        if not charges_host(self.st.hw):
+            return None
+        return self.host_facts.dispatches.get(name)
 
     def dtensor_host(self, n: OpNode, ins) -> tuple[tuple[float, float], tuple[float, float]]:
         """(forward, backward) host seconds DTensor adds to op ``n`` under input
