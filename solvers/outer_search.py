@@ -28,7 +28,8 @@ from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, r
                                                  solve_pipeline)
 from autopar.solvers.problem import evaluate
 from autopar.solvers.problem_build import Built, build_problem
-from autopar.solvers.search_bounds import candidate_bounds, lower_bound_memory, no_fit_message
+from autopar.solvers.search_bounds import (candidate_bounds, flop_bound, lower_bound_memory,
+                                           no_fit_message)
 from autopar.solvers.search_space import Candidate, Outcome, candidate_settings, mesh_key, tiers
 from autopar.strategies.analysis import GraphAnalysis
 
@@ -80,7 +81,10 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
     limit. The search then returns the best plan found with its optimality gap
     (``solution.stats["gap"]``: 1 − the least lower bound of every candidate not solved
     to the end, over its step time; :attr:`SearchResult.gap_bound_s` that bound). It
-    runs past the limit only to build the candidates' problems and to find a first plan.
+    builds problems (the fewest-way splits first) for half the time left, and runs past
+    the limit only to build one that may fit and to find a first plan; a candidate
+    whose problem it did not build enters the gap by
+    :func:`~autopar.solvers.search_bounds.flop_bound`.
     ``progress(done, total, best)`` is called after each candidate.
 
     Raises NoFeasiblePlanError when none fits, naming the least memory a plan needs.
@@ -163,8 +167,8 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
 def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int, budget: bool) -> None:
     """Add to ``res`` a note, when some of the ``of`` context-parallel candidates were
     left ``unbuilt``, saying what ended their search: :data:`CP_TIER_PROBLEMS`
-    (``budget``) or the caller's time limit (their problems unbuilt, they have no bound
-    for the gap)."""
+    (``budget``: the gap leaves them out) or the caller's time limit (the gap bounds
+    them by :func:`~autopar.solvers.search_bounds.flop_bound`)."""
     if not unbuilt:
         return
     if budget:
@@ -175,8 +179,8 @@ def _note_cut(res: SearchResult, unbuilt: list[Candidate], of: int, budget: bool
     else:
         res.notes.append(f"the time limit ended the search of context parallelism before "
                          f"it built the problems of {len(unbuilt):,} of {of:,} "
-                         f"configurations: they are not scored, and the gap leaves them "
-                         f"out; a longer limit searches them")
+                         f"configurations: they are not scored, and the gap bounds them "
+                         f"by their FLOPs at the GPU's peak; a longer limit searches them")
 
 
 def _set_gap(res: SearchResult, bound_s: float | None) -> None:
@@ -238,18 +242,18 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute,
                           loss_parallel=loss_parallel, split_weights=split_weights,
-                          compile_blocks=compile_blocks,
-                          deadline=_halfway(deadline) if have_plan else None,
-                          max_built=max_built)
+                          compile_blocks=compile_blocks, deadline=_halfway(deadline),
+                          need_one=not have_plan, max_built=max_built)
     if unbuilt is not None:
         unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))
     bound = candidate_bounds(an.graph, cands, built_by, memory_budget)
+    unproven: list[float] = [flop_bound(an.graph, c, hw, precision) for c in cands
+                             if isinstance(built_by[mesh_key(c)], _OutOfTimeBuilding)]
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     rank = {k: i for i, k in enumerate(order)}  # ties between equal plans go by it
     if top_k > 1:  # cheap ILPs first: their plans tighten the k-th best time before
         order.sort(key=lambda k: cands[k].pp > 1)  # the pipelines' stage splits run
-    solved: dict[tuple, object] = {}
-    unproven: list[float] = []  # the bounds of candidates a time limit left unsolved
+    solved: dict[tuple, object] = {}  # unproven: the bounds of candidates left unsolved
 
     def out_of_time() -> bool:
         """Whether the deadline has passed and a plan is in hand (here or the caller's)."""
@@ -313,6 +317,17 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         kept, idle = idle[:top_k], []
     if not kept and have_plan and unproven:
         raise _OutOfTime(min(unproven))
+    left = [c for c in cands if isinstance(built_by[mesh_key(c)], _OutOfTimeBuilding)]
+    if not kept and left:  # no first plan yet: the rest is built, whatever the time
+        res = _search(an, left, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
+                      optimizer=optimizer, memory_budget=memory_budget,
+                      sequence_parallel=sequence_parallel, recompute=recompute,
+                      deadline=None, top_k=top_k, loss_parallel=loss_parallel,
+                      split_weights=split_weights, compile_blocks=compile_blocks,
+                      progress=progress)
+        res.outcomes = [o for o in outcomes if o.candidate not in left] + res.outcomes
+        res.solution.stats["candidates"] = len(res.outcomes)
+        return res
     if not kept:
         err = NoFeasiblePlanError(no_fit_message(an.graph, infeasible, memory_budget, outcomes,
                                                   recompute))
@@ -396,10 +411,13 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
                sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
                loss_parallel: bool | None = None, split_weights: bool = False,
                compile_blocks: bool = False, deadline: float | None = None,
-               max_built: int | None = None) -> dict[tuple, Built | NoFeasiblePlanError]:
+               need_one: bool = False, max_built: int | None = None
+               ) -> dict[tuple, Built | NoFeasiblePlanError]:
     """One intra-op problem per distinct :func:`mesh_key` (or the error saying an op has
     no strategy on that mesh, or that a smaller micro-batch already needs more memory
-    than the budget, or :class:`_NotBuilt` past ``deadline`` or ``max_built`` problems).
+    than the budget, or :class:`_NotBuilt` past ``max_built`` problems, or
+    :class:`_OutOfTimeBuilding` past ``deadline`` — with ``need_one``, only once a
+    problem whose memory bound fits is built, so that a first plan can be found).
 
     Keys are built by increasing micro-batch size within each group of
     :func:`_batch_group`: a group's candidates differ only in how the rank's samples are
@@ -414,6 +432,8 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         users.setdefault(mesh_key(c), []).append(c)
     hopeless: dict[tuple, int] = {}  # batch group -> the micro-batch size that did not fit
     built_count = 0
+    fitting = not need_one or deadline is None  # a problem that may hold a plan is built
+
     def first(c: Candidate) -> tuple:
         """With a budget, the fewest-way splits first (cp, then pp, then tp)."""
         return (c.cp, c.pp, c.tp) if deadline is not None or max_built is not None else ()
@@ -425,9 +445,12 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     for key in order:
         c = users[key][0]
         group = _batch_group(c)
-        if deadline is not None and time.perf_counter() > deadline or \
-                max_built is not None and built_count >= max_built:
-            built_by[key] = _NotBuilt("not scored: the search's time or budget ran out "
+        if fitting and deadline is not None and time.perf_counter() > deadline:
+            built_by[key] = _OutOfTimeBuilding("not scored: the search's time limit ran "
+                                               "out before its problem was built")
+            continue
+        if max_built is not None and built_count >= max_built:
+            built_by[key] = _NotBuilt("not scored: the search's budget of problems ran out "
                                       "before its problem was built")
             continue
         if group in hopeless:
@@ -446,12 +469,15 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         except NoFeasiblePlanError as e:
             built_by[key] = e
             continue
-        if not larger.get(key):
+        if fitting and not larger.get(key):
             continue
         by_schedule = {u.schedule: u for u in users[key]}  # one pp per key: dp and tp fix it
         if all(lower_bound_memory(an.graph, built, u) > memory_budget * (1 + 1e-9)
                for u in by_schedule.values()):
-            hopeless[group] = c.microbatch_size
+            if larger.get(key):
+                hopeless[group] = c.microbatch_size
+        else:
+            fitting = True
     return {k: built_by[k] for k in users}
 
 
@@ -465,7 +491,12 @@ def _halfway(deadline: float | None) -> float | None:
 
 
 class _NotBuilt(NoFeasiblePlanError):
-    """A candidate whose problem the search's deadline left unbuilt (it may well fit)."""
+    """A candidate whose problem the search left unbuilt (it may well fit)."""
+
+
+class _OutOfTimeBuilding(_NotBuilt):
+    """A candidate whose problem the search's time limit left unbuilt: its bound is
+    :func:`~autopar.solvers.search_bounds.flop_bound`."""
 
 
 def _batch_group(c: Candidate) -> tuple:

@@ -5,6 +5,8 @@ memory (:func:`lower_bound_memory`), and the message when none fits
 
 from __future__ import annotations
 
+from autopar.cost_models.compute import is_matmul
+from autopar.cost_models.hardware import HardwareProfile
 from autopar.graph import Graph
 from autopar.units_text import fmt_bytes
 from autopar.solvers.bounds import combo_bounds, pipeline_stage_bound, step_bound
@@ -55,6 +57,20 @@ def candidate_bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: f
             bound = max(bound, staged[skey])
         out.append(bound)
     return out
+
+
+def flop_bound(g: Graph, c: Candidate, hw: HardwareProfile, precision: str) -> float:
+    """A lower bound on candidate ``c``'s step time that needs no problem built: its
+    samples' FLOPs spread evenly over its ranks at the GPU's matrix peak for
+    ``precision`` (no op runs faster), counting each op's forward and, for a matrix
+    product that passes a gradient, one more product of its size for that gradient
+    (the gradient of one of its operands costs as much as the forward)."""
+    work = sum(n.flops * (2 if n.requires_grad and is_matmul(n.target) else 1)
+               for n in g.nodes)
+    samples = c.dp * c.microbatch_size * c.num_microbatches
+    ranks = c.dp * c.tp * c.pp * c.cp
+    peak = hw.matmul_flops.get(precision, max(hw.matmul_flops.values()))
+    return work / g.batch_size * samples / ranks / peak
 
 
 def lower_bound_memory(g: Graph, built: Built, c: Candidate | None = None) -> float:

@@ -101,7 +101,8 @@ def test_a_time_limit_that_cuts_the_cp_search_says_so(gpt2) -> None:
     assert plan.degree("cp") == 1 and set(plan.recompute.values()) == {"full"}
     assert (f"the time limit ended the search of context parallelism before it built the "
             f"problems of {cp} of {cp} configurations: they are not scored, and the gap "
-            f"leaves them out; a longer limit searches them") in plan.notes
+            f"bounds them by their FLOPs at the GPU's peak; a longer limit searches "
+            f"them") in plan.notes
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

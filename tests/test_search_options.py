@@ -186,3 +186,27 @@ def test_time_limit_bounds_the_whole_search():
             (1 - 1e-12)
     else:
         assert limited.step_time_s == full.step_time_s
+
+
+def test_the_bound_of_an_unbuilt_problem_is_below_every_plan_of_it(gpt):
+    """:func:`flop_bound` (the gap's bound on a candidate whose problem the time limit
+    left unbuilt) is below the step time of every plan the full search solves."""
+    from autopar.api import _heads
+    from autopar.capture import capture
+    from autopar.solvers.outer_search import search
+    from autopar.solvers.search_bounds import flop_bound
+    from autopar.solvers.search_space import candidates
+    from autopar.strategies.analysis import analyze
+
+    model, x = gpt
+    g = capture(model, x)
+    hw = CLUSTER.hardware()
+    cands = candidates(CLUSTER.world_size, 16, num_units=len(g.layers) + 2, heads=_heads(g))
+    res = search(analyze(g), cands, hw=hw, gpus_per_node=CLUSTER.gpus_per_node,
+                 precision="bf16", optimizer="adamw",
+                 memory_budget=float(hw.usable_memory_bytes), top_k=10_000)
+    plans = [(res.candidate, res.step_time_s)] + \
+        [(s.candidate, s.step_time_s) for s in res.runners_up]
+    assert len(plans) > 20
+    ratios = [flop_bound(g, c, hw, "bf16") / t for c, t in plans]
+    assert 0.0 < max(ratios) < 1.0, max(ratios)
