@@ -109,8 +109,11 @@ def _kept(p: StrategyPricer, name: str, ns: NodeStrategy, mode: str,
         return saved
     n = p.node(name)
     kept = sum(p.tensor_bytes(i) / p.degree(ns.ins[pos]) for pos, i in inputs)
-    if mode == "selective" and n.requires_grad and op_name(n.target) in SELECTIVE_SAVE_OPS:
-        kept += p.tensor_bytes(name) / p.degree(ns.raw_out)
+    if mode == "selective" and n.requires_grad:
+        if op_name(n.target) in SELECTIVE_SAVE_OPS:
+            kept += p.tensor_bytes(name) / p.degree(ns.raw_out)
+        if ns.out != ns.raw_out:  # a kept collective of its output's conversion
+            kept += p.kept_collectives(ns.raw_out, ns.out, p.out_bytes(name))[1]
     return kept
 
 
@@ -134,8 +137,12 @@ def _extra(p: StrategyPricer, name: str, ns: NodeStrategy, op: OpTerms, mode: st
         fwd = 0.0
     if reach == STOPS:  # saved before it runs, unless it saves its output
         return dtensor + (fwd if _saves_output(p, name) else 0.0)
-    conversion = p.convert(ns.raw_out, ns.out, p.out_bytes(name)) if ns.out != ns.raw_out \
-        else 0.0
+    conversion = 0.0
+    if ns.out != ns.raw_out:
+        conversion = p.convert(ns.raw_out, ns.out, p.out_bytes(name))
+        if mode == "selective" and n.requires_grad:  # its kept collectives do not run again
+            conversion = max(0.0, conversion - p.kept_collectives(ns.raw_out, ns.out,
+                                                                  p.out_bytes(name))[0])
     return dtensor + fwd + conversion
 
 

@@ -28,6 +28,7 @@ from autopar.cost_models.host import HostFacts, charges_host, op_host_time
 from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
 from autopar.cost_models.param_price import ParamPricer, ParamTerms
 from autopar.graph import OpNode, TensorMeta
+from autopar.memory_choices import SELECTIVE_SAVE_COLLECTIVES
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.edges import collectives, with_axis
 from autopar.strategies.enumeration import GraphFacts, NodeStrategy, StrategySpace
@@ -244,6 +245,21 @@ class StrategyPricer(ParamPricer):
                     self.redistribute_overhead(kind)
             self._converts[key] = found
         return found
+
+    def kept_collectives(self, src: Placements, dst: Placements,
+                         nbytes: float) -> tuple[float, float]:
+        """(seconds, bytes per device) of the collectives of the redistribution from src
+        to dst (a tensor of ``nbytes``, whole) whose outputs selective recomputation
+        keeps (:data:`autopar.memory_choices.SELECTIVE_SAVE_COLLECTIVES`): their forward
+        seconds, as :meth:`convert` counts them, which the backward does not run again,
+        and the bytes of their outputs it holds instead."""
+        seconds = kept = 0.0
+        for kind, a, size in collectives(src, dst, nbytes, self.mesh.sizes) or ():
+            if kind in SELECTIVE_SAVE_COLLECTIVES:
+                seconds += collective_time(kind, size, self.mesh.sizes[a], self.links[a]) + \
+                    self.redistribute_overhead(kind)
+                kept += size / self.mesh.sizes[a]  # a reduce-scatter's output: its share
+        return seconds, kept
 
     def convert_both(self, src: Placements, dst: Placements, grad_src: Placements,
                      nbytes: float, needs_grad: bool) -> float:

@@ -213,8 +213,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh$last_arg) -> None:
 
 SELECTIVE_POLICY = Template('''\
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective recomputation: keep matrix-product and attention outputs, recompute
-    the rest (norms, pointwise ops, softmax) in backward."""
+    """Selective recomputation: keep the outputs of matrix products, attention and
+    reduce-scatters, recompute the rest (norms, pointwise ops, softmax) in backward."""
     name = getattr(getattr(op, "overloadpacket", op), "__name__", str(op))
     if name in SAVE_OPS:
         return CheckpointPolicy.MUST_SAVE

@@ -4,7 +4,7 @@
 :func:`apply_ac` checkpoints each block (:func:`checkpoint_block`), after tensor
 parallelism and before FSDP2, in torchtitan's order: ``"full"`` keeps only the block's
 inputs, ``"selective"`` saves the outputs of :data:`autopar.plans.SELECTIVE_SAVE_OPS`
-and recomputes every other op (:func:`selective_policy`), ``"none"`` leaves autograd
+(matrix products, attention, reduce-scatters) and recomputes every other op (:func:`selective_policy`), ``"none"`` leaves autograd
 as it is. The block's ``forward`` is replaced in place (:class:`CheckpointedForward`),
 so parameter names stay as they were.
 

@@ -69,11 +69,18 @@ def test_gathered_input_is_charged_again_and_the_last_product_is_not() -> None:
         for ij, row in table.items():
             if (p.edges[e], ij) in gathered:
                 assert row == pytest.approx([0.0, gather, gather], rel=1e-12)
-    # a row-wise proj reduce-scatters its partial output: that forward runs again
+    # a row-wise proj reduce-scatters its partial output: under full recomputation that
+    # forward runs again; selective keeps the reduce-scatter's output (its 1/tp share)
     k = grp.nodes.index(proj)
-    for i, ns in enumerate(b.strategies[proj]):
-        if ns.raw_out == ("R", "P") and ns.out == ("R", "S(1)"):
-            assert grp.extra_s[k][i][1] == pytest.approx(scatter, rel=1e-12)
+    rowwise = [i for i, ns in enumerate(b.strategies[proj])
+               if ns.raw_out == ("R", "P") and ns.out == ("R", "S(1)")]
+    assert rowwise
+    for i in rowwise:
+        assert grp.extra_s[k][i][1] == 0.0
+        assert grp.extra_s[k][i][2] > scatter
+        kept_none = -grp.act_delta[k][i][2]  # what none keeps beyond full's block inputs
+        assert grp.act_delta[k][i][1] == pytest.approx(whole / 2 + whole - kept_none,
+                                                       rel=1e-12)
     # fc2 saves its inputs last: recomputation stops before it runs, so neither its
     # product nor its output's reduce-scatter runs again
     if fc2 in grp.nodes:
@@ -97,7 +104,8 @@ def _worst(b: Built, r: int) -> float:
 @pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])
 def test_full_recomputation_never_keeps_more(tp: int, sp: bool) -> None:
     """Over every assignment of a GPT layer, full recomputation keeps no more than none;
-    selective may, by the row-split products' partial sums it keeps whole."""
+    selective may, by the row-split products' partial sums it keeps whole and the
+    reduce-scatters' outputs."""
     b = built(tp, sp)
     assert _worst(b, 2) < 0
     grp = b.problem.recompute[0]
@@ -105,7 +113,8 @@ def test_full_recomputation_never_keeps_more(tp: int, sp: bool) -> None:
     for k, v in enumerate(grp.nodes):
         for i, ns in enumerate(b.strategies[v]):
             if "P" in ns.raw_out and grp.act_delta[k][i][1] > 0:
-                assert grp.act_delta[k][i][1] <= whole * 4  # at most one (B, T, 4C) product
+                # at most one (B, T, 4C) product's partial sum and its reduce-scatter's share
+                assert grp.act_delta[k][i][1] <= whole * 4 * (1 + 1 / tp)
 
 
 def _cached_partials() -> list[tuple[str, int, int]]:
@@ -217,3 +226,45 @@ def test_selective_keeps_einsum_products_as_the_runtime_does() -> None:
     for k in einsums:
         for row in grp.extra_s[k]:
             assert row[1] == 0.0 < row[2]
+
+
+def _rerun_collectives() -> list[str]:
+    """On this rank: the collectives the backward of a Megatron-planned GPT (tp 2 with
+    sequence parallelism, selective recomputation) runs again while recomputing."""
+    import torch.utils.checkpoint as ck
+
+    from autopar.runtime import apply_plan
+    from tests.handmade_plans import megatron_plan
+
+    rerun: list[str] = []
+    dispatch = ck._CachedTorchDispatchMode.__torch_dispatch__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        key = ck._sac_storage_key(func, args)
+        entry = self.storage.get(key, {}).get(self.func_counter[key])
+        name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
+        if entry is ck._RECOMPUTE and func.namespace == "_c10d_functional":
+            rerun.append(name)
+        return dispatch(self, func, types, args, kwargs)
+
+    ck._CachedTorchDispatchMode.__torch_dispatch__ = spy
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=128, max_seq_len=16, dim=64, n_layers=2, n_heads=4))
+        plan = megatron_plan(model, tp=2, sequence_parallel=True, global_batch=2,
+                             recompute="selective")
+        model = apply_plan(model, plan)
+        model(torch.randint(0, 128, (2, 16))).float().pow(2).mean().backward()
+    finally:
+        ck._CachedTorchDispatchMode.__torch_dispatch__ = dispatch
+    return rerun
+
+
+@pytest.mark.multirank
+def test_selective_keeps_the_reduce_scatters_outputs(rank_pool) -> None:
+    """The runtime's selective policy keeps what the pricer says it keeps: the
+    recomputation of a sequence-parallel block all-gathers the column-split products'
+    inputs again, and runs none of the row-split products' reduce-scatters again."""
+    rerun = rank_pool.run(2, _rerun_collectives, timeout_s=300)[0]
+    assert "all_gather_into_tensor" in rerun
+    assert "reduce_scatter_tensor" not in rerun

@@ -65,8 +65,8 @@ PREDICTED_STEP_S = 0.0125
 SAVE_OPS = {  # outputs selective recomputation keeps (aten op names)
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu", "addmm",
-    "baddbmm", "bmm", "einsum", "linear", "matmul", "mm", "scaled_dot_product_attention",
-    "tensordot",
+    "baddbmm", "bmm", "einsum", "linear", "matmul", "mm", "reduce_scatter_tensor",
+    "scaled_dot_product_attention", "tensordot",
 }
 
 
@@ -654,8 +654,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective recomputation: keep matrix-product and attention outputs, recompute
-    the rest (norms, pointwise ops, softmax) in backward."""
+    """Selective recomputation: keep the outputs of matrix products, attention and
+    reduce-scatters, recompute the rest (norms, pointwise ops, softmax) in backward."""
     name = getattr(getattr(op, "overloadpacket", op), "__name__", str(op))
     if name in SAVE_OPS:
         return CheckpointPolicy.MUST_SAVE
