@@ -117,14 +117,26 @@ def test_full_recomputation_never_keeps_more(tp: int, sp: bool) -> None:
                 assert grp.act_delta[k][i][1] <= whole * 4 * (1 + 1 / tp)
 
 
+def _megatron_gpt_step(backward: bool) -> None:
+    """On this rank: a 2-block GPT planned as Megatron does (tp 2 with sequence
+    parallelism, selective recomputation) runs forward, and backward when asked."""
+    from autopar.runtime import apply_plan
+    from tests.handmade_plans import megatron_plan
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, max_seq_len=16, dim=64, n_layers=2, n_heads=4))
+    plan = megatron_plan(model, tp=2, sequence_parallel=True, global_batch=2,
+                         recompute="selective")
+    out = apply_plan(model, plan)(torch.randint(0, 128, (2, 16)))
+    if backward:
+        out.float().pow(2).mean().backward()
+
+
 def _cached_partials() -> list[tuple[str, int, int]]:
     """On this rank: (placements, local bytes, global bytes) of the outputs the selective
     policy caches for the row-split products of a Megatron-planned GPT block (tp 2)."""
     import torch.utils.checkpoint as ck
     from torch.distributed.tensor import DTensor
-
-    from autopar.runtime import apply_plan
-    from tests.handmade_plans import megatron_plan
 
     seen: list[tuple[str, int, int]] = []
     dispatch = ck._CachingTorchDispatchMode.__torch_dispatch__
@@ -141,11 +153,7 @@ def _cached_partials() -> list[tuple[str, int, int]]:
 
     ck._CachingTorchDispatchMode.__torch_dispatch__ = spy
     try:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=128, max_seq_len=16, dim=64, n_layers=2, n_heads=4))
-        plan = megatron_plan(model, tp=2, sequence_parallel=True, global_batch=2,
-                             recompute="selective")
-        apply_plan(model, plan)(torch.randint(0, 128, (2, 16)))
+        _megatron_gpt_step(backward=False)
     finally:
         ck._CachingTorchDispatchMode.__torch_dispatch__ = dispatch
     return seen
@@ -233,9 +241,6 @@ def _rerun_collectives() -> list[str]:
     sequence parallelism, selective recomputation) runs again while recomputing."""
     import torch.utils.checkpoint as ck
 
-    from autopar.runtime import apply_plan
-    from tests.handmade_plans import megatron_plan
-
     rerun: list[str] = []
     dispatch = ck._CachedTorchDispatchMode.__torch_dispatch__
 
@@ -249,12 +254,7 @@ def _rerun_collectives() -> list[str]:
 
     ck._CachedTorchDispatchMode.__torch_dispatch__ = spy
     try:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=128, max_seq_len=16, dim=64, n_layers=2, n_heads=4))
-        plan = megatron_plan(model, tp=2, sequence_parallel=True, global_batch=2,
-                             recompute="selective")
-        model = apply_plan(model, plan)
-        model(torch.randint(0, 128, (2, 16))).float().pow(2).mean().backward()
+        _megatron_gpt_step(backward=True)
     finally:
         ck._CachedTorchDispatchMode.__torch_dispatch__ = dispatch
     return rerun
