@@ -20,6 +20,7 @@ from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.enumeration import NodeStrategy
 from autopar.strategies.rules import loss_reduction
+from autopar.summary_words import term_differences
 
 
 def chosen_strategies(g: Graph, built: Built, sol: Solution | list[int]) -> dict[str, NodeStrategy]:
@@ -312,8 +313,6 @@ def add_pipeline(plan: Plan, po: PipelineOutcome, *, pp: int, schedule: str,
 def runner_up(best: Plan, other: Plan) -> dict:
     """``other`` (a plan the search kept besides ``best``) as an entry of
     :attr:`Plan.runners_up`: its configuration, prediction and why it lost."""
-    from autopar.summary import term_differences
-
     pipe = other.pipeline
     return {"mesh": dict(other.mesh), "microbatch_size": other.microbatch_size,
             "num_microbatches": other.num_microbatches, "zero": other.zero,

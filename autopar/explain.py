@@ -22,7 +22,7 @@ from autopar.solvers.explain import PricedChoice, price_alternatives
 from autopar.solvers.intra_op_ilp import Solution
 from autopar.solvers.problem_build import Built
 from autopar.strategies.analysis import GraphAnalysis
-from autopar.summary import fmt_time, join_words, module_pattern, saves_and_pays, table
+from autopar.summary_words import fmt_time, join_words, module_pattern, saves_and_pays, table
 from autopar.units_text import fmt_bytes
 
 EXPLAIN_TERMS = (("compute_s", "compute"), ("recompute_s", "recomputation"),
@@ -161,7 +161,7 @@ def differences(chosen: LayoutOption, other: LayoutOption) -> str:
     """'more resharding (+0.45 s) and more collectives (+67.0 ms), despite less
     recomputation (-33.5 ms)', said of ``other`` against ``chosen``: the terms of
     :data:`EXPLAIN_TERMS` that move the step by at least SHARE of the gap
-    (:func:`autopar.summary.saves_and_pays`)."""
+    (:func:`autopar.summary_words.saves_and_pays`)."""
     slower = other.step_time_s >= chosen.step_time_s
     winner, loser = (chosen, other) if slower else (other, chosen)
     diffs = [(label, winner.terms.get(k, 0.0) - loser.terms.get(k, 0.0))

@@ -17,9 +17,10 @@ layer name        modules
 2     strategies  autopar.sharding, autopar.strategies.*
 3     cost        autopar.cost_models.*, autopar.cluster
 4     solve       autopar.solvers.*
-5     plan        autopar.plans, autopar.spec, autopar.summary, autopar.assemble,
-                  autopar.report, autopar.report_figures, autopar.report_svg,
-                  autopar.report_png, autopar.batch_default, autopar.explain
+5     plan        autopar.plans, autopar.spec, autopar.summary, autopar.summary_words,
+                  autopar.assemble, autopar.report, autopar.report_figures,
+                  autopar.report_svg, autopar.report_png, autopar.batch_default,
+                  autopar.explain
 6     runtime     autopar.runtime.*
 7     api         autopar (the package's __init__), autopar.api, autopar.compare,
                   autopar.cli, autopar.cli_checkpoint, autopar.demo, autopar.launch,
@@ -51,9 +52,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and
     ("strategies", ("autopar.sharding", "autopar.strategies.*")),
     ("cost", ("autopar.cost_models.*", "autopar.cluster")),
     ("solve", ("autopar.solvers.*",)),
-    ("plan", ("autopar.plans", "autopar.spec", "autopar.summary", "autopar.assemble",
-              "autopar.report", "autopar.report_figures", "autopar.report_svg",
-              "autopar.report_png", "autopar.batch_default", "autopar.explain")),
+    ("plan", ("autopar.plans", "autopar.spec", "autopar.summary", "autopar.summary_words",
+              "autopar.assemble", "autopar.report", "autopar.report_figures",
+              "autopar.report_svg", "autopar.report_png", "autopar.batch_default",
+              "autopar.explain")),
     ("runtime", ("autopar.runtime.*",)),
     ("api", ("autopar", "autopar.api", "autopar.compare", "autopar.cli", "autopar.cli_checkpoint",
              "autopar.demo", "autopar.launch", "autopar.train", "autopar.train_args",
