@@ -34,9 +34,9 @@ from autopar.runtime.codegen_pipeline import pipeline_text
 from autopar.units_text import fmt_bytes
 from autopar.runtime.lower import check_plan
 from autopar.runtime.mesh import expert_fsdp_axes, expert_mesh_shape, needs_fsdp
-from autopar.runtime.pipeline import ZERO_BUBBLE_SCHEDULES
 from autopar.runtime.dtensor_layout import any_index
 from autopar.runtime.tensor_parallel import piecewise, tp_layout
+from autopar.solvers.schedule_sim import ZERO_BUBBLE
 from autopar.sharding import shard_dim, shard_pieces
 
 __all__ = ["ModelFacts", "model_facts", "emit_program"]
@@ -252,7 +252,7 @@ def _fsdp_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str
         policies += '    offload_policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")\n'
         kwargs += ", offload_policy=offload_policy"
     reshard = plan.zero == 3 and not (pipelined and plan.pipeline is not None and
-                                      plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES)
+                                      plan.pipeline.schedule in ZERO_BUBBLE)
     loop = T.FSDP_BLOCKS.substitute(blocks=_blocks_expr(facts.model, plan.blocks, pipelined),
                                     reshard=reshard, kwargs=kwargs) if plan.blocks else ""
     experts = T.FSDP_EXPERTS.substitute(paths=_paths_tuple(sorted(plan.experts)),

@@ -20,8 +20,8 @@ from autopar.plans import Plan
 from autopar.runtime import codegen_pipeline_templates as PT
 from autopar.runtime import codegen_templates as T
 from autopar.runtime.pipeline import (SCHEDULE_CLASSES, SINGLE_STAGE_SCHEDULES,
-                                      ZERO_BUBBLE_SCHEDULES, check_pipeline, split_for_plan,
-                                      stage_blocks)
+                                      check_pipeline, split_for_plan, stage_blocks)
+from autopar.solvers.schedule_sim import ZERO_BUBBLE
 
 if TYPE_CHECKING:
     from autopar.runtime.codegen_facts import ModelFacts
@@ -114,7 +114,7 @@ def pipeline_text(plan: Plan, facts: ModelFacts, layout: list[str], partial_grad
     _, copies = split_for_plan(facts.model, plan, example)
     tied = [list(group.names) for group in copies]
     tp = plan.degree("tp") > 1
-    own = tp and plan.pipeline is not None and plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES
+    own = tp and plan.pipeline is not None and plan.pipeline.schedule in ZERO_BUBBLE
     split = PT.SPLIT_STAGES.template
     if plan.degree("cp") > 1:  # exported at a cp rank's share of each sequence
         at = split.index("    blocks = [block for stage")

@@ -41,10 +41,10 @@ from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
 from autopar.runtime.pipeline_split import StageCut, StageGraph, split_stages
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
-from autopar.solvers.schedule_sim import needs_a_microbatch_per_stage
+from autopar.solvers.schedule_sim import ZERO_BUBBLE, needs_a_microbatch_per_stage, stage_ranks
 
 __all__ = ["SCHEDULE_CLASSES", "TiedCopies", "PipelineRuntime", "check_pipeline",
-           "stage_ranks", "untie_across_stages", "stage_plan", "build_pipeline_schedule",
+           "untie_across_stages", "stage_plan", "build_pipeline_schedule",
            "tied_process_groups", "parallelize_stage", "stage_blocks", "microbatch_inputs",
            "split_for_plan", "unflattened_loss"]
 
@@ -56,18 +56,8 @@ SCHEDULE_CLASSES = MappingProxyType({
     "zbv": ScheduleZBVZeroBubble,
 })
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv")
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-def stage_ranks(schedule: str, pp: int, virtual_stages: int) -> list[int]:
-    """The pp rank of each stage: ``i % pp`` (looped), or "V"-shaped for ``zbv``
-    (stages i and 2·pp − 1 − i on rank i)."""
-    n = pp * virtual_stages
-    if schedule == "zbv":
-        return [i if i < pp else n - 1 - i for i in range(n)]
-    return [i % pp for i in range(n)]
 
 
 def _check_microbatches(plan: Plan) -> None:
@@ -346,13 +336,13 @@ def parallelize_stage(module: nn.Module, plan: Plan, meshes: PlanMeshes,
     sub = dataclasses.replace(stage_plan(plan, module),
                               loss_parallel=plan.loss_parallel and last)
     assert plan.pipeline is not None
-    if plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+    if plan.pipeline.schedule in ZERO_BUBBLE:
         sub = dataclasses.replace(sub, zero=min(sub.zero, 2))
     if meshes.ep is not None:
         apply_expert_parallel(module, sub, meshes.ep)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(module, sub, meshes.tp)
-        if plan.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+        if plan.pipeline.schedule in ZERO_BUBBLE:
             module.register_forward_hook(_own_outputs)
     if meshes.experts is not None:
         shard_plan_experts(module, sub, meshes.experts, meshes.tp)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from autopar.errors import NoFeasiblePlanError
-from autopar.solvers.intra_op_ilp import IntraOpILP, Solution, SolverTimeout, charges_host
+from autopar.solvers.intra_op_ilp import IntraOpILP, Solution, SolverTimeout, has_host_seconds
 from autopar.solvers.problem import Problem, evaluate
 
 HOST_PROOF_S = 2.0
@@ -37,7 +37,7 @@ def solve_host_aware(problem: Problem, time_limit_s: float | None = None,
     whole call as :meth:`IntraOpILP.solve` bounds one CBC run; raises
     NoFeasiblePlanError when nothing fits and SolverTimeout when the limit left no
     assignment."""
-    if not charges_host(problem):
+    if not has_host_seconds(problem):
         return IntraOpILP(problem).solve(time_limit_s)
     t0 = time.perf_counter()
     end = None if time_limit_s is None else t0 + time_limit_s

@@ -301,7 +301,7 @@ class IntraOpILP:
             + e_step + n * e_micro + self._sum("optimizer_s")
         if self.mix is None:
             exposure = self._host_exposure(total, edge_cost)
-            tie = DEVICE_TIE * total if charges_host(p) else 0
+            tie = DEVICE_TIE * total if has_host_seconds(p) else 0
             self.model += total + exposure + tie
         else:  # a Lagrangian of max(T, host): see autopar.solvers.intra_op_host
             a, b = self.mix
@@ -321,7 +321,7 @@ class IntraOpILP:
         (``host_phases``), h ≥ h_F − d_F, h ≥ n·δ and h ≥ (n−1)·δ + h_F − d_F; 0 when no
         strategy has host seconds."""
         p = self.p
-        if not charges_host(p):
+        if not has_host_seconds(p):
             return pulp.LpAffineExpression()
         h = pulp.LpVariable("exposed_host", 0)
         self.model += h >= self._host_total() - total, "host_step"
@@ -366,7 +366,7 @@ class IntraOpILP:
         return Solution(choice, ev.step_time_s, name, stats, modes)
 
 
-def charges_host(p: Problem) -> bool:
+def has_host_seconds(p: Problem) -> bool:
     """Whether any strategy or recomputation mode of ``p`` has host seconds (a GPU
     profile's), so that the exposed host time H of (**) can be above 0."""
     return any(s.all_host_s or s.host_step_s for nd in p.nodes for s in nd.strategies) \
