@@ -82,7 +82,8 @@ class StrategyPricer(ParamPricer):
         self.an, self.g = an, an.graph
         self.meta = self.space.meta
         self.saved_owner = saved_owner if saved_owner is not None else self._saved_owner()
-        self._converts: dict[tuple[Placements, Placements, float], float] = {}
+        self._steps: dict[tuple[Placements, Placements, float],
+                          tuple[tuple[str, int, float, float], ...] | None] = {}
         self._ops: dict[tuple[str, tuple[str | None, ...]], tuple[float, ...]] = {}
         self._out_bytes: dict[str, float] = {}
         self._tensor_bytes: dict[str, float] = {}
@@ -230,36 +231,38 @@ class StrategyPricer(ParamPricer):
         return found
 
     # ---- conversions ------------------------------------------------------------
-    def convert(self, src: Placements, dst: Placements, nbytes: float) -> float:
-        """Seconds to redistribute a tensor of ``nbytes`` (whole) from src to dst: each
-        collective's time, plus, where the host is the device (a CPU profile), what
-        DTensor's redistribution adds to a collective of its kind
-        (:meth:`redistribute_overhead`); INF where no collective can. Memoized."""
+    def conversion_steps(self, src: Placements, dst: Placements, nbytes: float
+                         ) -> tuple[tuple[str, int, float, float], ...] | None:
+        """The collectives that redistribute a tensor of ``nbytes`` (whole) from src to
+        dst (:func:`~autopar.strategies.edges.collectives`), each as (kind, mesh axis,
+        buffer bytes, seconds): its time plus, where the host is the device (a CPU
+        profile), what DTensor's redistribution adds to a collective of its kind
+        (:meth:`redistribute_overhead`); None where no collective can. Memoized."""
         key = (src, dst, nbytes)
-        found = self._converts.get(key)
-        if found is None:
+        if key not in self._steps:
             steps = collectives(src, dst, nbytes, self.mesh.sizes)
-            found = INF if steps is None else 0.0
-            for kind, a, size in steps or ():
-                found += collective_time(kind, size, self.mesh.sizes[a], self.links[a]) + \
-                    self.redistribute_overhead(kind)
-            self._converts[key] = found
-        return found
+            self._steps[key] = None if steps is None else tuple(
+                (kind, a, size, collective_time(kind, size, self.mesh.sizes[a], self.links[a])
+                 + self.redistribute_overhead(kind)) for kind, a, size in steps)
+        return self._steps[key]
+
+    def convert(self, src: Placements, dst: Placements, nbytes: float) -> float:
+        """Seconds to redistribute a tensor of ``nbytes`` (whole) from src to dst: its
+        :meth:`conversion_steps` together; INF where no collective can."""
+        steps = self.conversion_steps(src, dst, nbytes)
+        return INF if steps is None else sum(t for *_, t in steps)
 
     def kept_collectives(self, src: Placements, dst: Placements,
                          nbytes: float) -> tuple[float, float]:
-        """(seconds, bytes per device) of the collectives of the redistribution from src
-        to dst (a tensor of ``nbytes``, whole) whose outputs selective recomputation
-        keeps (:data:`autopar.memory_choices.SELECTIVE_SAVE_COLLECTIVES`): their forward
-        seconds, as :meth:`convert` counts them, which the backward does not run again,
-        and the bytes of their outputs it holds instead."""
-        seconds = kept = 0.0
-        for kind, a, size in collectives(src, dst, nbytes, self.mesh.sizes) or ():
-            if kind in SELECTIVE_SAVE_COLLECTIVES:
-                seconds += collective_time(kind, size, self.mesh.sizes[a], self.links[a]) + \
-                    self.redistribute_overhead(kind)
-                kept += size / self.mesh.sizes[a]  # a reduce-scatter's output: its share
-        return seconds, kept
+        """(seconds, bytes per device) of the :meth:`conversion_steps` from src to dst
+        whose outputs selective recomputation keeps
+        (:data:`autopar.memory_choices.SELECTIVE_SAVE_COLLECTIVES`): their forward
+        seconds, which the backward does not run again, and the bytes of their outputs
+        it holds instead (a reduce-scatter's: its share of the buffer)."""
+        kept = [(t, size / self.mesh.sizes[a])
+                for kind, a, size, t in self.conversion_steps(src, dst, nbytes) or ()
+                if kind in SELECTIVE_SAVE_COLLECTIVES]
+        return sum(t for t, _ in kept), sum(b for _, b in kept)
 
     def convert_both(self, src: Placements, dst: Placements, grad_src: Placements,
                      nbytes: float, needs_grad: bool) -> float:
