@@ -247,8 +247,9 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
     if unbuilt is not None:
         unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))
     bound = candidate_bounds(an.graph, cands, built_by, memory_budget)
-    unproven: list[float] = [flop_bound(an.graph, c, hw, precision) for c in cands
-                             if isinstance(built_by[mesh_key(c)], _OutOfTimeBuilding)]
+    timed_out = [c for c in cands  # their problems left unbuilt by the time limit
+                 if isinstance(built_by[mesh_key(c)], _OutOfTimeBuilding)]
+    unproven: list[float] = [flop_bound(an.graph, c, hw, precision) for c in timed_out]
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     rank = {k: i for i, k in enumerate(order)}  # ties between equal plans go by it
     if top_k > 1:  # cheap ILPs first: their plans tighten the k-th best time before
@@ -317,15 +318,14 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         kept, idle = idle[:top_k], []
     if not kept and have_plan and unproven:
         raise _OutOfTime(min(unproven))
-    left = [c for c in cands if isinstance(built_by[mesh_key(c)], _OutOfTimeBuilding)]
-    if not kept and left:  # no first plan yet: the rest is built, whatever the time
-        res = _search(an, left, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
+    if not kept and timed_out:  # no first plan yet: the rest is built, whatever the time
+        res = _search(an, timed_out, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                       optimizer=optimizer, memory_budget=memory_budget,
                       sequence_parallel=sequence_parallel, recompute=recompute,
                       deadline=None, top_k=top_k, loss_parallel=loss_parallel,
                       split_weights=split_weights, compile_blocks=compile_blocks,
                       progress=progress)
-        res.outcomes = [o for o in outcomes if o.candidate not in left] + res.outcomes
+        res.outcomes = [o for o in outcomes if o.candidate not in timed_out] + res.outcomes
         res.solution.stats["candidates"] = len(res.outcomes)
         return res
     if not kept:
