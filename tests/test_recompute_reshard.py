@@ -132,6 +132,17 @@ def _megatron_gpt_step(backward: bool) -> None:
         out.float().pow(2).mean().backward()
 
 
+def _spied_step(mode: type, make_spy, backward: bool) -> None:
+    """:func:`_megatron_gpt_step` with checkpoint dispatch mode ``mode``'s
+    ``__torch_dispatch__`` replaced by ``make_spy(original)`` meanwhile."""
+    dispatch = mode.__torch_dispatch__
+    mode.__torch_dispatch__ = make_spy(dispatch)
+    try:
+        _megatron_gpt_step(backward=backward)
+    finally:
+        mode.__torch_dispatch__ = dispatch
+
+
 def _cached_partials() -> list[tuple[str, int, int]]:
     """On this rank: (placements, local bytes, global bytes) of the outputs the selective
     policy caches for the row-split products of a Megatron-planned GPT block (tp 2)."""
@@ -139,23 +150,20 @@ def _cached_partials() -> list[tuple[str, int, int]]:
     from torch.distributed.tensor import DTensor
 
     seen: list[tuple[str, int, int]] = []
-    dispatch = ck._CachingTorchDispatchMode.__torch_dispatch__
 
-    def spy(self, func, types, args=(), kwargs=None):
-        out = dispatch(self, func, types, args, kwargs)
-        policy = self.policy_fn(ck.SelectiveCheckpointContext(is_recompute=False), func,
-                                *args, **(kwargs or {}))
-        if policy == ck.CheckpointPolicy.MUST_SAVE and isinstance(out, DTensor) \
-                and out.placements[0].is_partial():
-            seen.append((str(out.placements), out._local_tensor.nbytes,
-                         out.numel() * out.element_size()))
-        return out
+    def make_spy(dispatch):
+        def spy(self, func, types, args=(), kwargs=None):
+            out = dispatch(self, func, types, args, kwargs)
+            policy = self.policy_fn(ck.SelectiveCheckpointContext(is_recompute=False), func,
+                                    *args, **(kwargs or {}))
+            if policy == ck.CheckpointPolicy.MUST_SAVE and isinstance(out, DTensor) \
+                    and out.placements[0].is_partial():
+                seen.append((str(out.placements), out._local_tensor.nbytes,
+                             out.numel() * out.element_size()))
+            return out
+        return spy
 
-    ck._CachingTorchDispatchMode.__torch_dispatch__ = spy
-    try:
-        _megatron_gpt_step(backward=False)
-    finally:
-        ck._CachingTorchDispatchMode.__torch_dispatch__ = dispatch
+    _spied_step(ck._CachingTorchDispatchMode, make_spy, backward=False)
     return seen
 
 
@@ -242,21 +250,18 @@ def _rerun_collectives() -> list[str]:
     import torch.utils.checkpoint as ck
 
     rerun: list[str] = []
-    dispatch = ck._CachedTorchDispatchMode.__torch_dispatch__
 
-    def spy(self, func, types, args=(), kwargs=None):
-        key = ck._sac_storage_key(func, args)
-        entry = self.storage.get(key, {}).get(self.func_counter[key])
-        name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
-        if entry is ck._RECOMPUTE and func.namespace == "_c10d_functional":
-            rerun.append(name)
-        return dispatch(self, func, types, args, kwargs)
+    def make_spy(dispatch):
+        def spy(self, func, types, args=(), kwargs=None):
+            key = ck._sac_storage_key(func, args)
+            entry = self.storage.get(key, {}).get(self.func_counter[key])
+            name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
+            if entry is ck._RECOMPUTE and func.namespace == "_c10d_functional":
+                rerun.append(name)
+            return dispatch(self, func, types, args, kwargs)
+        return spy
 
-    ck._CachedTorchDispatchMode.__torch_dispatch__ = spy
-    try:
-        _megatron_gpt_step(backward=True)
-    finally:
-        ck._CachedTorchDispatchMode.__torch_dispatch__ = dispatch
+    _spied_step(ck._CachedTorchDispatchMode, make_spy, backward=True)
     return rerun
 
 
