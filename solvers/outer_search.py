@@ -159,7 +159,7 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
             f"saving memory by {'full recomputation' if recomputes else 'offload'})"]
         won = other
     won.outcomes = res.outcomes + other.outcomes
-    won.solution.stats["candidates"] = len(won.outcomes)
+    won.solution.stats["candidates"] = scored_count(won.outcomes)
     won.solution.stats["search_s"] = res.time_s + time.perf_counter() - t0
     return won
 
@@ -326,7 +326,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                       split_weights=split_weights, compile_blocks=compile_blocks,
                       progress=progress)
         res.outcomes = [o for o in outcomes if o.candidate not in timed_out] + res.outcomes
-        res.solution.stats["candidates"] = len(res.outcomes)
+        res.solution.stats["candidates"] = scored_count(res.outcomes)
         return res
     if not kept:
         err = NoFeasiblePlanError(no_fit_message(an.graph, infeasible, memory_budget, outcomes,
@@ -354,7 +354,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                        best.candidate, best.pipeline, others, step_time_s=best.step_time_s)
     if idle and idle[0].step_time_s < best.step_time_s:
         res.set_aside = idle[0]
-    res.solution.stats["candidates"] = len(outcomes)
+    res.solution.stats["candidates"] = scored_count(outcomes)
     res.solution.stats["search_s"] = res.time_s
     _set_gap(res, min(unproven) if unproven else None)
     return res
@@ -446,8 +446,7 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         c = users[key][0]
         group = _batch_group(c)
         if fitting and deadline is not None and time.perf_counter() > deadline:
-            built_by[key] = _OutOfTimeBuilding("not scored: the search's time limit ran "
-                                               "out before its problem was built")
+            built_by[key] = _OutOfTimeBuilding(UNBUILT_IN_TIME)
             continue
         if max_built is not None and built_count >= max_built:
             built_by[key] = _NotBuilt("not scored: the search's budget of problems ran out "
@@ -488,6 +487,16 @@ def _halfway(deadline: float | None) -> float | None:
         return None
     now = time.perf_counter()
     return now + max(0.0, deadline - now) / 2
+
+
+UNBUILT_IN_TIME = "not scored: the search's time limit ran out before its problem was built"
+"""The outcome of a candidate whose problem the time limit left unbuilt."""
+
+
+def scored_count(outcomes: list[Outcome]) -> int:
+    """How many of ``outcomes`` the search looked at (``solution.stats["candidates"]``):
+    all but those whose problem the time limit left unbuilt."""
+    return sum(o.reason != UNBUILT_IN_TIME for o in outcomes)
 
 
 class _NotBuilt(NoFeasiblePlanError):
