@@ -16,9 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from autopar.api import _global_batch, detect_cluster, estimate, plan
+from autopar.api import detect_cluster, estimate, plan
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError, NoFeasiblePlanError
+from autopar.planner_inputs import global_batch as batch_size
 from autopar.plans import Plan
 from autopar.spec import Spec
 from autopar.summary import STEP_TERMS, fmt_time, term_differences, term_label
@@ -223,7 +224,7 @@ def compare(model, example_inputs, spec: Spec, *, cluster: Cluster | None = None
         raise ConfigError(f"spec must be an autopar.Spec, got {type(spec).__name__}")
     cluster = cluster or detect_cluster()
     # an invalid Spec fails before the search, not after it
-    spec.for_estimate(cluster.world_size, _global_batch(global_batch, example_inputs))
+    spec.for_estimate(cluster.world_size, batch_size(global_batch, example_inputs))
     common = dict(cluster=cluster, global_batch=global_batch,
                   loss_fn=loss_fn, precision=precision, optimizer=optimizer,
                   memory_budget=memory_budget, example_targets=example_targets,

@@ -5,13 +5,13 @@ strict=False)``, keeping the call signature of each *outlined* module
 (:func:`outlined_paths`: every block, and every other module that owns parameters,
 contains no block and sits in no block); :func:`outlined_graph` rewrites the program
 so that each such call is one ``call_module`` of the model's own module. A stage cut
-from this graph (:mod:`autopar.runtime.pipeline_split`) holds the model's own blocks
+from this graph (:mod:`autopar.pipeline_split`) holds the model's own blocks
 under their own paths.
 
 The functions here use torch alone, so :mod:`autopar.runtime.codegen_pipeline` copies
 their source into an emitted program. What export captures, and which parts of it
-are read (torch 2.11 to 2.13): docs/runtime.md, section
-``autopar.runtime.pipeline_export``.
+are read (torch 2.11 to 2.13): docs/capture.md, section
+``autopar.pipeline_export``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cut a model into pipeline stage modules at its block boundaries.
 
-The cut is made on the model's exported program (:mod:`autopar.runtime.pipeline_export`),
+The cut is made on the model's exported program (:mod:`autopar.pipeline_export`),
 so the model is left as written and anything export captures can be pipelined, with
 no second trace. :func:`split_stages` cuts it (:class:`StageCut`);
 :func:`assign_stages` decides which stage runs each node, :func:`stage_graph` builds a
@@ -9,7 +9,7 @@ stage's graph, and :func:`pipeline_blocker` tells the planner why a model cannot
 :func:`assign_stages`, :func:`stage_graph` and :func:`cut_program` use torch alone, so
 an emitted program copies them (``inspect.getsource``) and cuts by the same code.
 The rules for placing nodes, and how a stage module is called and what it holds:
-docs/runtime.md, section ``autopar.runtime.pipeline_split``.
+docs/capture.md, section ``autopar.pipeline_split``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from autopar.errors import LoweringError
 from autopar.layers import cut_lists, repeated_lists
-from autopar.runtime.pipeline_export import (StageSplitError, export_program, outlined_graph,
+from autopar.pipeline_export import (StageSplitError, export_program, outlined_graph,
                                              outlined_paths, retarget_devices)
 
 __all__ = ["StageGraph", "StageCut", "assign_stages", "stage_graph", "cut_program",

@@ -14,6 +14,8 @@ import os
 from html import escape
 
 from autopar.errors import ConfigError
+from autopar.explain_words import (PIPELINE_NOTE, PRICED_AS, explanation_table, explanation_title,
+                                   verdict)
 from autopar.plans import Plan
 from autopar.report_figures import (MEMORY_KINDS, alternatives, layout_rows, legend_text,
                                     memory_figure, mesh_figure, timeline_figure)
@@ -221,9 +223,6 @@ def _alternatives_section(plan: Plan) -> str:
 
 def _explanations_section(plan: Plan) -> str:
     """Why the modules asked about (``--explain``) have their layouts: a table each."""
-    from autopar.explain import (PIPELINE_NOTE, PRICED_AS, explanation_table,
-                                 explanation_title, verdict)
-
     out = ""
     for exp in plan.explanations:
         header, rows = explanation_table(exp)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import PurePath
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from autopar.cost_models.hardware import CPU_PROFILE_NOTE, accuracy_text
-from autopar.plans import Plan
+from autopar.explain_words import explanation_lines
 from autopar.summary_words import (STEP_TERMS, fmt_rate, fmt_time, module_pattern, table,
                                    term_differences, term_label)
 from autopar.units_text import count_text, fmt_bytes
+
+if TYPE_CHECKING:  # the type alone: Plan.summary() imports this module
+    from autopar.plans import Plan
 
 
 ZERO_TEXT = {0: "replicated parameters, gradients all-reduced",
@@ -253,8 +257,6 @@ def plan_summary(plan: Plan) -> str:
         lines += table(rows, ["module", "type", "tp style", "input", "output",
                                "params (" + "/".join(plan.stage_mesh) + ")", "count"])
         lines += [LEGEND, ""]
-    from autopar.explain import explanation_lines  # lazily: it imports the search's modules
-
     lines += explanation_lines(plan)
     lines += _runners_up_lines(plan)
     if plan.solver:

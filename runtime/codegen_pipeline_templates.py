@@ -16,8 +16,8 @@ from string import Template
 from autopar import capture as _capture
 from autopar.runtime import materialize as _materialize
 from autopar.runtime import pipeline as _pipeline
-from autopar.runtime import pipeline_export as _export
-from autopar.runtime import pipeline_split as _split
+from autopar import pipeline_export as _export
+from autopar import pipeline_split as _split
 
 __all__ = ["LOCAL_MODULES", "SPLIT_STAGES", "TIED", "MATERIALIZE_STAGE", "SCHEDULE", "WHOLE_LOSS",
            "PIPELINE_STEP", "STEP_CALL", "STEP_CALL_TP", "STEP_CALL_CP", "CP_STAGE_SHAPES",
@@ -58,8 +58,8 @@ def split_stages(model: nn.Module,
     blocks = [block for stage in STAGE_BLOCKS for block in stage]
     program = export_program(model, example, outlined_paths(model, blocks))
     return cut_program(model, program, STAGE_BLOCKS, device)''')
-"""The stage splitter: the runtime's own cut (:mod:`autopar.runtime.pipeline_export`,
-:mod:`autopar.runtime.pipeline_split`), copied into the program, and the call that
+"""The stage splitter: the runtime's own cut (:mod:`autopar.pipeline_export`,
+:mod:`autopar.pipeline_split`), copied into the program, and the call that
 exports the program's model for it."""
 
 TIED = Template('''\

@@ -238,7 +238,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def materialize_stage(stage: nn.Module, device: torch.device,
                       root: nn.Module | None = None) -> None:
     """Materialize one pipeline stage module of a meta model (see
-    :mod:`autopar.runtime.pipeline_split`): its unit modules as :func:`materialize`
+    :mod:`autopar.pipeline_split`): its unit modules as :func:`materialize`
     does, keeping the constants that tracing stored on the stage itself, then the
     initialization of the modules of ``root`` (the whole model) that enclose them
     (:func:`reset_enclosing`)."""

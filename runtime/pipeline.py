@@ -2,7 +2,7 @@
 parallelism and FSDP2 inside each stage, on the 3-D mesh ``("pp", "dp", "tp")``.
 
 In torchtitan's order: :func:`check_pipeline` checks the plan's pipeline first;
-:func:`~autopar.runtime.pipeline_split.split_stages` cuts the model into stages;
+:func:`~autopar.pipeline_split.split_stages` cuts the model into stages;
 :func:`untie_across_stages` gives each stage its own copy of a parameter several
 stages use; :func:`parallelize_stage` lays out each of this rank's stages; and
 :func:`build_pipeline_schedule` wraps them in the plan's schedule.
@@ -39,7 +39,7 @@ from autopar.runtime.dtensor_layout import loss_context, tp_context
 from autopar.runtime.context_mode import SequenceShards, split_batch
 from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.recompute import apply_ac
-from autopar.runtime.pipeline_split import StageCut, StageGraph, split_stages
+from autopar.pipeline_split import StageCut, StageGraph, split_stages
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
 from autopar.solvers.schedule_sim import ZERO_BUBBLE, needs_a_microbatch_per_stage, stage_ranks
 
@@ -126,7 +126,7 @@ class TiedCopies:
 def untie_across_stages(stages: list[StageGraph], ranks: list[int]) -> list[TiedCopies]:
     """Give every stage but the first owner its own copy of each parameter that
     several stages use; return the groups of copies (the same list on every rank).
-    (:func:`~autopar.runtime.pipeline_split.split_stages` has checked that no module
+    (:func:`~autopar.pipeline_split.split_stages` has checked that no module
     with parameters is held by several stages; only parameters are shared.)"""
     owners: dict[int, list[tuple[int, str]]] = {}
     for st in stages:

@@ -87,7 +87,7 @@ def planner_crashes() -> dict[str, Any]:
     def crash(*args: Any, **kwargs: Any) -> None:
         raise SolverCrash("the solver fell over")
 
-    with mock.patch("autopar.api.make_plan", crash):
+    with mock.patch("autopar.planner.make_plan", crash):
         return outcome(lambda: autopar.parallelize(model, (x,), precision="fp32"))
 
 

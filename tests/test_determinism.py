@@ -114,9 +114,9 @@ def test_plan_is_identical_run_to_run(name: str, fresh) -> None:
 
 def _candidate_times(case: Case, keep) -> list[float]:
     """The step time of each candidate that ``keep`` accepts, each searched alone."""
-    from autopar.api import _heads
     from autopar.capture import capture
     from autopar.errors import NoFeasiblePlanError
+    from autopar.planner_inputs import attention_heads
     from autopar.solvers.outer_search import search
     from autopar.solvers.search_space import candidates
     from autopar.solvers.problem import evaluate
@@ -130,7 +130,7 @@ def _candidate_times(case: Case, keep) -> list[float]:
               optimizer="adamw", memory_budget=float(hw.usable_memory_bytes))
     times = []
     for c in candidates(cluster.world_size, case.global_batch, num_units=len(g.layers) + 2,
-                        heads=_heads(g), **case.space):
+                        heads=attention_heads(g), **case.space):
         if not keep(c):
             continue
         try:

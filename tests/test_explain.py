@@ -15,7 +15,7 @@ from autopar.cli import main
 from autopar.errors import ConfigError
 from autopar.examples import zoo
 from autopar.examples.gpt import GPT, GPTConfig
-from autopar.explain import EXPLAIN_TERMS
+from autopar.explain_words import EXPLAIN_TERMS
 from autopar.report import render_report
 from autopar.solvers.explain import price_alternatives
 from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost

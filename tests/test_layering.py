@@ -13,14 +13,15 @@ layer name        modules
                   autopar.schema, autopar.units_text
 1     capture     autopar.flops, autopar.layers, autopar.masks, autopar.fx_patterns,
                   autopar.capture_errors, autopar.export_graph, autopar.capture,
-                  autopar.loader
+                  autopar.loader, autopar.pipeline_export, autopar.pipeline_split
 2     strategies  autopar.sharding, autopar.strategies.*
 3     cost        autopar.cost_models.*, autopar.cluster
 4     solve       autopar.solvers.*
 5     plan        autopar.plans, autopar.spec, autopar.summary, autopar.summary_words,
                   autopar.assemble, autopar.report, autopar.report_figures,
                   autopar.report_svg, autopar.report_png, autopar.batch_default,
-                  autopar.explain
+                  autopar.explain, autopar.explain_words, autopar.planner,
+                  autopar.planner_inputs
 6     runtime     autopar.runtime.*
 7     api         autopar (the package's __init__), autopar.api, autopar.compare,
                   autopar.cli, autopar.cli_checkpoint, autopar.demo, autopar.launch,
@@ -48,14 +49,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # (name, modules); "x.*" is x and
               "autopar.schema", "autopar.units_text")),
     ("capture", ("autopar.flops", "autopar.layers", "autopar.masks", "autopar.fx_patterns",
                  "autopar.capture_errors", "autopar.export_graph", "autopar.capture",
-                 "autopar.loader")),
+                 "autopar.loader", "autopar.pipeline_export", "autopar.pipeline_split")),
     ("strategies", ("autopar.sharding", "autopar.strategies.*")),
     ("cost", ("autopar.cost_models.*", "autopar.cluster")),
     ("solve", ("autopar.solvers.*",)),
     ("plan", ("autopar.plans", "autopar.spec", "autopar.summary", "autopar.summary_words",
               "autopar.assemble", "autopar.report", "autopar.report_figures",
               "autopar.report_svg", "autopar.report_png", "autopar.batch_default",
-              "autopar.explain")),
+              "autopar.explain", "autopar.explain_words", "autopar.planner",
+              "autopar.planner_inputs")),
     ("runtime", ("autopar.runtime.*",)),
     ("api", ("autopar", "autopar.api", "autopar.compare", "autopar.cli", "autopar.cli_checkpoint",
              "autopar.demo", "autopar.launch", "autopar.train", "autopar.train_args",
@@ -122,13 +124,24 @@ def _resolve(name: str, modules: dict[str, Path]) -> str:
     return name
 
 
-def imports(modules: dict[str, Path]) -> dict[tuple[str, str], int]:
-    """(importer, imported) -> the first line it happens on, for imports of the package."""
+def _for_types_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:``, which never run."""
+    return {id(n) for branch in ast.walk(tree) if isinstance(branch, ast.If)
+            and isinstance(branch.test, ast.Name) and branch.test.id == "TYPE_CHECKING"
+            for stmt in branch.body for n in ast.walk(stmt)}
+
+
+def imports(modules: dict[str, Path], types: bool = True) -> dict[tuple[str, str], int]:
+    """(importer, imported) -> the first line it happens on, for imports of the package;
+    without ``types``, only the imports that run (not those under ``if TYPE_CHECKING``)."""
     found: dict[tuple[str, str], int] = {}
     for importer, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         package = importer if path.stem == "__init__" else importer.rpartition(".")[0]
+        skipped = set() if types else _for_types_only(tree)
         for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             names: list[str] = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -189,6 +202,41 @@ def test_imports_flow_one_way() -> None:
                          f"it needs down to layer {a} or below (a constant or small pure "
                          f"helper both sides can import), or move the importing code up")
     assert not lines, "imports against the layering (CONTRIBUTING.md):\n" + "\n".join(lines)
+
+
+def cycles(pairs: set[tuple[str, str]]) -> list[list[str]]:
+    """The import cycles among ``pairs`` (importer, imported): each strongly connected
+    group of more than one module, sorted."""
+    out: dict[str, set[str]] = {}
+    for a, b in pairs:
+        out.setdefault(a, set()).add(b)
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for m in out.get(todo.pop(), ()):
+                if m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        return seen
+
+    reached = {m: reach(m) for m in out}
+    groups = {frozenset(m2 for m2 in reached[m] if m in reached.get(m2, ())) | {m}
+              for m in out if m in reached[m]}
+    return sorted(sorted(g) for g in groups)
+
+
+def test_no_import_cycles() -> None:
+    """No module imports, through others, one that imports it back (imports that run:
+    a type named under ``if TYPE_CHECKING`` is left out, as Plan is in autopar.summary,
+    which Plan.summary() imports)."""
+    found = cycles(set(imports(package_modules(), types=False)))
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_cycles_are_found() -> None:
+    assert cycles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d"), ("d", "e"), ("e", "d"),
+                   ("f", "a")}) == [["a", "b", "c"], ["d", "e"]]
 
 
 def test_allowed_list_only_shrinks() -> None:

@@ -24,7 +24,7 @@ from autopar.demo import sgd_losses
 from autopar.plans import Plan
 from autopar.runtime import apply_plan
 from autopar.runtime.pipeline import split_for_plan
-from autopar.runtime.pipeline_split import pipeline_blocker
+from autopar.pipeline_split import pipeline_blocker
 from tests.dist_utils import RankPool
 from tests.foreign_models import (BATCH, SEQ, VOCAB, NanoGPT, TinyLlama, lm_loss,
                                    lm_sum_loss, nano_gpt)

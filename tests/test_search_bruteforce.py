@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.api import _experts, _heads
 from autopar.capture import capture
 from autopar.errors import NoFeasiblePlanError
+from autopar.planner_inputs import attention_heads, expert_count
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from autopar.examples.moe import MoEConfig, MoETransformer
@@ -138,7 +138,7 @@ def _setup(inst: Instance) -> Setup:
 
     def cands(**fixed) -> list[Candidate]:
         return candidates(cluster.world_size, inst.global_batch, num_units=len(g.layers) + 2,
-                          heads=_heads(g), experts=_experts(an, None),
+                          heads=attention_heads(g), experts=expert_count(an, None),
                           **{**inst.space, **fixed})
 
     if inst.budget_frac is not None:

@@ -191,8 +191,8 @@ def test_time_limit_bounds_the_whole_search():
 def test_the_bound_of_an_unbuilt_problem_is_below_every_plan_of_it(gpt):
     """:func:`flop_bound` (the gap's bound on a candidate whose problem the time limit
     left unbuilt) is below the step time of every plan the full search solves."""
-    from autopar.api import _heads
     from autopar.capture import capture
+    from autopar.planner_inputs import attention_heads
     from autopar.solvers.outer_search import search
     from autopar.solvers.search_bounds import flop_bound
     from autopar.solvers.search_space import candidates
@@ -201,7 +201,8 @@ def test_the_bound_of_an_unbuilt_problem_is_below_every_plan_of_it(gpt):
     model, x = gpt
     g = capture(model, x)
     hw = CLUSTER.hardware()
-    cands = candidates(CLUSTER.world_size, 16, num_units=len(g.layers) + 2, heads=_heads(g))
+    cands = candidates(CLUSTER.world_size, 16, num_units=len(g.layers) + 2,
+                       heads=attention_heads(g))
     res = search(analyze(g), cands, hw=hw, gpus_per_node=CLUSTER.gpus_per_node,
                  precision="bf16", optimizer="adamw",
                  memory_budget=float(hw.usable_memory_bytes), top_k=10_000)
