@@ -326,3 +326,51 @@ def example_gpt() -> tuple[nn.Module, tuple[torch.Tensor], torch.Tensor]:
     x, y = example_batch()
     return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM, n_layers=LAYERS,
                          n_heads=HEADS)), (x,), y
+
+
+class FusedAttention(nn.Module):
+    """Grouped-query attention with q, k and v from one projection (as Megatron-LM and
+    GPT-NeoX store them), cut apart by head counts, the key/value heads repeated with
+    ``repeat_interleave``; the math of autopar.examples.llama's attention."""
+
+    def __init__(self, cfg: "LlamaConfig") -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.heads = (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)
+        self.wqkv = nn.Linear(cfg.dim, sum(self.heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from autopar.examples.llama import apply_rope
+
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).view(b, t, -1, self.head_dim).split(self.heads, dim=2)
+        rep = self.heads[0] // self.heads[1]
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).repeat_interleave(rep, dim=2).transpose(1, 2)
+        v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).flatten(2))
+
+
+class FusedFeedForward(nn.Module):
+    """SwiGLU with the gate and up projections in one matrix, halved by ``chunk``."""
+
+    def __init__(self, cfg: "LlamaConfig") -> None:
+        super().__init__()
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+def fused_llama(cfg: "LlamaConfig") -> nn.Module:
+    """autopar.examples.llama's Llama with fused q/k/v and gate/up projections."""
+    from autopar.examples.llama import Llama
+
+    model = Llama(cfg)
+    for block in model.layers:
+        block.attn, block.ffn = FusedAttention(cfg), FusedFeedForward(cfg)
+    return model

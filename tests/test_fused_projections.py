@@ -14,11 +14,12 @@ from autopar.capture import capture
 from autopar.demo import reference_step, sgd_losses
 from autopar.errors import PlanFormatError
 from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples.llama import Llama, LlamaConfig
 from autopar.sharding import check_placement, layout_name, shard_dim, shard_pieces
 from autopar.strategies.analysis import analyze
 from tests.dist_utils import RankPool
 from tests.foreign_models import (FusedQKVAttention, NanoGPT, TinyLlama, example_batch,
-                                  fused_qkv_gpt, lm_loss)
+                                  fused_llama, fused_qkv_gpt, lm_loss)
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,6 +146,38 @@ def test_same_gpt_four_ways_same_price_at_megatrons_sizes(size: str) -> None:
     for kind, plan in plans.items():
         assert plan.step_time_s == pytest.approx(times["separate"], rel=0.05), times
         assert plan.loss_parallel, kind
+
+
+LLAMA = {  # size -> (shape, [(Spec, H100 nodes, global batch of 8,192-token sequences)])
+    "8b": (dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+           [(autopar.Spec(dp=8, zero=3), 1, 8),
+            (autopar.Spec(dp=2, tp=4, sequence_parallel=True, split_weights=True), 1, 16)]),
+    "70b": (dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+            [(autopar.Spec(dp=4, tp=8, zero=3, recompute="full", sequence_parallel=True,
+                           split_weights=True), 4, 32)]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", list(LLAMA))
+def test_same_llama_with_separate_or_fused_projections_same_price(size: str) -> None:
+    """Llama 3 8B and 70B on H100s, written as autopar.examples.llama is (separate q, k,
+    v and gate, up projections) and with each group fused (one grouped-query q/k/v
+    projection split by sizes, one gate/up projection halved by ``chunk``): priced
+    within 5% of each other, step and memory, under data parallelism and under
+    Megatron-style tensor parallelism (every block matrix split, sequence parallel)."""
+    shape, specs = LLAMA[size]
+    cfg = LlamaConfig(vocab_size=128256, max_seq_len=8192, **shape)
+    with torch.device("meta"):
+        models = {"separate": Llama(cfg), "fused": fused_llama(cfg)}
+    x = torch.zeros(1, 8192, dtype=torch.long, device="meta")
+    for spec, nodes, batch in specs:
+        plans = {kind: autopar.estimate(m, (x,), spec, global_batch=batch,
+                                        cluster=autopar.Cluster("h100-sxm", nodes=nodes))
+                 for kind, m in models.items()}
+        found = {k: (p.step_time_s, p.memory_per_device_bytes) for k, p in plans.items()}
+        assert found["fused"][0] == pytest.approx(found["separate"][0], rel=0.05), (spec, found)
+        assert found["fused"][1] == pytest.approx(found["separate"][1], rel=0.05), (spec, found)
 
 
 # ---- four gloo ranks ------------------------------------------------------------------
