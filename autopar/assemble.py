@@ -124,7 +124,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     times = {}
     for k, name in enumerate(built.names):
         sc = built.problem.nodes[k].strategies[sol.choice[k]]
-        times[name] = sc.device_s + sc.comm_s
+        times[name] = sc.total.device_s + sc.total.comm_s
     per_node = {n.name: times.get(g.canonical.get(n.name, n.name), 0.0) for n in g.nodes}
     modules = module_plans(an, chosen, tp_axis, params, per_node)
     memory = memory_breakdown(built, sol)
@@ -253,7 +253,7 @@ def memory_breakdown(built: Built, sol: Solution) -> dict[str, float]:
         for cat, v in s.memory.items():
             memory[cat] = memory.get(cat, 0.0) + node.multiplicity * v
         memory["gathered"] += node.gather_multiplicity * \
-            node.strategies[sol.choice[k]].gather_bytes
+            node.strategies[sol.choice[k]].total.gather_bytes
     modes = sol.modes or [0] * len(built.problem.recompute)
     for grp, r in zip(built.problem.recompute, modes):
         for k, v in enumerate(grp.nodes):

@@ -54,7 +54,7 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
 
     def mem(v: int, i: int) -> float:
         node = p.nodes[v]
-        s = node.strategies[i]
+        s = node.strategies[i].total
         if pp == 1:
             own = s.memory_bytes
         else:
@@ -68,11 +68,11 @@ def combo_bounds(p: Problem, activations: list[list[float]] | None = None, pp: i
     bwd_by_mode = [{r: 0.0 for r in grp.allowed} for grp in p.recompute]
     for v, node in enumerate(p.nodes):
         m = node.multiplicity
-        param_time += m * min(s.micro_param_comm_s + s.comm_s for s in node.strategies)
-        host_time += m * min(s.host_s + s.param_host_s for s in node.strategies)
-        optimizer += m * min(s.optimizer_s for s in node.strategies)
-        step_comm += m * min(s.step_param_comm_s for s in node.strategies)
-        ss = node.strategies
+        ss = [c.total for c in node.strategies]
+        param_time += m * min(s.micro_param_comm_s + s.comm_s for s in ss)
+        host_time += m * min(s.all_host_s for s in ss)
+        optimizer += m * min(s.optimizer_s for s in ss)
+        step_comm += m * min(s.step_param_comm_s for s in ss)
         mems = [mem(v, i) for i in range(len(ss))]
         starts = [m * s.backward_start_bytes for s in ss]
         if v not in grouped:
@@ -226,8 +226,8 @@ def tree_bound(p: Problem, extra: list[list[float]] | None = None) -> float:
     for v in range(n - 1, -1, -1):
         node = p.nodes[v]
         add = extra[v] if extra is not None else None
-        row = [node.multiplicity * (s.device_s + s.comm_s) + (add[i] if add else 0.0)
-               for i, s in enumerate(node.strategies)]
+        row = [node.multiplicity * (c.total.device_s + c.total.comm_s)
+               + (add[i] if add else 0.0) for i, c in enumerate(node.strategies)]
         for k in children[v]:
             e = p.edges[k]
             sub = best[e.v]

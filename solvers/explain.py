@@ -71,7 +71,7 @@ def local_terms(p: Problem, nodes: list[int], choice: list[int],
     picked = set(nodes)
     comp = redo = comm = opt = pc = mem = 0.0
     for v in nodes:
-        node, s = p.nodes[v], p.nodes[v].strategies[choice[v]]
+        node, s = p.nodes[v], p.nodes[v].strategies[choice[v]].total
         m = node.multiplicity
         comp += n * m * s.device_s
         comm += n * m * s.comm_s

@@ -220,8 +220,8 @@ class IntraOpILP:
         """k·C: fixed + Σ_v Σ_i x[v,i] (m_v·memory[v,i] + g_v·gather[v,i])
         + Σ_g Σ_{k,C,r} w·a_g·m_v·act_delta."""
         p = self.p
-        terms = [(x, k * (n.multiplicity * s.memory_bytes
-                          + n.gather_multiplicity * s.gather_bytes))
+        terms = [(x, k * (n.multiplicity * s.total.memory_bytes
+                          + n.gather_multiplicity * s.total.gather_bytes))
                  for n, xs in zip(p.nodes, self.x) for s, x in zip(n.strategies, xs)]
         return terms + self._recompute_sum("memory", k)
 
@@ -241,9 +241,9 @@ class IntraOpILP:
         self.common = pulp.LpVariable("memory_common")
         self.model += self.common == _affine(self._common_memory(k)) + k * p.fixed_memory, \
             "memory_common_def"
-        start = [(x, k * n.multiplicity * s.backward_start_bytes)
+        start = [(x, k * n.multiplicity * s.total.backward_start_bytes)
                  for n, xs in zip(p.nodes, self.x) for s, x in zip(n.strategies, xs)
-                 if s.backward_start_bytes]
+                 if s.total.backward_start_bytes]
         self.model += self.common + _affine(start) <= k * p.memory_budget, "memory"
 
     def add_recompute_memory_budget(self) -> None:
@@ -253,8 +253,8 @@ class IntraOpILP:
         if p.memory_budget == float("inf"):
             return
         k = self._scale()
-        redo = [(x, k * s.recompute_bytes) for n, xs in zip(p.nodes, self.x)
-                for s, x in zip(n.strategies, xs) if s.recompute_bytes]
+        redo = [(x, k * s.total.recompute_bytes) for n, xs in zip(p.nodes, self.x)
+                for s, x in zip(n.strategies, xs) if s.total.recompute_bytes]
         for g, grp in enumerate(p.recompute):
             for (kk, c, r), w in self.w[g].items():
                 t = grp.transient[kk][self.classes[g][kk][c][0]][r]
@@ -264,21 +264,21 @@ class IntraOpILP:
             self.model += self.common + _affine(redo) <= k * p.memory_budget, \
                 "memory_recompute"
 
-    def _sum(self, attr: str) -> pulp.LpAffineExpression:
-        """Σ_v Σ_i TIME·m_v·attr[v,i]·x[v,i] (compute and bwd_compute: plus the
-        recomputed forwards); built once per attribute, a fresh copy per call."""
-        if attr not in self.sums:
-            read = {"compute_s": "device_s", "bwd_compute_s": "device_bwd_s"}.get(attr, attr)
-            terms = [(x, self.TIME * n.multiplicity * getattr(s, read))
+    def _sum(self, term: str) -> pulp.LpAffineExpression:
+        """Σ_v Σ_i TIME·m_v·term[v,i]·x[v,i] of a term of the cost record
+        (:data:`~autopar.solvers.cost_record.TERMS`; device time: plus the recomputed
+        forwards); built once per term, a fresh copy per call."""
+        if term not in self.sums:
+            terms = [(x, self.TIME * n.multiplicity * getattr(s.total, term))
                      for n, xs in zip(self.p.nodes, self.x)
-                     for s, x in zip(n.strategies, xs) if getattr(s, read)]
-            if attr in ("compute_s", "bwd_compute_s"):  # recomputation runs in backward
+                     for s, x in zip(n.strategies, xs) if getattr(s.total, term)]
+            if term in ("device_s", "device_bwd_s"):  # recomputation runs in backward
                 terms += self._recompute_sum("time", self.TIME)
                 terms += [(self.y[k][ij], self.TIME * e.multiplicity * c)
                           for k, e in enumerate(self.p.edges) for ij, c in e.recompute.items()
                           if ij in self.y[k]]
-            self.sums[attr] = _affine(terms)
-        return self.sums[attr].copy()
+            self.sums[term] = _affine(terms)
+        return self.sums[term].copy()
 
     def set_objective(self) -> None:
         """min n·(Σ m·(compute + comm) + Σ_e m_e·cost_e·y_e) + E_step + n·E_micro, with
@@ -294,10 +294,10 @@ class IntraOpILP:
         e_step = pulp.LpVariable("exposed_step", 0)
         e_micro = pulp.LpVariable("exposed_micro", 0)
         self.model += e_step >= self._sum("step_param_comm_s") - p.overlap * self._sum(
-            "bwd_compute_s"), "exposed_step_def"
+            "device_bwd_s"), "exposed_step_def"
         self.model += e_micro >= self._sum("micro_param_comm_s") - p.overlap * self._sum(
-            "compute_s"), "exposed_micro_def"
-        total = n * (self._sum("compute_s") + self._sum("comm_s") + edge_cost) \
+            "device_s"), "exposed_micro_def"
+        total = n * (self._sum("device_s") + self._sum("comm_s") + edge_cost) \
             + e_step + n * e_micro + self._sum("optimizer_s")
         if self.mix is None:
             exposure = self._host_exposure(total, edge_cost)
@@ -328,8 +328,8 @@ class IntraOpILP:
         if p.host_phases:
             n = p.num_microbatches
             half = (self._sum("comm_s") + edge_cost) * 0.5
-            d_bwd = self._sum("bwd_compute_s") + half
-            d_fwd = self._sum("compute_s") - self._sum("bwd_compute_s") + half
+            d_bwd = self._sum("device_bwd_s") + half
+            d_fwd = self._sum("device_s") - self._sum("device_bwd_s") + half
             h_bwd = self._sum("all_host_bwd_s") + _affine(
                 self._recompute_sum("host_bwd", self.TIME))
             h_fwd = self._sum("all_host_s") - self._sum("all_host_bwd_s") + _affine(
@@ -369,7 +369,8 @@ class IntraOpILP:
 def has_host_seconds(p: Problem) -> bool:
     """Whether any strategy or recomputation mode of ``p`` has host seconds (a GPU
     profile's), so that the exposed host time H of (**) can be above 0."""
-    return any(s.all_host_s or s.host_step_s for nd in p.nodes for s in nd.strategies) \
+    return any(s.total.all_host_s or s.total.host_step_s
+               for nd in p.nodes for s in nd.strategies) \
         or any(g.host_fwd_s for g in p.recompute)
 
 

@@ -20,8 +20,8 @@ __all__ = ["ENUMERATE_MODES", "solve_ilp"]
 def _recompute_only_adds_time(problem: Problem) -> bool:
     """True when no strategy pays both per-step and per-micro-batch parameter traffic
     (then T(s, r) ≥ T(s, none) for every assignment s and modes r)."""
-    step = any(s.step_param_comm_s for n in problem.nodes for s in n.strategies)
-    micro = any(s.micro_param_comm_s for n in problem.nodes for s in n.strategies)
+    step = any(s.total.step_param_comm_s for n in problem.nodes for s in n.strategies)
+    micro = any(s.total.micro_param_comm_s for n in problem.nodes for s in n.strategies)
     return not (step and micro)
 
 
@@ -32,7 +32,7 @@ def _least_time(problem: Problem) -> float:
     from autopar.solvers.bounds import tree_bound
 
     return problem.num_microbatches * tree_bound(problem) + sum(
-        n.multiplicity * min(s.optimizer_s for s in n.strategies) for n in problem.nodes)
+        n.multiplicity * min(s.total.optimizer_s for s in n.strategies) for n in problem.nodes)
 
 
 ENUMERATE_MODES = 9

@@ -101,7 +101,7 @@ def pipeline_problem(g: Graph, built: Built, pp: int, held: int) -> Problem:
         costs = []
         for i, (sc, ns) in enumerate(zip(node.strategies, details)):
             act = ns.memory.get("activations", 0.0)
-            static = sc.memory_bytes - act + copies.get((k, i), 0.0)
+            static = sc.total.memory_bytes - act + copies.get((k, i), 0.0)
             costs.append(replace(sc, memory_bytes=(static + act * held) / pp))
         nodes.append(NodeChoice(node.name, costs, node.multiplicity, node.gather_multiplicity))
     groups = [replace(grp, activation_scale=held / pp) for grp in built.problem.recompute]

@@ -17,59 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.solvers.cost_record import StrategyCost
 from autopar.solvers.cost_terms import StepTerms
-
-
-@dataclass
-class StrategyCost:
-    """Costs of one strategy of one node (seconds per micro-batch unless stated).
-
-    ``optimizer_s`` is per step. ``param_copy_s`` (of it ``param_copy_bwd_s`` in the
-    backward) is FSDP2's copying of the node's parameters
-    (:mod:`autopar.cost_models.param_work`), device time beside ``compute_s`` (the op's
-    own forward + backward), kept apart so that a change of ZeRO stage or micro-batch
-    count reprices it alone; :attr:`device_s` is the two together."""
-
-    name: str
-    compute_s: float = 0.0
-    bwd_compute_s: float = 0.0
-    comm_s: float = 0.0
-    all_to_all_s: float = 0.0  # the part of comm_s that moves tokens from their experts
-    micro_param_comm_s: float = 0.0
-    step_param_comm_s: float = 0.0
-    memory_bytes: float = 0.0
-    gather_bytes: float = 0.0
-    optimizer_s: float = 0.0
-    backward_start_bytes: float = 0.0
-    recompute_bytes: float = 0.0
-    param_copy_s: float = 0.0
-    param_copy_bwd_s: float = 0.0
-    host_s: float = 0.0
-    host_bwd_s: float = 0.0
-    param_host_s: float = 0.0
-    param_host_bwd_s: float = 0.0
-    host_step_s: float = 0.0
-
-    @property
-    def device_s(self) -> float:
-        """Forward + backward device seconds: the op's compute and the copies."""
-        return self.compute_s + self.param_copy_s
-
-    @property
-    def device_bwd_s(self) -> float:
-        """The backward's part of :attr:`device_s`."""
-        return self.bwd_compute_s + self.param_copy_bwd_s
-
-    @property
-    def all_host_s(self) -> float:
-        """Forward + backward host seconds per micro-batch: the op's dispatch
-        (``host_s``) and FSDP2's hooks for its parameters (``param_host_s``)."""
-        return self.host_s + self.param_host_s
-
-    @property
-    def all_host_bwd_s(self) -> float:
-        """The backward's part of :attr:`all_host_s`."""
-        return self.host_bwd_s + self.param_host_bwd_s
 
 
 @dataclass
@@ -269,7 +218,7 @@ def evaluate(p: Problem, choice: list[int], modes: list[int] | None = None) -> E
             hf, hb = grp.host(k, i, r)
             h_fwd, h_bwd = h_fwd + m * hf, h_bwd + m * hb
     for node, i in zip(p.nodes, choice):
-        s = node.strategies[i]
+        s = node.strategies[i].total
         m = node.multiplicity
         comp += m * s.device_s
         bwd += m * s.device_bwd_s
@@ -325,7 +274,7 @@ def least_memory(p: Problem) -> float:
     with_start = with_redo = p.fixed_memory
     for v, n in enumerate(p.nodes):
         a = b = float("inf")
-        for i, s in enumerate(n.strategies):
+        for i, s in enumerate(c.total for c in n.strategies):
             m = n.multiplicity * s.memory_bytes + n.gather_multiplicity * s.gather_bytes
             redo = s.recompute_bytes
             if v in saving:

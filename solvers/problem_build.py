@@ -20,8 +20,8 @@ from autopar.cost_models.strategy_price import OpTerms, StrategyPrice, StrategyP
 from autopar.errors import NoFeasiblePlanError
 from autopar.graph import OpNode
 from autopar.memory_choices import RECOMPUTE
-from autopar.solvers.problem import (EdgeChoice, NodeChoice, Problem, RecomputeGroup,
-                                     StrategyCost, Tie)
+from autopar.solvers.cost_record import StrategyCost
+from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, RecomputeGroup, Tie
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.edges import edge_counts, edge_options, shared_conversion, tied_groups
 from autopar.strategies.enumeration import NodeStrategy

@@ -89,7 +89,7 @@ def _consumers(built: Built, c: Candidate) -> dict[str, float]:
     held = in_flight(c.schedule, c.pp, c.num_microbatches) if c.pp > 1 else 1
     cats: dict[str, float] = {}
     for k, n in enumerate(built.problem.nodes):
-        i = min(range(len(n.strategies)), key=lambda j: n.strategies[j].memory_bytes)
+        i = min(range(len(n.strategies)), key=lambda j: n.strategies[j].total.memory_bytes)
         for cat, v in built.strategies[k][i].memory.items():
             scale = held if cat == "activations" else 1
             cats[cat] = cats.get(cat, 0.0) + n.multiplicity * v * scale / c.pp

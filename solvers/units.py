@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from autopar.graph import Graph
 from autopar.sharding import replica_degree, shard_count
 from autopar.solvers.cost_terms import PieceCost
-from autopar.solvers.problem import Problem, StrategyCost, edge_rerun
+from autopar.solvers.cost_record import StrategyCost
+from autopar.solvers.problem import Problem, edge_rerun
 from autopar.solvers.problem_build import Built
 from autopar.strategies.analysis import param_users
 
@@ -84,10 +85,10 @@ def backward_transients(problem: Problem, choice: list[int],
                         modes: list[int]) -> tuple[float, float]:
     """(bytes at the start of backward: the logits' gradient; bytes the block being
     recomputed holds again, the largest over groups, one block at a time)."""
-    redo = sum(n.strategies[i].recompute_bytes for n, i in zip(problem.nodes, choice))
+    redo = sum(n.strategies[i].total.recompute_bytes for n, i in zip(problem.nodes, choice))
     for grp, r in zip(problem.recompute, modes):
         redo = max(redo, sum(grp.transient[k][choice[v]][r] for k, v in enumerate(grp.nodes)))
-    start = sum(n.multiplicity * n.strategies[i].backward_start_bytes
+    start = sum(n.multiplicity * n.strategies[i].total.backward_start_bytes
                 for n, i in zip(problem.nodes, choice))
     return start, redo
 
@@ -118,10 +119,11 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
         k = index.get(g.canonical.get(n.name, n.name))
         if k is None:
             continue
-        s = problem.nodes[k].strategies[choice[k]]
+        sc = problem.nodes[k].strategies[choice[k]]
+        s = sc.total
         u = units[where[n.name]]
-        u.forward_s += forward_share(s)
-        u.backward_s += backward_share(s)
+        u.forward_s += forward_share(sc)
+        u.backward_s += backward_share(sc)
         u.backward_weight_s += s.device_bwd_s / 2  # weight grad: one of backward's 2 GEMMs
         u.step_comm_s += s.step_param_comm_s
         u.optimizer_s += s.optimizer_s
@@ -148,13 +150,15 @@ def unit_costs(g: Graph, built: Built, choice: list[int], modes: list[int] | Non
 def forward_share(s: StrategyCost) -> float:
     """The seconds one instance of strategy ``s`` adds to its unit's forward per
     micro-batch: its compute less the backward's, and half its collectives."""
-    return s.device_s - s.device_bwd_s + s.comm_s / 2
+    t = s.total
+    return t.device_s - t.device_bwd_s + t.comm_s / 2
 
 
 def backward_share(s: StrategyCost) -> float:
     """The seconds one instance of strategy ``s`` adds to its unit's backward per
     micro-batch: the backward's compute, half its collectives and its ZeRO-3 traffic."""
-    return s.device_bwd_s + s.comm_s / 2 + s.micro_param_comm_s
+    t = s.total
+    return t.device_bwd_s + t.comm_s / 2 + t.micro_param_comm_s
 
 
 def unit_members(g: Graph) -> list[dict[str, int]]:
@@ -180,7 +184,7 @@ def least_unit_costs(built: Built, members: list[dict[str, int]]) -> list[PieceC
     for name, node in zip(built.names, built.problem.nodes):
         ss = node.strategies
         least[name] = (min(map(forward_share, ss)), min(map(backward_share, ss)),
-                       min(s.optimizer_s for s in ss))
+                       min(s.total.optimizer_s for s in ss))
     out = []
     for row in members:
         f = b = o = 0.0
@@ -277,10 +281,10 @@ def add_tied_copies(g: Graph, built: Built, choice: list[int], units: list[Unit]
             u = units[r]
             u.static_bytes += static
             u.forward_s += (s.param_copy_s - s.param_copy_bwd_s) * frac
-            u.backward_s += (s.param_copy_bwd_s + s.micro_param_comm_s) * frac
-            u.param_comm_s += s.micro_param_comm_s * frac
-            u.step_comm_s += s.step_param_comm_s * frac
-            u.optimizer_s += s.optimizer_s * frac + sync(4.0 * own[copy.param] / shard)
+            u.backward_s += (s.param_copy_bwd_s + s.total.micro_param_comm_s) * frac
+            u.param_comm_s += s.total.micro_param_comm_s * frac
+            u.step_comm_s += s.total.step_param_comm_s * frac
+            u.optimizer_s += s.total.optimizer_s * frac + sync(4.0 * own[copy.param] / shard)
 
 
 def _add_edges(g: Graph, problem: Problem, names: list[str], choice: list[int],

@@ -18,7 +18,8 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.explain_words import EXPLAIN_TERMS
 from autopar.report import render_report
 from autopar.solvers.explain import price_alternatives
-from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost
+from autopar.solvers.cost_record import StrategyCost
+from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem
 
 CLUSTER = autopar.Cluster("cpu", 1, 4)
 

@@ -7,7 +7,8 @@ taken verbatim from this file."""
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,14 @@ import autopar
 from autopar.capture import capture
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
+from autopar.solvers.bounds import tree_bound
+from autopar.solvers.cost_record import StrategyCost, term
 from autopar.solvers.cost_terms import PieceCost
 from autopar.solvers.intra_op_solve import solve_ilp
 from autopar.solvers.problem import Problem, evaluate
-from autopar.solvers.problem_build import build_problem
+from autopar.solvers.problem_build import Built, build_problem
 from autopar.solvers.schedule_sim import Timeline, simulate
+from autopar.solvers.units import unit_costs
 from autopar.strategies import rules
 from autopar.strategies.analysis import analyze
 from autopar.strategies.settings import Settings
@@ -222,7 +226,7 @@ def greedy(p: Problem) -> list[int]:
         return next((k for k, g in enumerate(groups) if i in g), -1)
 
     def cost(v: int, i: int) -> float:
-        s = p.nodes[v].strategies[i]
+        s = p.nodes[v].strategies[i].total
         total = p.nodes[v].multiplicity * (s.device_s + s.comm_s)
         for e in edges_at[v]:
             pair = (choice[e.u], i) if e.v == v else (i, choice[e.v])
@@ -282,6 +286,51 @@ def test_a_swapped_cost_model_is_solved_and_compared() -> None:
     new = evaluate(slow_links, resolved.choice, resolved.modes)
     assert new.feasible and new.step_time_s <= old.step_time_s
     assert new.comm_s < old.comm_s  # it trades communication away
+
+
+@dataclass
+class WithLaunches(StrategyCost):
+    """The solver's record with one more term: kernel launches the pricer left out
+    (seconds per micro-batch, forward + backward), part of the device's time."""
+
+    launch_s: float = term("device_s")
+
+
+def with_launches(built: Built, seconds: Callable[[int, int], float]) -> Built:
+    """``built`` with strategy i of node v paying ``seconds(v, i)`` of launches."""
+    def more(v: int, i: int, s: StrategyCost) -> WithLaunches:
+        given = {f.name: getattr(s, f.name) for f in fields(s) if f.init}
+        return WithLaunches(**given, launch_s=seconds(v, i))
+
+    nodes = [replace(n, strategies=[more(v, i, s) for i, s in enumerate(n.strategies)])
+             for v, n in enumerate(built.problem.nodes)]
+    return replace(built, problem=replace(built.problem, nodes=nodes))
+
+
+def test_a_new_term_reaches_the_objective_the_bounds_and_the_units() -> None:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50304, max_seq_len=2048, dim=4096, n_layers=2,
+                              n_heads=32))
+    x = torch.randint(0, 50304, (16, 2048), device="meta")
+    g = capture(model, (x,))
+    st = Settings(mesh=Mesh(("dp", "tp"), (2, 4)), microbatch_size=4, num_microbatches=2,
+                  zero=0, precision="bf16", optimizer="adamw", memory_budget=70e9,
+                  hw=autopar.Cluster("h100-sxm", 1, 8).hardware(), gpus_per_node=8)
+    built = build_problem(analyze(g), st)
+    more = with_launches(built, lambda v, i: 1e-4)
+    p, q = built.problem, more.problem
+    per_microbatch = 1e-4 * sum(n.multiplicity for n in p.nodes)
+    shipped = solve_ilp(p)
+    before = evaluate(p, shipped.choice, shipped.modes)
+    after = evaluate(q, shipped.choice, shipped.modes)
+    assert after.compute_s == pytest.approx(before.compute_s + 2 * per_microbatch)
+    assert tree_bound(q) == pytest.approx(tree_bound(p) + per_microbatch)
+    v = max(range(len(p.nodes)), key=lambda k: len(p.nodes[k].strategies))
+    avoid = with_launches(built, lambda k, i: 1.0 if (k, i) == (v, shipped.choice[v]) else 0.0)
+    assert solve_ilp(avoid.problem).choice[v] != shipped.choice[v]  # the ILP sees it too
+    units = [unit_costs(g, b, shipped.choice, shipped.modes) for b in (built, more)]
+    forward = [sum(u.forward_s for u in us) for us in units]
+    assert forward[1] == pytest.approx(forward[0] + per_microbatch)
 
 
 def test_every_python_block_of_the_page_is_code_of_this_file() -> None:

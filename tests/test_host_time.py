@@ -21,10 +21,11 @@ from autopar.plans import RECOMPUTE, SELECTIVE_SAVE_OPS
 from autopar.sharding import Mesh
 from autopar.solvers.exhaustive import solve_exhaustive
 from autopar.solvers import intra_op_host
+from autopar.solvers.cost_record import StrategyCost
 from autopar.solvers.intra_op_ilp import IntraOpILP
 from autopar.solvers.intra_op_solve import solve_ilp
-from autopar.solvers.problem import (NodeChoice, Problem, RecomputeGroup, StrategyCost,
-                                     evaluate, host_exposure)
+from autopar.solvers.problem import (NodeChoice, Problem, RecomputeGroup, evaluate,
+                                     host_exposure)
 from autopar.solvers.problem_build import build_problem
 from autopar.strategies.analysis import analyze
 from autopar.strategies.settings import Settings

@@ -23,7 +23,8 @@ from autopar.cost_models.strategy_price import StrategyPricer
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.sharding import Mesh
 from autopar.solvers.intra_op_ilp import IntraOpILP
-from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost
+from autopar.solvers.cost_record import StrategyCost
+from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem
 from autopar.solvers.problem_build import Built, build_problem
 from autopar.strategies.analysis import analyze
 from autopar.strategies.settings import Settings

@@ -7,7 +7,8 @@ import pytest
 from autopar.errors import NoFeasiblePlanError
 from autopar.solvers.exhaustive import solve_exhaustive
 from autopar.solvers.intra_op_solve import solve_ilp
-from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, StrategyCost, Tie, evaluate
+from autopar.solvers.cost_record import StrategyCost
+from autopar.solvers.problem import EdgeChoice, NodeChoice, Problem, Tie, evaluate
 
 
 def random_problem(seed: int, n_nodes: int = 5, budget_frac: float = 0.8) -> Problem:
