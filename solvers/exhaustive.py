@@ -23,7 +23,7 @@ from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.graph import Graph
 from autopar.solvers.idle_axis import splits_nothing
 from autopar.solvers.intra_op_ilp import Solution
-from autopar.solvers.search_space import Candidate, candidate_settings, mesh_key, tiers
+from autopar.solvers.search_space import Candidate, candidate_settings, problem_key, tiers
 from autopar.solvers.pipelined_candidate import (boundary_p2p, rank_host_time, rank_transients,
                                                  shared_cores_time, tied_sync)
 from autopar.solvers.problem import Problem, evaluate
@@ -272,7 +272,7 @@ def _best_of(an: GraphAnalysis, cands: list[Candidate], **kw) -> BruteForceResul
     times: dict[Candidate, float | None] = {}
     built_by: dict[tuple, Built | NoFeasiblePlanError] = {}
     for c in cands:
-        key = mesh_key(c)
+        key = problem_key(c)
         if key not in built_by:  # one intra-op problem for every pipeline shape
             try:
                 built_by[key] = build_problem(an, candidate_settings(c, **kw))

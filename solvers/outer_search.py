@@ -30,7 +30,7 @@ from autopar.solvers.problem import evaluate
 from autopar.solvers.problem_build import Built, build_problem
 from autopar.solvers.search_bounds import (candidate_bounds, flop_bound, lower_bound_memory,
                                            no_fit_message)
-from autopar.solvers.search_space import Candidate, Outcome, candidate_settings, mesh_key, tiers
+from autopar.solvers.search_space import Candidate, Outcome, candidate_settings, problem_key, tiers
 from autopar.strategies.analysis import GraphAnalysis
 
 
@@ -245,10 +245,10 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                           compile_blocks=compile_blocks, deadline=_halfway(deadline),
                           need_one=not have_plan, max_built=max_built)
     if unbuilt is not None:
-        unbuilt.extend(c for c in cands if isinstance(built_by[mesh_key(c)], _NotBuilt))
+        unbuilt.extend(c for c in cands if isinstance(built_by[problem_key(c)], _NotBuilt))
     bound = candidate_bounds(an.graph, cands, built_by, memory_budget)
     timed_out = [c for c in cands  # their problems left unbuilt by the time limit
-                 if isinstance(built_by[mesh_key(c)], _OutOfTimeBuilding)]
+                 if isinstance(built_by[problem_key(c)], _OutOfTimeBuilding)]
     unproven: list[float] = [flop_bound(an.graph, c, hw, precision) for c in timed_out]
     order = sorted(range(len(cands)), key=lambda k: (bound[k], k))
     rank = {k: i for i, k in enumerate(order)}  # ties between equal plans go by it
@@ -270,7 +270,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         left = None if deadline is None or not kept else deadline - time.perf_counter()
         limit = _limit(kept, top_k) if beat is None else beat
         try:
-            scored = _score(an, c, built_by[mesh_key(c)], bound[k], limit, solved, outcomes,
+            scored = _score(an, c, built_by[problem_key(c)], bound[k], limit, solved, outcomes,
                             infeasible, refine=refine, time_limit_s=left,
                             pruned=None if beat is None or top_k == 1 else RUNNER_UP_PRUNED)
         except SolverTimeout:
@@ -413,7 +413,7 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
                compile_blocks: bool = False, deadline: float | None = None,
                need_one: bool = False, max_built: int | None = None
                ) -> dict[tuple, Built | NoFeasiblePlanError]:
-    """One intra-op problem per distinct :func:`mesh_key` (or the error saying an op has
+    """One intra-op problem per distinct :func:`problem_key` (or the error saying an op has
     no strategy on that mesh, or that a smaller micro-batch already needs more memory
     than the budget, or :class:`_NotBuilt` past ``max_built`` problems, or
     :class:`_OutOfTimeBuilding` past ``deadline`` — with ``need_one``, only once a
@@ -429,7 +429,7 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     layouts: dict = {}  # build_problem's cache: layouts shared across ZeRO stages
     users: dict[tuple, list[Candidate]] = {}
     for c in cands:
-        users.setdefault(mesh_key(c), []).append(c)
+        users.setdefault(problem_key(c), []).append(c)
     hopeless: dict[tuple, int] = {}  # batch group -> the micro-batch size that did not fit
     built_count = 0
     fitting = not need_one or deadline is None  # a problem that may hold a plan is built

@@ -237,7 +237,7 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                     compiled=compile_blocks and c.pp == 1)
 
 
-def mesh_key(c: Candidate) -> tuple:
+def problem_key(c: Candidate) -> tuple:
     """What a candidate's intra-op problem depends on (pipelined or not)."""
     return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload, c.ep,
             c.split_experts, c.expert_imbalance, c.cp, c.cp_variant)
