@@ -143,10 +143,12 @@ def expert_count(an, ep: int | None) -> int:
 
 
 def cp_variants(an, spec: Spec) -> tuple[str, ...]:
-    """The context-parallel variants the search may try on the analysed graph: all,
-    or none where the sequence cannot be split (ConfigError naming where, when ``cp``
-    > 1 was asked for, or a sequence 2·cp does not divide)."""
-    from autopar.cost_models.context_parallel import VARIANTS
+    """The context-parallel variants the search may try on the analysed graph: those
+    of :data:`~autopar.cost_models.context_parallel.SEARCHED_VARIANTS`, every one when
+    ``cp_variant`` asks for the ring, or none where the sequence cannot be split
+    (ConfigError naming where, when ``cp`` > 1 was asked for, or a sequence 2·cp does
+    not divide)."""
+    from autopar.cost_models.context_parallel import SEARCHED_VARIANTS, VARIANTS
 
     seq = an.sequence
     asked = spec.cp is not None and spec.cp > 1
@@ -163,7 +165,7 @@ def cp_variants(an, spec: Spec) -> tuple[str, ...]:
         raise ConfigError(f"cp={spec.cp} cuts each sequence into {2 * spec.cp} head-tail "
                           f"chunks (equal causal work per rank), which do not divide "
                           f"{seq.length} tokens; choose a cp that divides {seq.length // 2}")
-    return VARIANTS
+    return VARIANTS if spec.cp_variant == "ring" else SEARCHED_VARIANTS
 
 
 def check_pipeline_depth(pp: int | None, num_blocks: int) -> None:

@@ -24,13 +24,28 @@ from autopar.cost_models.hardware import HardwareProfile, LinkSpec
 from autopar.cost_models.tables import ELEMENT_BYTES
 from autopar.errors import ConfigError
 
-__all__ = ["VARIANTS", "AttentionShape", "CPAttentionCost", "attention_call_s",
-           "cp_attention", "local_calls"]
+__all__ = ["VARIANTS", "SEARCHED_VARIANTS", "MASKED_SLOWDOWN", "AttentionShape",
+           "CPAttentionCost", "attention_call_s", "cp_attention", "local_calls"]
 
 VARIANTS = ("allgather", "ring", "ulysses")
 """The context-parallel attention variants (module docstring)."""
 
+SEARCHED_VARIANTS = ("allgather", "ulysses")
+"""The variants the search tries where none is asked for: not the ring, whose runtime
+(``autopar.runtime.context_parallel.ring_attention``) writes each block's scores out
+for the log-sum-exp merge, a reference form that its price (flash rates, the block's
+scores never held) does not describe."""
+
 SDPA = "aten.scaled_dot_product_attention.default"
+
+MASKED_SLOWDOWN = 1.44
+"""How much longer a call of fewer queries than keys, masked causally from the keys' end
+(the all-gather variant's chunk on its key prefix), takes than its attended pairs at the
+profile's attention rate: PyTorch's flash kernel runs ``is_causal`` (a square mask)
+only, so a bottom-right mask runs a slower kernel. Measured on one H100
+(benchmarks/results/h100_attention_long.json, 2026-11-26): each all-gather case less
+its square call, priced, over the masked call priced, at 8K, 32K and 128K tokens and
+cp 2, 4, 8: 1.16 to 1.79, median 1.44 (nine cases)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +97,8 @@ def attention_call_s(hw: HardwareProfile, batch: int, heads: int, kv_heads: int,
     ``k_len`` keys; causal masks the queries' upper triangle, aligned to the keys' end
     (a query chunk attending to the key prefix that ends with it). FLOPs:
     4·batch·heads·head_dim per attended (query, key) pair (autopar.flops' convention),
-    2.5x that backward."""
+    2.5x that backward; fewer queries than keys, causal: :data:`MASKED_SLOWDOWN` times
+    that."""
     pairs = q_len * k_len - (q_len * q_len / 2.0 if causal else 0.0)
     flops = 4.0 * batch * heads * head_dim * pairs
     b = ELEMENT_BYTES.get(dtype, 4)
@@ -91,8 +107,9 @@ def attention_call_s(hw: HardwareProfile, batch: int, heads: int, kv_heads: int,
                              (batch, kv_heads, k_len, head_dim)),
                       (batch, heads, q_len, head_dim), causal)
     ff, fb = backward_factors(SDPA)
-    return (op_time(shapes, flops, nbytes, backward=False, dtype=dtype, hw=hw),
-            op_time(shapes, flops * ff, nbytes * fb, backward=True, dtype=dtype, hw=hw))
+    slow = MASKED_SLOWDOWN if causal and q_len < k_len else 1.0
+    return (slow * op_time(shapes, flops, nbytes, backward=False, dtype=dtype, hw=hw),
+            slow * op_time(shapes, flops * ff, nbytes * fb, backward=True, dtype=dtype, hw=hw))
 
 
 def local_calls(variant: str, cp: int, a: AttentionShape) -> list[tuple[int, int, int, int, bool]]:

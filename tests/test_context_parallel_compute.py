@@ -33,10 +33,12 @@ def analysis(gpt2):
 
 
 def pricer(an, cp: int, microbatch: int = 4) -> StrategyPricer:
-    """Prices on dp=4/cp x cp x tp=2 (dp=4 x tp=2 for cp=1)."""
+    """Prices on dp=4/cp x cp x tp=2 (dp=4 x tp=2 for cp=1), attention by the ring (the
+    all-gather variant's chunk on its key prefix runs a slower kernel:
+    autopar.cost_models.context_parallel.MASKED_SLOWDOWN)."""
     mesh = Mesh(("dp", "cp", "tp"), (4 // cp, cp, 2)) if cp > 1 else Mesh(("dp", "tp"), (4, 2))
     return StrategyPricer(an, Settings(mesh, microbatch, 1, 0, "bf16", "adamw", 80e9, HW, 8,
-                                       cp_variant="allgather"))
+                                       cp_variant="ring"))
 
 
 def block_ops(an):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.cost_models.context_parallel import (AttentionShape, attention_call_s,
-                                                  cp_attention, local_calls)
+from autopar.cost_models.context_parallel import (MASKED_SLOWDOWN, AttentionShape,
+                                                  attention_call_s, cp_attention, local_calls)
 from autopar.cost_models.hardware import LinkSpec
 from autopar.errors import ConfigError
 
@@ -26,9 +26,17 @@ def roofline(pairs: float, heads: int) -> float:
 
 
 def test_one_call_is_its_attended_pairs_at_the_matrix_rate():
+    f, b = attention_call_s(HW, 1, 32, 8, 32768, 32768, 128, True, "bf16")
+    assert f + b == pytest.approx(roofline(32768 ** 2 / 2, 32))
+    assert b == pytest.approx(2.5 * f)
+    f, b = attention_call_s(HW, 1, 32, 8, 4096, 32768, 128, False, "bf16")
+    assert f + b == pytest.approx(roofline(4096 * 32768, 32))
+
+
+def test_a_chunk_masked_from_the_keys_end_runs_the_slower_kernel():
     f, b = attention_call_s(HW, 1, 32, 8, 4096, 32768, 128, True, "bf16")
     pairs = 4096 * 32768 - 4096 ** 2 / 2  # the chunk ends where the keys end
-    assert f + b == pytest.approx(roofline(pairs, 32))
+    assert f + b == pytest.approx(MASKED_SLOWDOWN * roofline(pairs, 32))
     assert b == pytest.approx(2.5 * f)
 
 
@@ -36,12 +44,15 @@ def test_every_variant_does_a_cp_th_of_the_causal_work():
     whole = roofline(32768 ** 2 / 2, 32)
     for variant in ("allgather", "ring", "ulysses"):
         for cp in (2, 4, 8):
-            pairs = sum(q * k - (q * q / 2 if causal else 0) for q, k, _, _, causal
-                        in local_calls(variant, cp, A))
+            calls = local_calls(variant, cp, A)
+            pairs = sum(q * k - (q * q / 2 if causal else 0) for q, k, _, _, causal in calls)
             heads = 32 // cp if variant == "ulysses" else 32
             assert roofline(pairs, heads) == pytest.approx(whole / cp), (variant, cp)
-            assert cp_attention(variant, cp, A, HW, LINK).compute_s == pytest.approx(
-                whole / cp)
+            masked = sum(q * k - q * q / 2 for q, k, _, _, causal in calls
+                         if causal and q < k)  # the all-gather's chunk on its key prefix
+            priced = whole / cp + (MASKED_SLOWDOWN - 1) * roofline(masked, heads)
+            assert cp_attention(variant, cp, A, HW, LINK).compute_s == pytest.approx(priced)
+            assert (masked > 0) == (variant == "allgather")
 
 
 def test_allgather_gathers_k_and_v_and_reduce_scatters_their_gradients():
