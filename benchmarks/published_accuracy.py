@@ -174,7 +174,8 @@ def spec_of(row: dict[str, Any]):
     parallelism does (``split_weights``: without it the solver may spend tp on the batch
     and price another layout than the run's); FSDP is ZeRO-3, the distributed optimizer
     ZeRO-1, and a field the source leaves null takes the row's ``scoring_assumptions``
-    (ZeRO, SP, micro-batch) or the estimate's default (micro-batch:
+    (ZeRO, SP, micro-batch; with cp, the variant closest to how the run reached the
+    other ranks' keys) or the estimate's default (micro-batch:
     :func:`autopar.spec.default_microbatch`)."""
     import autopar
 
@@ -196,7 +197,8 @@ def spec_of(row: dict[str, Any]):
                         virtual_stages=vp if pp > 1 and vp > 1 else None,
                         recompute=recompute, zero=zero or 0,
                         sequence_parallel=bool(sp) if p["tp"] > 1 else None,
-                        split_weights=True if p["tp"] > 1 else None)
+                        split_weights=True if p["tp"] > 1 else None,
+                        cp_variant=assume.get("cp_variant") if (p["cp"] or 1) > 1 else None)
 
 
 def precision_of(row: dict[str, Any]) -> str:
