@@ -27,6 +27,7 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.cost_models.compiled import compiles_where_it_pays
 from autopar.cost_models.float8 import FP8, element_dtype, float8_rate_ratio
+from autopar.cost_models.hardware import HardwareProfile
 from autopar.cost_models.memory import OPTIMIZERS, PRECISIONS
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.explain import check_explain, explain_layouts
@@ -70,7 +71,7 @@ class _Asked:
     ``batch_source``."""
 
     cluster: Cluster
-    hw: Any
+    hw: HardwareProfile
     budget: float
     gb: int
     batch_source: str
@@ -92,13 +93,14 @@ def _check_asked(model_inputs: Any, *, cluster: Any, global_batch: int | None,
     hw = cluster.hardware()
     if precision == FP8:
         float8_rate_ratio(hw)  # raises where the GPU has no float8 tensor cores
+    budget = memory_budget_bytes(memory_budget, hw)
     gb = batch_size(global_batch, model_inputs)
     if spec.tp is not None and cluster.world_size % spec.tp:
         raise ConfigError(f"tp={spec.tp} does not divide the {cluster.world_size} devices of "
                           f"the cluster")
     source = example_source("global_batch=") if global_batch is None else \
         asked_source("global_batch=")
-    return _Asked(cluster, hw, memory_budget_bytes(memory_budget, hw), gb, source)
+    return _Asked(cluster, hw, budget, gb, source)
 
 
 def _candidates(an: GraphAnalysis, spec: Spec, asked: _Asked,
