@@ -47,7 +47,7 @@ from autopar.summary import set_aside_note
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["make_plan"]
+__all__ = ["RING_NOTE", "make_plan"]
 
 
 @contextlib.contextmanager
@@ -260,10 +260,19 @@ def _assembled(an: GraphAnalysis, res: SearchResult, asked: _Asked, precision: s
     return plan
 
 
+RING_NOTE = ("cp_variant='ring': autopar's runtime runs the ring in a reference form (each "
+             "block's scores written out for the log-sum-exp merge), slower and larger than "
+             "its price, which is a flash kernel's; the all-gather and Ulysses variants run "
+             "as priced")
+"""The note of a plan whose context parallelism is the ring (asked for: the search does
+not choose it, :data:`autopar.cost_models.context_parallel.SEARCHED_VARIANTS`)."""
+
+
 def _notes(plan: Plan, res: SearchResult, spec: Spec, refusal: str | None,
            time_limit_s: float | None) -> list[str]:
     """The notes a search adds to its plan: why pipelining was left out, the search's
-    own, compilation, context parallelism chosen for memory, and an unproven gap."""
+    own, compilation, the ring's reference form, context parallelism chosen for memory,
+    and an unproven gap."""
     notes = [refusal] if refusal else []
     notes.extend(res.notes)
     if plan.compile_blocks:
@@ -271,6 +280,8 @@ def _notes(plan: Plan, res: SearchResult, spec: Spec, refusal: str | None,
                      f"memory-bound kernels, no per-op dispatch; about "
                      f"{plan.compile_s:.0f} s to compile, once); compile=False runs "
                      f"them eager")
+    if plan.context is not None and plan.context.variant == "ring":
+        notes.append(RING_NOTE)
     if plan.context is not None and spec.cp is None and res.passed_over:
         why = res.passed_over[-1].split(" Raise memory_budget")[0]
         notes.append(f"context parallelism, because without it (and without tensor "

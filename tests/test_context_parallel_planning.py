@@ -12,6 +12,7 @@ from autopar.cost_models.comm import group_link
 from autopar.cost_models.context_parallel import VARIANTS, AttentionShape, cp_attention
 from autopar.errors import ConfigError, NoFeasiblePlanError
 from autopar.examples import zoo
+from autopar.planner import RING_NOTE
 from autopar.plans import Plan
 from autopar.strategies.analysis import analyze
 from tests import foreign_models as fm
@@ -117,6 +118,7 @@ def test_planned_attention_costs_what_the_variant_does(gpt2, variant: str) -> No
     assert plan.context.variant == variant
     assert plan.context.attention_s == pytest.approx(12 * (one.compute_s + one.exposed_s),
                                                      rel=1e-9)
+    assert (RING_NOTE in plan.notes) == (variant == "ring")
 
 
 def test_the_cli_plans_long_sequences_with_cp_and_says_why(capsys) -> None:
