@@ -41,7 +41,6 @@ GPU_PROFILES = (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80g"))
 """(substring of the CUDA device name, shipped profile), first match wins."""
 
 
-
 def profile_for_gpu(device_name: str) -> str:
     """The shipped hardware profile for a CUDA device name; for a GPU without one, the
     H100's, with a warning that says how to measure this GPU instead."""

@@ -32,23 +32,24 @@ def candidate_bounds(g: Graph, cands: list[Candidate], built_by: dict, budget: f
     members = unit_members(g) if any(c.pp > 1 for c in cands) else []
     out = []
     for c in cands:
-        built = built_by[problem_key(c)]
+        pk = problem_key(c)
+        built = built_by[pk]
         if not isinstance(built, Built):
             out.append(float("inf"))
             continue
         held = in_flight(c.schedule, c.pp, c.num_microbatches) if c.pp > 1 else 1
-        key = (problem_key(c), c.pp, held)
+        key = (pk, c.pp, held)
         if key not in per:
             acts = [[ns.memory.get("activations", 0.0) for ns in ds] for ds in built.strategies]
             per[key] = step_bound(combo_bounds(built.problem, acts, c.pp, held), budget,
                                   c.num_microbatches, c.pp)
         bound = per[key]
         if c.pp > 1 and bound < float("inf"):
-            skey = (problem_key(c), c.pp, c.virtual_stages, c.schedule in ZERO_BUBBLE)
+            skey = (pk, c.pp, c.virtual_stages, c.schedule in ZERO_BUBBLE)
             if skey not in staged:
-                if problem_key(c) not in least:
-                    least[problem_key(c)] = least_unit_costs(built, members)
-                units = least[problem_key(c)]
+                if pk not in least:
+                    least[pk] = least_unit_costs(built, members)
+                units = least[pk]
                 staged[skey] = pipeline_stage_bound(
                     [u.forward_s for u in units], [u.backward_s for u in units],
                     [u.optimizer_s for u in units], pp=c.pp, m=c.num_microbatches,
