@@ -21,6 +21,7 @@ from torch.distributed.tensor.experimental import register_sharding
 import autopar
 from autopar.capture import capture
 from autopar.examples.gpt import GPT, GPTConfig
+from autopar.graph import Graph
 from autopar.sharding import Mesh
 from autopar.solvers.bounds import tree_bound
 from autopar.solvers.cost_record import StrategyCost, term
@@ -197,17 +198,25 @@ def test_a_new_op_order_runs_through_the_simulator() -> None:
 
 # -- a heuristic in place of the intra-op ILP, and a cost model swapped -----------------
 
-def gpt_problem() -> tuple[Problem, list]:
-    """The intra-op problem of a 2-block GPT on dp2 x tp4 of one 8-GPU H100 node."""
+def gpt_built(microbatch_size: int = 8) -> tuple[Graph, Built]:
+    """A 2-block GPT's graph and its intra-op problem on dp2 x tp4 of one 8-GPU H100
+    node, each data-parallel rank's 8 sequences cut into micro-batches of
+    ``microbatch_size``."""
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=50304, max_seq_len=2048, dim=4096, n_layers=2,
                               n_heads=32))
     x = torch.randint(0, 50304, (16, 2048), device="meta")
-    an = analyze(capture(model, (x,)))
-    st = Settings(mesh=Mesh(("dp", "tp"), (2, 4)), microbatch_size=8, num_microbatches=1,
-                  zero=0, precision="bf16", optimizer="adamw", memory_budget=70e9,
+    g = capture(model, (x,))
+    st = Settings(mesh=Mesh(("dp", "tp"), (2, 4)), microbatch_size=microbatch_size,
+                  num_microbatches=8 // microbatch_size, zero=0, precision="bf16",
+                  optimizer="adamw", memory_budget=70e9,
                   hw=autopar.Cluster("h100-sxm", 1, 8).hardware(), gpus_per_node=8)
-    built = build_problem(an, st)
+    return g, build_problem(analyze(g), st)
+
+
+def gpt_problem() -> tuple[Problem, list]:
+    """The intra-op problem of a 2-block GPT on dp2 x tp4 of one 8-GPU H100 node."""
+    _, built = gpt_built()
     return built.problem, built.strategies
 
 
@@ -308,15 +317,7 @@ def with_launches(built: Built, seconds: Callable[[int, int], float]) -> Built:
 
 
 def test_a_new_term_reaches_the_objective_the_bounds_and_the_units() -> None:
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=50304, max_seq_len=2048, dim=4096, n_layers=2,
-                              n_heads=32))
-    x = torch.randint(0, 50304, (16, 2048), device="meta")
-    g = capture(model, (x,))
-    st = Settings(mesh=Mesh(("dp", "tp"), (2, 4)), microbatch_size=4, num_microbatches=2,
-                  zero=0, precision="bf16", optimizer="adamw", memory_budget=70e9,
-                  hw=autopar.Cluster("h100-sxm", 1, 8).hardware(), gpus_per_node=8)
-    built = build_problem(analyze(g), st)
+    g, built = gpt_built(microbatch_size=4)  # 2 micro-batches
     more = with_launches(built, lambda v, i: 1e-4)
     p, q = built.problem, more.problem
     per_microbatch = 1e-4 * sum(n.multiplicity for n in p.nodes)
