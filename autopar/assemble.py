@@ -6,7 +6,9 @@ MFU."""
 
 from __future__ import annotations
 
+from autopar.cost_models.comm import group_link
 from autopar.cost_models.compiled import compile_time_s
+from autopar.cost_models.strategy_price import StrategyPricer
 from autopar.graph import Graph
 from autopar.plans import ContextPlan, ExpertPlan, ModulePlan, PipelinePlan, Plan, StagePlan
 from autopar.sharding import DATA_AXES, shard_dim
@@ -19,6 +21,7 @@ from autopar.solvers.schedule_sim import stage_ranks
 from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.enumeration import NodeStrategy
+from autopar.strategies.settings import Settings
 from autopar.strategies.rules import loss_reduction
 from autopar.summary_words import term_differences
 
@@ -117,7 +120,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     mesh = st.mesh
     chosen = chosen_strategies(g, built, sol)
     tp_axis = mesh.names.index("tp") if "tp" in mesh.names else None
-    experts = expert_plans(an, chosen, mesh)
+    experts = expert_plans(an, chosen, mesh, node_legs(an, chosen, st))
     params = param_placements(an, chosen, st, experts)
     acts = {name: list(s.out) for name, s in chosen.items()}
     ev = evaluate(built.problem, sol.choice, sol.modes)
@@ -213,17 +216,21 @@ def _rank_attention(cx: ContextPlan, po: PipelineOutcome, ranks: list[int], rank
                if r == rank for u in po.units[a:b] for name in u.nodes)
 
 
-def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
-                 mesh) -> dict[str, ExpertPlan]:
-    """The expert modules whose experts the chosen strategies split over ``ep``."""
+def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], mesh,
+                 legs: dict[str, int] | None = None) -> dict[str, ExpertPlan]:
+    """The expert modules whose experts the chosen strategies split over ``ep``; a
+    routed one's exchange in two legs with ``legs[path]`` members per node where given
+    (:func:`node_legs`)."""
     if mesh.degree("ep") == 1:
         return {}
     a = mesh.names.index("ep")
     out = {}
+    legs = legs or {}
     for path, em in an.experts.items():
         params = {fqn.rpartition(".")[2]: d for fqn, d in em.params.items()}
         if em.kind == "routed":  # split whenever the mesh has ep
-            out[path] = ExpertPlan(path, em.experts, -1, -1, 0, params, kind="routed")
+            out[path] = ExpertPlan(path, em.experts, -1, -1, 0, params, kind="routed",
+                                   node_ranks=legs.get(path, 1))
             continue
         raw = chosen[em.output].raw_out[a] if em.output in chosen else "R"
         batch = an.batch_dim.get(em.output) or 0
@@ -237,6 +244,27 @@ def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
             continue
         entry = next(iter(em.entries))
         out[path] = ExpertPlan(path, em.experts, em.entries[entry], em.out_dim, batch, params)
+    return out
+
+
+def node_legs(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
+              st: Settings) -> dict[str, int]:
+    """Routed module path -> the ``node_ranks`` of the exchange its price chose
+    (:meth:`~autopar.cost_models.strategy_price.StrategyPricer.token_exchange`), for
+    the modules whose ``ep`` group spans nodes with several members on each (the only
+    ones with a choice)."""
+    routed = {p: em for p, em in an.experts.items() if em.kind == "routed" and em.output in chosen}
+    if not routed or st.mesh.degree("ep") == 1:
+        return {}
+    link = group_link(st.mesh.sizes, st.mesh.names.index("ep"), st.gpus_per_node, st.hw)
+    if not 1 < link.node_ranks < st.mesh.degree("ep"):
+        return {}
+    pricer = StrategyPricer(an, st)
+    out = {}
+    for path, em in routed.items():
+        found = pricer.token_exchange(an.graph.node(em.output), chosen[em.output])
+        if found is not None and found.node_ranks > 1:
+            out[path] = found.node_ranks
     return out
 
 

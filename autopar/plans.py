@@ -94,6 +94,11 @@ class ExpertPlan:
             experts' indices and weights, as Hugging Face's ``MixtralExperts``: each
             token row is sent to its experts' ranks and back; the dims above are then
             -1).
+        node_ranks: for a routed module whose ``ep`` group spans nodes, the group's
+            members on each node when its tokens move in two legs (each token once
+            to every node holding any of its experts, then to their ranks inside the
+            node: :mod:`autopar.cost_models.expert_dispatch`); 1: one all-to-all over
+            the whole group.
     """
 
     path: str
@@ -103,6 +108,7 @@ class ExpertPlan:
     batch_dim: int = 0
     params: dict[str, int] = field(default_factory=dict)
     kind: str = "stacked"
+    node_ranks: int = 1
 
 
 @dataclass
@@ -509,9 +515,27 @@ def _check_plan(plan: Plan) -> None:
     if plan.zero not in (0, 1, 2, 3):
         raise PlanFormatError(f"zero stage {plan.zero!r} is not one of 0, 1, 2, 3")
     _check_pipeline(plan)
+    _check_experts(plan)
     if (plan.degree("cp") > 1) != (plan.context is not None):
         raise PlanFormatError(f"the mesh has cp={plan.degree('cp')} but the plan "
                               f"{'has no' if plan.context is None else 'has a'} context section")
+
+
+def _check_experts(plan: Plan) -> None:
+    """A routed module's two-leg exchange must cut the ``ep`` group into nodes of
+    ``node_ranks`` members, and one ``node_ranks`` serves every module (one mesh)."""
+    ep = plan.degree("ep")
+    legs = {xp.node_ranks for xp in plan.experts.values() if xp.node_ranks != 1}
+    for path, xp in plan.experts.items():
+        if xp.node_ranks != 1 and (xp.kind != "routed" or xp.node_ranks < 1 or
+                                   not 1 < xp.node_ranks < ep or ep % xp.node_ranks):
+            raise PlanFormatError(
+                f"expert module {path!r} has node_ranks {xp.node_ranks}; a routed module's "
+                f"two-leg exchange needs 1 < node_ranks < ep={ep} dividing ep (1: one "
+                f"all-to-all); was it edited? Re-run `autopar plan`")
+    if len(legs) > 1:
+        raise PlanFormatError(f"the expert modules have node_ranks {sorted(legs)}; the ep group "
+                              f"has one number of members per node. Re-run `autopar plan`")
 
 
 def _check_pipeline(plan: Plan) -> None:

@@ -207,8 +207,11 @@ def plan_summary(plan: Plan) -> str:
     c = plan.cluster
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
     if plan.degree("ep") > 1:
+        legs = max((xp.node_ranks for xp in plan.experts.values()), default=1)
         mesh += (f"  (data parallel over dp x ep = {plan.data_parallel}; "
-                 f"experts split over ep in {len(plan.experts)} module(s))")
+                 f"experts split over ep in {len(plan.experts)} module(s)"
+                 + (f"; each token sent once per node of its experts, then inside it to "
+                    f"their ranks ({legs} a node)" if legs > 1 else "") + ")")
     lines = [
         f"autopar plan for {plan.model}  (graph {plan.graph_hash})",
         f"cluster   {c.get('nodes')} node(s) x {c.get('gpus_per_node')} {_device_text(c)}"

@@ -23,6 +23,7 @@ from autopar.cost_models.context_parallel import AttentionShape, CPAttentionCost
 from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
                                          local_shape, op_time)
 from autopar.cost_models.dispatch import Dispatches
+from autopar.cost_models.expert_dispatch import TokenExchange, routed_dispatch
 from autopar.cost_models.float8 import FP8, element_dtype, runs_float8
 from autopar.cost_models.host import HostFacts, charges_host, op_host_time
 from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
@@ -174,18 +175,26 @@ class StrategyPricer(ParamPricer):
         return total
 
     def routed_exchange(self, n: OpNode, ns: NodeStrategy) -> float:
-        """Seconds per micro-batch of a routed expert module's all-to-alls, charged on its
-        output op ``n``: each device's tokens, once per expert they go to, sent to the
-        experts' ranks and back, forward and backward (four exchanges of tokens x top-k
-        rows); the busiest rank receives the settings' ``expert_imbalance`` times the
-        mean (1: the even spread routers' load-balancing losses aim at)."""
+        """Seconds per micro-batch of a routed expert module's exchanges, charged on its
+        output op ``n`` (:meth:`token_exchange`; 0 for any other op)."""
+        found = self.token_exchange(n, ns)
+        return 0.0 if found is None else found.seconds
+
+    def token_exchange(self, n: OpNode, ns: NodeStrategy) -> TokenExchange | None:
+        """How a routed expert module whose output op is ``n`` moves its tokens under
+        strategy ``ns``, and its seconds per micro-batch, or None for any other op or
+        without ``ep``: each device's tokens, once per expert they go to, to the experts'
+        ranks and back, forward and backward, in one all-to-all or two legs
+        (:func:`~autopar.cost_models.expert_dispatch.routed_dispatch`); the busiest rank
+        sends the settings' ``expert_imbalance`` times the mean (1: the even spread
+        routers' load-balancing losses aim at)."""
         em = self.an.expert_of_output(n.name)
         if em is None or em.kind != "routed" or self.ep_axis is None:
-            return 0.0
+            return None
         ep = self.mesh.sizes[self.ep_axis]
-        rows = self.out_bytes(n.name) / self.degree(ns.out) * em.top_k
-        rows *= self.st.expert_imbalance  # the busiest rank's rows
-        return 4 * collective_time("all_to_all", rows, ep, self.links[self.ep_axis])
+        rows = self.out_bytes(n.name) / self.degree(ns.out) * self.st.expert_imbalance
+        return routed_dispatch(rows, em.top_k, em.experts, ep, self.links[self.ep_axis],
+                               self.st.hw.intra_node)
 
     def op_terms(self, n: OpNode, ns: NodeStrategy) -> OpTerms:
         """The op's own terms under strategy ``ns`` (:class:`OpTerms`): a routed expert

@@ -277,12 +277,21 @@ def _ep_sections(plan: Plan) -> list[str]:
     quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
     comment = " x ".join(f"{a}={n}" for a, n in zip(names, shape))
     table = "{\n" + "".join(
-        f'        "{path}": '
-        f'({xp.batch_dim}, {xp.input_dim}, {xp.output_dim}, {dict(xp.params)}),\n'
+        f'        "{path}": ({xp.batch_dim}, {xp.input_dim}, {xp.output_dim}, '
+        f'{dict(xp.params)}, {xp.node_ranks}),\n'
         for path, xp in sorted(plan.experts.items())) + "    }"
     a2a = _seconds(plan.breakdown.get("all_to_all_s", 0.0))
-    return [T.EXPERT_MESH.substitute(comment=comment, shape=shape, names=quoted),
-            T.EXPERT_PARALLEL.substitute(ep=plan.degree("ep"), table=table, a2a=a2a)]
+    sections = [T.EXPERT_MESH.substitute(comment=comment, shape=shape, names=quoted)]
+    per_node = max(xp.node_ranks for xp in plan.experts.values())
+    if per_node > 1:
+        k = names.index("ep")
+        names = names[:k] + ("ep_node", "ep_local") + names[k + 1:]
+        shape = shape[:k] + (shape[k] // per_node, per_node) + shape[k + 1:]
+        sections.append(T.EXPERT_LEGS.substitute(
+            per_node=per_node, shape=shape, comment=" x ".join(
+                f"{a}={n}" for a, n in zip(names, shape)),
+            names="(" + ", ".join(f'"{n}"' for n in names) + ")"))
+    return sections + [T.EXPERT_PARALLEL.substitute(ep=plan.degree("ep"), table=table, a2a=a2a)]
 
 
 def _comm_text(b: dict[str, float]) -> str:
@@ -439,7 +448,9 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     target = "stage" if pipelined else "model"
     if plan.experts:
         sections += _ep_sections(plan)
-        layout.append(f'apply_ep({target}, build_expert_mesh(device_type)["ep"])')
+        legs = ", build_ep_legs(device_type)" if any(
+            xp.node_ranks > 1 for xp in plan.experts.values()) else ""
+        layout.append(f'apply_ep({target}, build_expert_mesh(device_type)["ep"]{legs})')
     if plan.degree("tp") > 1:
         sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts, pipelined)]
         if plan.loss_parallel:

@@ -14,7 +14,7 @@ _IMPORTS = MappingProxyType({  # name used in the program -> the import that pro
     "datetime": "import datetime", "json": "import json", "shutil": "import shutil",
     "importlib": "import importlib.util", "os": "import os", "time": "import time",
     "Path": "from pathlib import Path", "Any": "from typing import Any",
-    "Callable": "from typing import Callable",
+    "Callable": "from typing import Callable", "NamedTuple": "from typing import NamedTuple",
     "torch": "import torch", "dist": "import torch.distributed as dist",
     "dcp": "import torch.distributed.checkpoint as dcp", "F": "import torch.nn.functional as F",
     "nn": "from torch import nn", "fx": "from torch import fx", "contextlib": "import contextlib",

@@ -256,23 +256,40 @@ def build_expert_mesh(device_type: str) -> DeviceMesh:
                             mesh_dim_names=$names)''')
 """The expert mesh, built once (every stage of a pipeline rank asks for it)."""
 
+EXPERT_LEGS = Template('''\
+@functools.cache
+def build_ep_legs(device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The ep group cut into its nodes of $per_node ranks (ep rank = node x $per_node +
+    local): the mesh across the nodes and the mesh inside this rank's, over which a
+    routed module's tokens move in two legs."""
+    # $comment
+    root = init_device_mesh(device_type, $shape, mesh_dim_names=$names)
+    return root["ep_node"], root["ep_local"]''')
+"""The two legs' meshes, built once, where a routed module's exchange has two legs."""
+
 EXPERT_PARALLEL = Template("\n\n".join(inspect.getsource(f) for f in (
-    _routed.exchange_rows, _routed.routed_args, _routed.route_tokens,
+    _routed.exchange_rows, _routed.routed_args, _routed.Sends, _routed.plan_sends,
+    _routed.exchange_ids, _routed.to_experts, _routed.from_experts, _routed.route_tokens,
+    _routed._by_node,
     _experts.ScaleGrad, _experts.over_ep, _experts.exchange, _experts.gather_tokens,
     _experts.keep_own_experts, _experts.split_experts, _experts.shard_expert_weights)) + '''
 
 
 EXPERTS = $table
 """Expert modules: path -> (batch dim, expert dim of its input, of its output,
-{parameter: expert dim}); -1 for both dims marks a routed module, for the output's
-alone a gathered one (every expert on every token, a gate combining them)."""
+{parameter: expert dim}, ep ranks per node of a two-leg exchange); -1 for both dims
+marks a routed module, for the output's alone a gathered one (every expert on every
+token, a gate combining them)."""
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh,
+             legs: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
     """Expert parallelism over ep=$ep: each listed module keeps 1/$ep of its experts
     and its tokens cross ep on the way in and out (all-to-all; for a gathered module
-    all-gather in, reduce-scatter out); predicted token exchange $a2a per step."""
-    split_experts(model, EXPERTS, ep_mesh)
+    all-gather in, reduce-scatter out; in two legs over ``legs``, across the nodes and
+    inside one, where a routed module's ranks per node exceed 1); predicted token
+    exchange $a2a per step."""
+    split_experts(model, EXPERTS, ep_mesh, legs)
 
 
 def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:

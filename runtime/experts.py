@@ -133,23 +133,25 @@ def keep_own_experts(module: nn.Module, params: Mapping[str, int], mesh: DeviceM
         setattr(module, local, nn.Parameter(piece, requires_grad=p.requires_grad))
 
 
-def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Mapping[str, int]]],
-                  mesh: DeviceMesh) -> None:
+def split_experts(model: nn.Module, table: Mapping[str, tuple], mesh: DeviceMesh,
+                  legs: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
     """For each module path of ``table`` -> (batch dim, expert dim of its input, of its
-    output, {parameter: expert dim}): keep this rank's experts and move the module's
-    tokens by all-to-all over ``mesh`` (the ``ep`` axis) at its boundary; expert dims
-    of -1 mark a routed module (:func:`~autopar.runtime.routed_experts.route_tokens`),
-    an output expert dim of -1 alone a gathered one (:func:`gather_tokens`).
-    Modules the model (or this pipeline stage) does not hold are skipped."""
+    output, {parameter: expert dim}, ep ranks per node of a two-leg exchange): keep this
+    rank's experts and move the module's tokens by all-to-all over ``mesh`` (the
+    ``ep`` axis) at its boundary; expert dims of -1 mark a routed module
+    (:func:`~autopar.runtime.routed_experts.route_tokens`, in two legs over ``legs``
+    where its ranks per node exceed 1), an output expert dim of -1 alone a gathered
+    one (:func:`gather_tokens`). Modules the model (or this pipeline stage) does not
+    hold are skipped."""
     paths = dict(model.named_modules())
     ep = float(mesh.size())
-    for path, (batch, into, out_dim, params) in table.items():
+    for path, (batch, into, out_dim, params, per_node) in table.items():
         module = paths.get(path)
         if module is None:
             continue
         keep_own_experts(module, params, mesh)
         if into < 0:  # a routed module: each token to its experts' ranks and back
-            route_tokens(module, params, mesh, ScaleGrad)
+            route_tokens(module, params, mesh, ScaleGrad, legs if per_node > 1 else None)
             continue
         if out_dim < 0:  # a gathered module: the group's tokens in, partial sums out
             gather_tokens(module, params, batch, into, mesh, ScaleGrad)
@@ -168,8 +170,7 @@ def split_experts(model: nn.Module, table: Mapping[str, tuple[int, int, int, Map
         module.register_forward_hook(combine)
 
 
-def shard_expert_weights(model: nn.Module,
-                         table: Mapping[str, tuple[int, int, int, Mapping[str, int]]],
+def shard_expert_weights(model: nn.Module, table: Mapping[str, tuple],
                          expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
     """Make each expert parameter of ``table`` (cut to this rank's experts by
     :func:`split_experts`, and split by tensor parallelism since, where it is) a DTensor
@@ -180,7 +181,8 @@ def shard_expert_weights(model: nn.Module,
     ``tp_mesh``: a forward pre-hook puts that view in the module's ``__dict__``, which
     attribute lookup reads before its parameters, and a forward hook takes it out."""
     paths = dict(model.named_modules())
-    for path, (_, _, _, params) in table.items():
+    for path, entry in table.items():
+        params = entry[3]
         module = paths.get(path)
         if module is None:
             continue
@@ -217,13 +219,15 @@ def shard_plan_experts(model: nn.Module, plan: Plan, expert_mesh: DeviceMesh,
     shard_expert_weights(model, expert_table(plan), expert_mesh, tp_mesh)
 
 
-def expert_table(plan: Plan) -> dict[str, tuple[int, int, int, dict[str, int]]]:
+def expert_table(plan: Plan) -> dict[str, tuple[int, int, int, dict[str, int], int]]:
     """``plan.experts`` as the plain table :func:`split_experts` reads."""
-    return {path: (xp.batch_dim, xp.input_dim, xp.output_dim, dict(xp.params))
+    return {path: (xp.batch_dim, xp.input_dim, xp.output_dim, dict(xp.params), xp.node_ranks)
             for path, xp in plan.experts.items()}
 
 
-def apply_expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
+                          legs: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
     """Split the experts of ``plan.experts`` over ``mesh`` (the ``ep`` axis) and move
-    their tokens by all-to-all (module docstring; :func:`split_experts`)."""
-    split_experts(model, expert_table(plan), mesh)
+    their tokens by all-to-all, a routed module's in two legs over ``legs`` where the
+    plan says so (module docstring; :func:`split_experts`)."""
+    split_experts(model, expert_table(plan), mesh, legs)

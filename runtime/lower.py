@@ -196,7 +196,7 @@ def lower(model: nn.Module, plan: Plan, device: torch.device,
         model.to(device)
     meshes = build_meshes(plan, device.type)
     if meshes.ep is not None:
-        apply_expert_parallel(model, plan, meshes.ep)
+        apply_expert_parallel(model, plan, meshes.ep, meshes.ep_legs)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(model, plan, meshes.tp, local=not compile)
     if meshes.experts is not None:

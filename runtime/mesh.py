@@ -21,7 +21,7 @@ from autopar.cost_models.memory import fsdp_lays_out
 from autopar.plans import Plan
 
 __all__ = ["PlanMeshes", "build_meshes", "needs_fsdp", "MESH_AXES", "expert_meshes",
-           "expert_mesh_shape", "expert_fsdp_axes"]
+           "expert_mesh_shape", "expert_fsdp_axes", "expert_legs"]
 
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 
@@ -45,6 +45,9 @@ class PlanMeshes:
             of :func:`expert_mesh_shape`), or None.
         cp: the ``cp`` sub-mesh each sequence is split over, or None without context
             parallelism (FSDP2 then runs on ``dp`` and ``cp`` flattened).
+        ep_legs: the ``ep`` group cut into its nodes, (the mesh across them, the mesh
+            inside this rank's), where a routed module's tokens move in two legs
+            (:func:`expert_legs`), else None.
     """
 
     mesh: DeviceMesh
@@ -55,6 +58,7 @@ class PlanMeshes:
     expert_fsdp: DeviceMesh | None = None
     experts: DeviceMesh | None = None
     cp: DeviceMesh | None = None
+    ep_legs: tuple[DeviceMesh, DeviceMesh] | None = None
 
 
 def needs_fsdp(plan: Plan) -> bool:
@@ -91,7 +95,8 @@ def build_meshes(plan: Plan, device_type: str) -> PlanMeshes:
         fsdp = flat if needs_fsdp(plan) else None
     return PlanMeshes(mesh=root[outer + inner], tp=root["tp"], fsdp=fsdp,
                       pp=root["pp"] if pp > 1 else None, ep=ep[0], expert_fsdp=ep[1],
-                      experts=ep[2], cp=root["cp"] if cp > 1 else None)
+                      experts=ep[2], cp=root["cp"] if cp > 1 else None,
+                      ep_legs=expert_legs(plan, device_type))
 
 
 def expert_meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh | None,
@@ -105,6 +110,22 @@ def expert_meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh | None, Devi
     names, shape = expert_mesh_shape(plan)
     root = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return root["ep"], root[expert_fsdp_axes(plan)], root
+
+
+def expert_legs(plan: Plan, device_type: str) -> tuple[DeviceMesh, DeviceMesh] | None:
+    """The ``ep`` group cut into nodes of the ``node_ranks`` members a routed module's
+    two-leg exchange names (``plan.experts``): the expert mesh with ``ep`` split into
+    ``ep_node`` x ``ep_local`` (so ep rank = node x node_ranks + local, as the experts
+    are numbered), and its two sub-meshes; None where no module moves in two legs."""
+    per_node = max((xp.node_ranks for xp in plan.experts.values()), default=1)
+    if per_node == 1:
+        return None
+    names, shape = expert_mesh_shape(plan)
+    k = names.index("ep")
+    root = init_device_mesh(device_type, shape[:k] + (shape[k] // per_node, per_node)
+                            + shape[k + 1:],
+                            mesh_dim_names=names[:k] + ("ep_node", "ep_local") + names[k + 1:])
+    return root["ep_node"], root["ep_local"]
 
 
 def expert_mesh_shape(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:

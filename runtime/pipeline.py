@@ -339,7 +339,7 @@ def parallelize_stage(module: nn.Module, plan: Plan, meshes: PlanMeshes,
     if plan.pipeline.schedule in ZERO_BUBBLE:
         sub = dataclasses.replace(sub, zero=min(sub.zero, 2))
     if meshes.ep is not None:
-        apply_expert_parallel(module, sub, meshes.ep)
+        apply_expert_parallel(module, sub, meshes.ep, meshes.ep_legs)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(module, sub, meshes.tp)
         if plan.pipeline.schedule in ZERO_BUBBLE:
