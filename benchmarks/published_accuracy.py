@@ -134,7 +134,8 @@ def build_model(row: dict[str, Any]):
     row's ``capacity_factor``, else 1: the MoE runs are Megatron-Core's, dropless unless
     ``moe_expert_capacity_factor`` is set, which none sets, so each expert computes its
     routed tokens and no padded slots). Their head width is hidden / heads whatever the
-    source's."""
+    source's. A row whose ``scoring_assumptions.model`` names a ``transformers`` class
+    is built as that class (:func:`_qwen3_moe`)."""
     import torch
 
     from autopar.examples.gpt import GPT, GPTConfig
@@ -142,6 +143,8 @@ def build_model(row: dict[str, Any]):
     from autopar.examples.moe import MoEConfig, MoETransformer
 
     a = row["architecture"]
+    if row["scoring_assumptions"].get("model") == "Qwen3MoeForCausalLM":
+        return _qwen3_moe(row)
     vocab, seq = _vocab(row), a["seq_len"]
     common = dict(vocab_size=vocab, max_seq_len=seq, dim=a["hidden"], n_layers=a["layers"],
                   n_heads=a["heads"])
@@ -160,6 +163,27 @@ def build_model(row: dict[str, Any]):
                 n_shared_experts=m["shared_experts"], n_dense_layers=m["dense_layers"],
                 capacity_factor=m.get("capacity_factor") or 1.0))
     return model, inputs
+
+
+def _qwen3_moe(row: dict[str, Any]):
+    """The row's model as its authors wrote it: Hugging Face's ``Qwen3MoeForCausalLM``
+    (dropless top-k routing to experts stacked in one module fed tokens, indices and
+    weights, the row's head width, q/k norms) on ``meta``, with an example batch of
+    two sequences. Needs ``transformers``."""
+    import torch
+    import transformers
+
+    a = row["architecture"]
+    m = a["moe"]
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=_vocab(row), hidden_size=a["hidden"], intermediate_size=a["ffn_hidden"],
+        moe_intermediate_size=m["expert_ffn"], num_hidden_layers=a["layers"],
+        num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
+        head_dim=a["head_dim"], num_experts=m["experts"], num_experts_per_tok=m["top_k"],
+        max_position_embeddings=a["seq_len"], norm_topk_prob=True)
+    with torch.device("meta"):
+        inputs = (torch.randint(0, _vocab(row), (EXAMPLE_SEQUENCES, a["seq_len"])),)
+        return transformers.Qwen3MoeForCausalLM(cfg), inputs
 
 
 _RECOMPUTE = {"full": "full", "none": "none"}
