@@ -182,7 +182,9 @@ def module_outputs(graph: Graph, rules: dict[str, OpRule]) -> set[str]:
     """The op that makes each parameter-owning module's output, when that module
     computes it itself (not a submodule): the lowering re-lays out the module's output
     after it. Trailing views do not count: Hugging Face's ``Conv1D`` (view, addmm,
-    view) is re-laid out after its addmm, whose partial sum the view passes on."""
+    view) is re-laid out after its addmm, whose partial sum the view passes on. A
+    module that owns no parameter counts where its last op rejoins dims it had merged
+    (:func:`_rejoins`)."""
     owners = _owners(graph)
     last: dict[str, OpNode] = {}
     for n in graph.nodes:
@@ -196,6 +198,9 @@ def module_outputs(graph: Graph, rules: dict[str, OpRule]) -> set[str]:
             path = path.rpartition(".")[0]
     out = set()
     for path, op in last.items():
+        if path and path not in owners and op.module_path == path and _rejoins(graph, rules, op):
+            out.add(op.name)
+            continue
         if not path or path not in owners or op.module_path != path:
             continue
         while rules.get(op.name) is not None and rules[op.name].kind == "view" and op.inputs:
@@ -205,6 +210,26 @@ def module_outputs(graph: Graph, rules: dict[str, OpRule]) -> set[str]:
             op = src
         out.add(op.name)
     return out
+
+
+def _unmerges(graph: Graph, rules: dict[str, OpRule], op: OpNode) -> bool:
+    """Whether ``op`` is a view that splits a dim of its input apart."""
+    rule = rules.get(op.name)
+    if rule is None or rule.kind != "view" or not op.inputs or op.out is None:
+        return False
+    src = graph.node(op.inputs[0]).out
+    return src is not None and len(op.out.shape) > len(src.shape)
+
+
+def _rejoins(graph: Graph, rules: dict[str, OpRule], op: OpNode) -> bool:
+    """Whether ``op``, the last op of a module that owns no parameter, is a view that
+    splits a dim apart, or reads one made in the same module (a mixture of experts'
+    tokens, batch and sequence flattened, reshaped back, and a shared expert's output
+    added): the module's output is re-laid out after it, the one place a micro-batch
+    of one sequence can be split along the sequence again."""
+    return _unmerges(graph, rules, op) or any(
+        graph.node(i).kind == "op" and graph.node(i).module_path == op.module_path
+        and _unmerges(graph, rules, graph.node(i)) for i in op.inputs)
 
 
 def param_users(graph: Graph) -> tuple[dict[str, tuple[str, int]],

@@ -359,15 +359,27 @@ class StrategySpace:
     def _sp_allowed(self, n: OpNode, rule: OpRule, ins: tuple[Placements, ...]) -> bool:
         """Honour a forced sequence-parallel choice for norms (None = free): a norm op,
         or any op of a norm module written out by hand (a class named ``*Norm``), has
-        its activation inputs split on a model-parallel axis exactly when forced on."""
+        its activation inputs split on a model-parallel axis exactly when forced on.
+        Norms nested inside a block's submodules (multi-head latent attention's norms
+        of its low-rank projections) are free: sequence parallelism is about the
+        residual stream's."""
         sp = self.st.sequence_parallel
         in_norm = rule.kind == "norm" or n.module_type.lower().endswith("norm")
         acts = [p for i, p in zip(n.inputs, ins) if p is not None and
                 self.node(i).kind != "param" and i not in self.an.constants]
-        if sp is None or not in_norm or not acts:
+        if sp is None or not in_norm or not acts or self._nested(n):
             return True
         split = any(p[a].startswith("S(") for p in acts for a in self.free)
         return split == sp
+
+    def _nested(self, n: OpNode) -> bool:
+        """Whether op ``n`` runs inside a submodule of a block's submodule (its module
+        path two or more levels below its repeated block's)."""
+        if n.layer is None:
+            return False
+        block = self.an.graph.layers[n.layer].path
+        rest = n.module_path[len(block) + 1:] if n.module_path.startswith(block + ".") else ""
+        return "." in rest
 
     def _grad(self, labs, combo, rule: OpRule, place: Placements) -> Placements:
         g = []
