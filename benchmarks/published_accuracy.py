@@ -135,7 +135,7 @@ def build_model(row: dict[str, Any]):
     ``moe_expert_capacity_factor`` is set, which none sets, so each expert computes its
     routed tokens and no padded slots). Their head width is hidden / heads whatever the
     source's. A row whose ``scoring_assumptions.model`` names a ``transformers`` class
-    is built as that class (:func:`_qwen3_moe`)."""
+    is built as that class (:data:`HF_MODELS`)."""
     import torch
 
     from autopar.examples.gpt import GPT, GPTConfig
@@ -143,8 +143,8 @@ def build_model(row: dict[str, Any]):
     from autopar.examples.moe import MoEConfig, MoETransformer
 
     a = row["architecture"]
-    if row["scoring_assumptions"].get("model") == "Qwen3MoeForCausalLM":
-        return _qwen3_moe(row)
+    if row["scoring_assumptions"].get("model") in HF_MODELS:
+        return _hf_model(row, row["scoring_assumptions"]["model"])
     vocab, seq = _vocab(row), a["seq_len"]
     common = dict(vocab_size=vocab, max_seq_len=seq, dim=a["hidden"], n_layers=a["layers"],
                   n_heads=a["heads"])
@@ -165,25 +165,50 @@ def build_model(row: dict[str, Any]):
     return model, inputs
 
 
-def _qwen3_moe(row: dict[str, Any]):
-    """The row's model as its authors wrote it: Hugging Face's ``Qwen3MoeForCausalLM``
-    (dropless top-k routing to experts stacked in one module fed tokens, indices and
-    weights, the row's head width, q/k norms) on ``meta``, with an example batch of
+def _moe_config(row: dict[str, Any]) -> dict[str, Any]:
+    """What every ``transformers`` MoE config below takes from the row's fields."""
+    a = row["architecture"]
+    return dict(vocab_size=_vocab(row), hidden_size=a["hidden"],
+                intermediate_size=a["ffn_hidden"], moe_intermediate_size=a["moe"]["expert_ffn"],
+                num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
+                num_experts_per_tok=a["moe"]["top_k"], max_position_embeddings=a["seq_len"])
+
+
+def _qwen3_moe(row: dict[str, Any]) -> dict[str, Any]:
+    """``Qwen3MoeConfig``'s arguments: dropless top-k routing to experts stacked in one
+    module fed tokens, indices and weights, the row's head width, q/k norms."""
+    a = row["architecture"]
+    return dict(_moe_config(row), num_key_value_heads=a["kv_heads"], head_dim=a["head_dim"],
+                num_experts=a["moe"]["experts"], norm_topk_prob=True)
+
+
+def _deepseek_v3(row: dict[str, Any]) -> dict[str, Any]:
+    """``DeepseekV3Config``'s arguments: multi-head latent attention at DeepSeek-V3's
+    ranks (the config's defaults), dense first blocks, routed experts with shared ones."""
+    m = row["architecture"]["moe"]
+    return dict(_moe_config(row), num_key_value_heads=row["architecture"]["heads"],
+                n_routed_experts=m["experts"], n_shared_experts=m["shared_experts"],
+                first_k_dense_replace=m["dense_layers"])
+
+
+HF_MODELS = {"Qwen3MoeForCausalLM": ("Qwen3MoeConfig", _qwen3_moe),
+             "DeepseekV3ForCausalLM": ("DeepseekV3Config", _deepseek_v3)}
+"""``scoring_assumptions.model`` -> its ``transformers`` config class and the function
+of the row that gives the config's arguments."""
+
+
+def _hf_model(row: dict[str, Any], name: str):
+    """The row's model as its authors wrote it: the ``transformers`` class ``name`` of
+    :data:`HF_MODELS` built from the row's fields on ``meta``, with an example batch of
     two sequences. Needs ``transformers``."""
     import torch
     import transformers
 
-    a = row["architecture"]
-    m = a["moe"]
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=_vocab(row), hidden_size=a["hidden"], intermediate_size=a["ffn_hidden"],
-        moe_intermediate_size=m["expert_ffn"], num_hidden_layers=a["layers"],
-        num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
-        head_dim=a["head_dim"], num_experts=m["experts"], num_experts_per_tok=m["top_k"],
-        max_position_embeddings=a["seq_len"], norm_topk_prob=True)
+    config, arguments = HF_MODELS[name]
+    cfg = getattr(transformers, config)(**arguments(row))
+    shape = (EXAMPLE_SEQUENCES, row["architecture"]["seq_len"])
     with torch.device("meta"):
-        inputs = (torch.randint(0, _vocab(row), (EXAMPLE_SEQUENCES, a["seq_len"])),)
-        return transformers.Qwen3MoeForCausalLM(cfg), inputs
+        return getattr(transformers, name)(cfg), (torch.randint(0, _vocab(row), shape),)
 
 
 _RECOMPUTE = {"full": "full", "none": "none"}
@@ -196,7 +221,8 @@ def spec_of(row: dict[str, Any]):
     Megatron's selective recomputation (any modules) is ``selective``, none stated is the
     solver's choice; tp splits every weight matrix of the blocks, as the runs' tensor
     parallelism does (``split_weights``: without it the solver may spend tp on the batch
-    and price another layout than the run's); FSDP is ZeRO-3, the distributed optimizer
+    and price another layout than the run's), unless the row's assumptions say the run
+    keeps some whole (``split_weights: false``); FSDP is ZeRO-3, the distributed optimizer
     ZeRO-1, and a field the source leaves null takes the row's ``scoring_assumptions``
     (ZeRO, SP, micro-batch; with cp, the variant closest to how the run reached the
     other ranks' keys) or the estimate's default (micro-batch:
@@ -221,7 +247,8 @@ def spec_of(row: dict[str, Any]):
                         virtual_stages=vp if pp > 1 and vp > 1 else None,
                         recompute=recompute, zero=zero or 0,
                         sequence_parallel=bool(sp) if p["tp"] > 1 else None,
-                        split_weights=True if p["tp"] > 1 else None,
+                        split_weights=assume.get("split_weights", True) or None
+                        if p["tp"] > 1 else None,
                         cp_variant=assume.get("cp_variant") if (p["cp"] or 1) > 1 else None)
 
 
