@@ -1,8 +1,9 @@
-"""Hugging Face's mixtures of experts (``transformers`` 5.x Mixtral and Qwen2-MoE, built
-from configs: dropless routing, experts stacked in one module fed tokens, indices and
-weights) train under expert parallelism as in one process: every routed expert module
-is found, each rank keeps its share of the experts, and the losses equal a
-single-process run (fp32, gloo, 4 ranks, 3 SGD steps)."""
+"""Hugging Face's mixtures of experts (``transformers`` 5.x Mixtral, Qwen2-MoE and
+GPT-OSS, whose experts carry biases, built from configs: dropless routing, experts
+stacked in one module fed tokens, indices and weights) train under expert parallelism
+as in one process: every routed expert module is found, each rank keeps its share of
+the experts, and the losses equal a single-process run (fp32, gloo, 4 ranks, 3 SGD
+steps)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ pytest.importorskip("transformers")
 
 STEPS, LR, EXPERTS = 3, 0.1, 4
 CASES = [("mixtral", {"dp": 4, "ep": 4}), ("mixtral", {"dp": 2, "ep": 2, "tp": 2}),
-         ("qwen2moe", {"dp": 4, "ep": 2, "zero": 3}), ("qwen2moe", {"pp": 2, "dp": 2, "ep": 2})]
+         ("qwen2moe", {"dp": 4, "ep": 2, "zero": 3}), ("qwen2moe", {"pp": 2, "dp": 2, "ep": 2}),
+         ("gpt_oss", {"dp": 4, "ep": 2})]
 
 
 def deepseek_v3() -> torch.nn.Module:
@@ -35,10 +37,24 @@ def deepseek_v3() -> torch.nn.Module:
         qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1))
 
 
+def gpt_oss() -> torch.nn.Module:
+    """A tiny Hugging Face GPT-OSS: attention sinks, sliding windows on alternate
+    layers, and routed experts with per-expert biases, top-2 of 4."""
+    import transformers as t
+
+    return t.GptOssForCausalLM(t.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, sliding_window=8))
+
+
+BUILDERS = {"deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
+
+
 def make(kind: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """The model (same weights each call) and one batch of 8 sequences of 16."""
     torch.manual_seed(0)
-    model = deepseek_v3() if kind == "deepseek_v3" else hf(kind)
+    model = BUILDERS[kind]() if kind in BUILDERS else hf(kind)
     g = torch.Generator().manual_seed(1)
     return (model, torch.randint(0, 64, (8, 16), generator=g),
             torch.randint(0, 64, (8, 16), generator=g))

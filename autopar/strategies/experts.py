@@ -251,16 +251,18 @@ def refused_gathered(g: Graph, rules: dict[str, OpRule], batch_label: dict[str, 
 def _routed(g: Graph, path: str, ops: list[OpNode], outputs: set[str],
             kinds: dict[str, str]) -> ExpertModule | None:
     """The routed :class:`ExpertModule` of module ``path``, or None: its parameters all
-    stack E >= 2 experts along dim 0 (Hugging Face's ``MixtralExperts``, ``gate_up_proj``
-    (E, 2F, D) and ``down_proj`` (E, D, F)); it reads from outside exactly tokens (T,
-    D), float, expert indices (T, k), integer, and their weights (T, k), float; and its
-    output op makes a tensor shaped like the tokens. What it does with them inside
+    stack E >= 2 experts along dim 0, matrices and at most per-expert biases (Hugging
+    Face's ``MixtralExperts``, ``gate_up_proj`` (E, 2F, D) and ``down_proj`` (E, D, F);
+    ``GptOssExperts`` adds ``gate_up_proj_bias`` (E, 2F)); it reads from outside exactly
+    tokens (T, D), float, expert indices (T, k), integer, and their weights (T, k),
+    float; and its output op makes a tensor shaped like the tokens. What it does with them inside
     (sorting, grouped GEMMs, loops) is its own: expert parallelism moves the tokens to
     their experts' ranks around it and runs it unchanged."""
     fqns = sorted({p for n in ops for p in n.params})
     shapes = [g.params[f].meta.shape for f in fqns if f in g.params]
-    if not shapes or len(shapes) != len(fqns) or any(len(s) != 3 for s in shapes) or \
-            len({s[0] for s in shapes}) != 1 or shapes[0][0] < 2:
+    if not shapes or len(shapes) != len(fqns) or any(len(s) not in (2, 3) for s in shapes) or \
+            all(len(s) == 2 for s in shapes) or len({s[0] for s in shapes}) != 1 or \
+            shapes[0][0] < 2:
         return None
     members = [n for n in g.nodes if n.kind == "op" and
                (n.module_path == path or n.module_path.startswith(path + "."))]
