@@ -221,7 +221,7 @@ class ParamPricer:
         fwd = bwd = 0.0
         for local, shard in self._own_params(n, ins):
             f, b = fsdp_copy_time(local, self.act_elt, shard, st.zero,
-                                  st.num_microbatches, st.hw)
+                                  st.num_microbatches, st.hw, st.keeps_gathered)
             fwd, bwd = fwd + f, bwd + b
         return fwd, bwd
 

@@ -33,28 +33,34 @@ def device_step_time(shard_elements: float, optimizer: str, hw) -> float:
     return optimizer_bytes(optimizer) * shard_elements / hw.achieved_memory_bandwidth
 
 
-def fsdp_copy_bytes(compute_bytes: int, shard: int, zero: int,
-                    num_microbatches: int) -> tuple[float, float]:
+def fsdp_copy_bytes(compute_bytes: int, shard: int, zero: int, num_microbatches: int,
+                    keeps_gathered: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes FSDP2 copies per parameter element per micro-batch,
     averaged over the step's micro-batches (docs/cost_models.md, section
     ``autopar.cost_models.param_work``). ``compute_bytes``: 2 in bf16/fp16, 4 in fp32;
-    ``shard``: the shard group's size (1 for ZeRO-0)."""
+    ``shard``: the shard group's size (1 for ZeRO-0); ``keeps_gathered``: the
+    parameters stay gathered from one micro-batch to the next
+    (:attr:`~autopar.strategies.settings.Settings.keeps_gathered`), so ZeRO-0/1/2
+    gathers once per step and ZeRO-3 only in forward."""
     p, d = float(compute_bytes), float(shard)
     gather = (4.0 + p) / d + 2 * p + (2 * p if shard == 1 else 0.0)
     reduce = p + 4.0 + 8.0 / d + (8.0 if shard == 1 else 0.0)
     accumulate = p + 8.0
     n = max(1, num_microbatches)
-    if zero < 3 and n > 1:  # reduce once, after the last micro-batch
+    if n > 1 and (zero < 3 or keeps_gathered):  # reduce once, after the last micro-batch
         backward = (reduce + (n - 1) * accumulate) / n
     else:
         backward = reduce
-    if zero == 3:
+    if zero == 3 and not keeps_gathered:
         backward += gather
+    if zero < 3 and keeps_gathered:  # gathered on the first micro-batch only
+        gather /= n
     return gather, backward
 
 
 def fsdp_copy_time(local_elements: float, compute_bytes: int, shard: int, zero: int,
-                   num_microbatches: int, hw) -> tuple[float, float]:
+                   num_microbatches: int, hw, keeps_gathered: bool = False
+                   ) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of FSDP2's copies of one parameter
     of ``local_elements`` elements (the tensor-parallel local size): the bytes moved
     at the achieved memory bandwidth, plus, on a CPU (where the host is the device),
@@ -62,7 +68,7 @@ def fsdp_copy_time(local_elements: float, compute_bytes: int, shard: int, zero: 
     hooks and per-parameter bookkeeping; :mod:`autopar.cost_models.profiling.host_wrappers`).
     On a GPU that host time runs beside the device (:mod:`autopar.cost_models.host`)."""
     rate = hw.achieved_memory_bandwidth
-    fwd, bwd = fsdp_copy_bytes(compute_bytes, shard, zero, num_microbatches)
+    fwd, bwd = fsdp_copy_bytes(compute_bytes, shard, zero, num_microbatches, keeps_gathered)
     host = {} if hw.host_runs_ahead else hw.host_overhead_s
     return (local_elements * fwd / rate + host.get("fsdp_param_fwd", 0.0),
             local_elements * bwd / rate + host.get("fsdp_param_bwd", 0.0))

@@ -506,7 +506,9 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
         sync = ""
         if fsdp_mesh and plan.zero < 3 and plan.num_microbatches > 1:
             sync = ("        model.set_requires_gradient_sync(i == NUM_MICROBATCHES - 1)  "
-                    "# reduce once\n")
+                    "# reduce once\n"
+                    "        model.set_reshard_after_backward(i == NUM_MICROBATCHES - 1)  "
+                    "# gather once\n")
         tp = plan.degree("tp") > 1
         fb = (T.FORWARD_BACKWARD_CP_TP if tp else T.FORWARD_BACKWARD_CP) if cp > 1 else \
             T.FORWARD_BACKWARD_TP if tp else T.FORWARD_BACKWARD

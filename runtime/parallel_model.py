@@ -269,7 +269,8 @@ class ParallelModel(nn.Module):
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in range(n):
             if fsdp and self.plan.zero < 3:  # reduce gradients once, after the last micro-batch
-                self.module.set_requires_gradient_sync(i == n - 1)
+                self.module.set_requires_gradient_sync(i == n - 1)  # and keep the gathered
+                self.module.set_reshard_after_backward(i == n - 1)  # parameters till then
             part = slice(i * mb, (i + 1) * mb)
             local = [x[part] if isinstance(x, torch.Tensor) else x for x in xs]
             # plain tensors the forward makes meet DTensors; a loss-parallel loss splits.

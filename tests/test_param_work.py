@@ -50,6 +50,11 @@ def test_fsdp_copies_follow_the_zero_stage_and_micro_batches() -> None:
     assert f3 == f1 and b3 == pytest.approx(b1 + f1)
     _, acc = fsdp_copy_bytes(2, 1, 0, 4)
     assert acc == pytest.approx((22.0 + 3 * 10.0) / 4)
+    # kept gathered between micro-batches: ZeRO-0/1/2 gather on the first only, ZeRO-3
+    # (a pipeline stage) in forward only
+    assert fsdp_copy_bytes(2, 4, 2, 4, keeps_gathered=True)[0] == pytest.approx(f1 / 4)
+    kept3 = fsdp_copy_bytes(2, 4, 3, 4, keeps_gathered=True)
+    assert kept3 == pytest.approx((f1, fsdp_copy_bytes(2, 4, 2, 4)[1]))
 
 
 def test_one_device_bf16_pays_fsdp_copies_per_micro_batch() -> None:

@@ -51,10 +51,13 @@ class Settings:
     @property
     def keeps_gathered(self) -> bool:
         """Whether FSDP2 keeps each unit's parameters gathered after its backward until
-        the step ends (a pipeline stage with micro-batches, :attr:`grad_sync_once`):
-        under ZeRO-1/2 they are gathered once per step, under ZeRO-3 the next
-        forward reshards them, so its backward gathers them once more."""
-        return self.pipelined and self.num_microbatches > 1
+        the step ends, with micro-batches: on a pipeline stage (``torch.distributed.
+        pipelining`` turns resharding after backward off until the last) and under
+        ZeRO-0/1/2 (the runtime's ``set_reshard_after_backward(False)`` before the last
+        micro-batch: they are gathered from forward to backward anyway, so the peak
+        does not grow). Under ZeRO-0/1/2 they are then gathered once per step; under
+        ZeRO-3 the next forward reshards them, so its backward gathers them once more."""
+        return self.num_microbatches > 1 and (self.pipelined or self.zero < 3)
 
     @property
     def overlap(self) -> float:
