@@ -21,8 +21,8 @@ from autopar.solvers.schedule_sim import stage_ranks
 from autopar.solvers.units import recompute_transient
 from autopar.strategies.analysis import GraphAnalysis
 from autopar.strategies.enumeration import NodeStrategy
-from autopar.strategies.settings import Settings
 from autopar.strategies.rules import loss_reduction
+from autopar.strategies.settings import Settings
 from autopar.summary_words import term_differences
 
 

@@ -527,8 +527,8 @@ def _check_experts(plan: Plan) -> None:
     ep = plan.degree("ep")
     legs = {xp.node_ranks for xp in plan.experts.values() if xp.node_ranks != 1}
     for path, xp in plan.experts.items():
-        if xp.node_ranks != 1 and (xp.kind != "routed" or xp.node_ranks < 1 or
-                                   not 1 < xp.node_ranks < ep or ep % xp.node_ranks):
+        if xp.node_ranks != 1 and (xp.kind != "routed" or not 1 < xp.node_ranks < ep
+                                   or ep % xp.node_ranks):
             raise PlanFormatError(
                 f"expert module {path!r} has node_ranks {xp.node_ranks}; a routed module's "
                 f"two-leg exchange needs 1 < node_ranks < ep={ep} dividing ep (1: one "
