@@ -3,7 +3,8 @@ token once to every node holding any of its experts, then to their ranks inside 
 (:mod:`autopar.cost_models.expert_dispatch`, :func:`autopar.runtime.routed_experts.
 route_tokens`). Priced from the expected number of distinct nodes (checked against
 every choice of experts), chosen by the planner where the nodes are joined slowly, and
-trained as in one process (Hugging Face's Mixtral, 8 experts, fp32, gloo)."""
+trained as in one process (Hugging Face's Mixtral, 8 experts, fp32, gloo; 4 ranks, and
+8 with a pipeline)."""
 
 from __future__ import annotations
 
@@ -124,8 +125,9 @@ def _losses(space: dict, legs: list) -> list[float]:
 
     x, y = batch()
     model = mixtral()
+    ranks = space.get("pp", 1) * space["dp"]
     plan = autopar.plan(model, (x,), example_targets=y, precision="fp32",
-                        cluster=autopar.Cluster("cpu", 2, 2), **space)
+                        cluster=autopar.Cluster("cpu", 2, ranks // 2), **space)
     for xp in plan.experts.values():
         xp.node_ranks = 2
     pm = autopar.parallelize(model, plan=plan)
@@ -139,12 +141,15 @@ SPACES = [{"dp": 4, "ep": 4}, {"dp": 4, "ep": 4, "zero": 3}]
 
 
 @pytest.mark.multirank
-def test_two_leg_exchange_trains_as_in_one_process(rank_pool: RankPool) -> None:
-    got = rank_pool.run(4, _train, SPACES, timeout_s=900)[0]
+@pytest.mark.parametrize("ranks, spaces", [(4, SPACES), (8, [{"pp": 2, "dp": 4, "ep": 4}])],
+                         ids=["dp4 x ep4", "pp2 x dp4 x ep4"])
+def test_two_leg_exchange_trains_as_in_one_process(rank_pool: RankPool, ranks: int,
+                                                   spaces: list[dict]) -> None:
+    got = rank_pool.run(ranks, _train, spaces, timeout_s=900)[0]
     x, y = batch()
     model = mixtral()
     ref = sgd_losses(model.parameters(), reference_step(model, x, y), STEPS, LR)
-    for space, losses in zip(SPACES, got):
+    for space, losses in zip(spaces, got):
         assert losses == pytest.approx(ref, abs=1e-5), space
 
 
