@@ -246,6 +246,15 @@ FAMILIES: dict[str, Family] = {
     "nemotron": Family("NemotronConfig", "NemotronForCausalLM", _GQA,                   # 4 15B
                        dict(num_key_value_heads=8)),
     "persimmon": Family("PersimmonConfig", "PersimmonForCausalLM", _DECODER),           # 8B
+    "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",                  # 671B
+                          dict(_DECODER, num_key_value_heads=4, moe_intermediate_size=64,
+                               n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                               first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                               n_group=2, topk_group=1)),
+    "gpt_oss": Family("GptOssConfig", "GptOssForCausalLM",                              # 120B
+                      dict(_GQA, head_dim=16, intermediate_size=64, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=8), attn="eager"),
 }
 
 _NOISE = ("dropout", "pdrop", "layerdrop", "jitter")
