@@ -400,6 +400,12 @@ class Plan:
                    for pl in (*self.params.values(), *self.activations.values()))
 
     @property
+    def ep_node_ranks(self) -> int:
+        """The ``ep`` group's members on each node where routed modules move their tokens
+        in two legs (every :attr:`ExpertPlan.node_ranks` above 1 is this one), else 1."""
+        return max((xp.node_ranks for xp in self.experts.values()), default=1)
+
+    @property
     def data_parallel(self) -> int:
         """How many ways the batch is split: ``dp`` × ``ep`` (ep is a part of the
         data-parallel ranks that splits the experts instead)."""

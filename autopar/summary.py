@@ -207,7 +207,7 @@ def plan_summary(plan: Plan) -> str:
     c = plan.cluster
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
     if plan.degree("ep") > 1:
-        legs = max((xp.node_ranks for xp in plan.experts.values()), default=1)
+        legs = plan.ep_node_ranks
         mesh += (f"  (data parallel over dp x ep = {plan.data_parallel}; "
                  f"experts split over ep in {len(plan.experts)} module(s)"
                  + (f"; each token sent once per node of its experts, then inside it to "

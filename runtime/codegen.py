@@ -33,7 +33,8 @@ from autopar.runtime.codegen_imports import import_block
 from autopar.runtime.codegen_pipeline import pipeline_text
 from autopar.units_text import fmt_bytes
 from autopar.runtime.lower import check_plan
-from autopar.runtime.mesh import expert_fsdp_axes, expert_mesh_shape, needs_fsdp
+from autopar.runtime.mesh import (expert_fsdp_axes, expert_legs_shape, expert_mesh_shape,
+                                  needs_fsdp)
 from autopar.runtime.dtensor_layout import any_index
 from autopar.runtime.tensor_parallel import piecewise, tp_layout
 from autopar.solvers.schedule_sim import ZERO_BUBBLE
@@ -95,7 +96,7 @@ def _blocks_expr(model: nn.Module, paths: list[str], pipelined: bool = False) ->
 
 
 def _paths_tuple(paths: list[str]) -> str:
-    """A tuple of module paths as program text."""
+    """A tuple of names (module paths, mesh axes) as program text."""
     return "(" + ", ".join(f'"{p}"' for p in paths) + ("," if len(paths) == 1 else "") + ")"
 
 
@@ -274,24 +275,24 @@ def _fsdp_section(plan: Plan, facts: ModelFacts, pipelined: bool = False) -> str
 def _ep_sections(plan: Plan) -> list[str]:
     """``build_expert_mesh`` and ``apply_ep`` of a plan with expert parallelism."""
     names, shape = expert_mesh_shape(plan)
-    quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
-    comment = " x ".join(f"{a}={n}" for a, n in zip(names, shape))
     table = "{\n" + "".join(
         f'        "{path}": ({xp.batch_dim}, {xp.input_dim}, {xp.output_dim}, '
         f'{dict(xp.params)}, {xp.node_ranks}),\n'
         for path, xp in sorted(plan.experts.items())) + "    }"
     a2a = _seconds(plan.breakdown.get("all_to_all_s", 0.0))
-    sections = [T.EXPERT_MESH.substitute(comment=comment, shape=shape, names=quoted)]
-    per_node = max(xp.node_ranks for xp in plan.experts.values())
-    if per_node > 1:
-        k = names.index("ep")
-        names = names[:k] + ("ep_node", "ep_local") + names[k + 1:]
-        shape = shape[:k] + (shape[k] // per_node, per_node) + shape[k + 1:]
-        sections.append(T.EXPERT_LEGS.substitute(
-            per_node=per_node, shape=shape, comment=" x ".join(
-                f"{a}={n}" for a, n in zip(names, shape)),
-            names="(" + ", ".join(f'"{n}"' for n in names) + ")"))
+    sections = [T.EXPERT_MESH.substitute(shape=shape, **_mesh_words(names, shape))]
+    legs = expert_legs_shape(plan)
+    if legs is not None:
+        sections.append(T.EXPERT_LEGS.substitute(per_node=plan.ep_node_ranks, shape=legs[1],
+                                                 **_mesh_words(*legs)))
     return sections + [T.EXPERT_PARALLEL.substitute(ep=plan.degree("ep"), table=table, a2a=a2a)]
+
+
+def _mesh_words(names: tuple[str, ...], shape: tuple[int, ...]) -> dict[str, str]:
+    """A mesh's axis names as a program tuple (``names``) and its ``comment``, "dp=2 x
+    ep=4 x tp=1"."""
+    return {"names": _paths_tuple(list(names)),
+            "comment": " x ".join(f"{a}={n}" for a, n in zip(names, shape))}
 
 
 def _comm_text(b: dict[str, float]) -> str:
@@ -331,7 +332,7 @@ def _mesh_section(plan: Plan) -> tuple[str, str]:
     if cp > 1 and fsdp:
         fsdp = "data_mesh(mesh)"
     shape, names = outer + shape, ("pp",) * len(outer) + names
-    quoted = "(" + ", ".join(f'"{n}"' for n in names) + ")"
+    quoted = _paths_tuple(list(names))
     one_line = len(f"    return init_device_mesh(device_type, {shape}, mesh_dim_names={quoted})")
     sep = " " if one_line <= 99 else "\n" + " " * 28
     return T.BUILD_MESH.substitute(comment=comment, shape=shape, names=quoted, sep=sep), fsdp
@@ -448,8 +449,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     target = "stage" if pipelined else "model"
     if plan.experts:
         sections += _ep_sections(plan)
-        legs = ", build_ep_legs(device_type)" if any(
-            xp.node_ranks > 1 for xp in plan.experts.values()) else ""
+        legs = ", build_ep_legs(device_type)" if plan.ep_node_ranks > 1 else ""
         layout.append(f'apply_ep({target}, build_expert_mesh(device_type)["ep"]{legs})')
     if plan.degree("tp") > 1:
         sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts, pipelined)]

@@ -21,7 +21,7 @@ from autopar.cost_models.memory import fsdp_lays_out
 from autopar.plans import Plan
 
 __all__ = ["PlanMeshes", "build_meshes", "needs_fsdp", "MESH_AXES", "expert_meshes",
-           "expert_mesh_shape", "expert_fsdp_axes", "expert_legs"]
+           "expert_mesh_shape", "expert_fsdp_axes", "expert_legs", "expert_legs_shape"]
 
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 
@@ -113,19 +113,27 @@ def expert_meshes(plan: Plan, device_type: str) -> tuple[DeviceMesh | None, Devi
 
 
 def expert_legs(plan: Plan, device_type: str) -> tuple[DeviceMesh, DeviceMesh] | None:
-    """The ``ep`` group cut into nodes of the ``node_ranks`` members a routed module's
-    two-leg exchange names (``plan.experts``): the expert mesh with ``ep`` split into
-    ``ep_node`` x ``ep_local`` (so ep rank = node x node_ranks + local, as the experts
-    are numbered), and its two sub-meshes; None where no module moves in two legs."""
-    per_node = max((xp.node_ranks for xp in plan.experts.values()), default=1)
+    """The ``ep`` group cut into its nodes (:func:`expert_legs_shape`): the mesh across
+    them and the mesh inside this rank's, or None where no module moves in two legs."""
+    found = expert_legs_shape(plan)
+    if found is None:
+        return None
+    root = init_device_mesh(device_type, found[1], mesh_dim_names=found[0])
+    return root["ep_node"], root["ep_local"]
+
+
+def expert_legs_shape(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """The axis names and sizes of the expert mesh with ``ep`` split into ``ep_node`` x
+    ``ep_local`` by the plan's :attr:`~autopar.plans.Plan.ep_node_ranks` (so ep rank =
+    node x node_ranks + local, as the experts are numbered), or None where no routed
+    module moves its tokens in two legs."""
+    per_node = plan.ep_node_ranks
     if per_node == 1:
         return None
     names, shape = expert_mesh_shape(plan)
     k = names.index("ep")
-    root = init_device_mesh(device_type, shape[:k] + (shape[k] // per_node, per_node)
-                            + shape[k + 1:],
-                            mesh_dim_names=names[:k] + ("ep_node", "ep_local") + names[k + 1:])
-    return root["ep_node"], root["ep_local"]
+    return (names[:k] + ("ep_node", "ep_local") + names[k + 1:],
+            shape[:k] + (shape[k] // per_node, per_node) + shape[k + 1:])
 
 
 def expert_mesh_shape(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
