@@ -255,9 +255,9 @@ def _routed(g: Graph, path: str, ops: list[OpNode], outputs: set[str],
     Face's ``MixtralExperts``, ``gate_up_proj`` (E, 2F, D) and ``down_proj`` (E, D, F);
     ``GptOssExperts`` adds ``gate_up_proj_bias`` (E, 2F)); it reads from outside exactly
     tokens (T, D), float, expert indices (T, k), integer, and their weights (T, k),
-    float; and its output op makes a tensor shaped like the tokens. What it does with them inside
-    (sorting, grouped GEMMs, loops) is its own: expert parallelism moves the tokens to
-    their experts' ranks around it and runs it unchanged."""
+    float; and its output op makes a tensor shaped like the tokens. What it does with
+    them inside (sorting, grouped GEMMs, loops) is its own: expert parallelism moves the
+    tokens to their experts' ranks around it and runs it unchanged."""
     fqns = sorted({p for n in ops for p in n.params})
     shapes = [g.params[f].meta.shape for f in fqns if f in g.params]
     if not shapes or len(shapes) != len(fqns) or any(len(s) not in (2, 3) for s in shapes) or \
