@@ -6,7 +6,7 @@ MFU."""
 
 from __future__ import annotations
 
-from autopar.cost_models.comm import group_link
+from autopar.cost_models.expert_dispatch import expert_group
 from autopar.cost_models.compiled import compile_time_s
 from autopar.cost_models.strategy_price import StrategyPricer
 from autopar.graph import Graph
@@ -120,7 +120,7 @@ def assemble(an: GraphAnalysis, built: Built, sol: Solution, *, cluster_desc: di
     mesh = st.mesh
     chosen = chosen_strategies(g, built, sol)
     tp_axis = mesh.names.index("tp") if "tp" in mesh.names else None
-    experts = expert_plans(an, chosen, mesh, node_legs(an, chosen, st))
+    experts = expert_plans(an, chosen, mesh, node_legs(an, chosen, st), st.fold_experts)
     params = param_placements(an, chosen, st, experts)
     acts = {name: list(s.out) for name, s in chosen.items()}
     ev = evaluate(built.problem, sol.choice, sol.modes)
@@ -160,10 +160,13 @@ def param_placements(an: GraphAnalysis, chosen: dict[str, NodeStrategy], st,
                      experts: dict[str, ExpertPlan]) -> dict[str, list[str]]:
     """Parameter FQN (aliases too) -> its placements per mesh axis under the strategies
     ``chosen`` and settings ``st``: its owner's input placement, split along dim 0 over
-    the data axes under ZeRO-3 and over ``ep`` for the experts ``experts`` split."""
+    the data axes under ZeRO-3 and over ``ep`` for the experts ``experts`` split (and
+    over ``tp`` too where they fold over it)."""
     g, mesh = an.graph, st.mesh
     split = {f"{path}.{local}" for path, ep in experts.items() for local in ep.params}
-    routed = {f"{path}.{local}" for path, ep in experts.items() if ep.kind == "routed"
+    routed = {f"{path}.{local}": d for path, ep in experts.items() if ep.kind == "routed"
+              for local, d in ep.params.items()}
+    folded = {f"{path}.{local}" for path, ep in experts.items() if ep.folded
               for local in ep.params}
     params: dict[str, list[str]] = {}
     owned = {g.node(pnode).target: list(chosen[op].ins[pos])
@@ -176,8 +179,8 @@ def param_placements(an: GraphAnalysis, chosen: dict[str, NodeStrategy], st,
             if (name in DATA_AXES or name == "cp") and st.zero == 3 and mesh.sizes[a] > 1 and \
                     not (name == "ep" and fqn in split):
                 pl[a] = "S(0)"
-            if name == "ep" and fqn in routed:
-                pl[a] = "S(0)"
+            if (name == "ep" and fqn in routed) or (name == "tp" and fqn in folded):
+                pl[a] = f"S({routed[fqn]})"
         params[fqn] = pl
         for alias in g.params[fqn].aliases if fqn in g.params else []:
             params[alias] = list(pl)
@@ -217,10 +220,11 @@ def _rank_attention(cx: ContextPlan, po: PipelineOutcome, ranks: list[int], rank
 
 
 def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], mesh,
-                 legs: dict[str, int] | None = None) -> dict[str, ExpertPlan]:
+                 legs: dict[str, int] | None = None, fold: bool = False
+                 ) -> dict[str, ExpertPlan]:
     """The expert modules whose experts the chosen strategies split over ``ep``; a
     routed one's exchange in two legs with ``legs[path]`` members per node where given
-    (:func:`node_legs`)."""
+    (:func:`node_legs`), its experts split over ep x tp where they ``fold``."""
     if mesh.degree("ep") == 1:
         return {}
     a = mesh.names.index("ep")
@@ -230,7 +234,7 @@ def expert_plans(an: GraphAnalysis, chosen: dict[str, NodeStrategy], mesh,
         params = {fqn.rpartition(".")[2]: d for fqn, d in em.params.items()}
         if em.kind == "routed":  # split whenever the mesh has ep
             out[path] = ExpertPlan(path, em.experts, -1, -1, 0, params, kind="routed",
-                                   node_ranks=legs.get(path, 1))
+                                   node_ranks=legs.get(path, 1), folded=fold)
             continue
         raw = chosen[em.output].raw_out[a] if em.output in chosen else "R"
         batch = an.batch_dim.get(em.output) or 0
@@ -256,8 +260,8 @@ def node_legs(an: GraphAnalysis, chosen: dict[str, NodeStrategy],
     routed = {p: em for p, em in an.experts.items() if em.kind == "routed" and em.output in chosen}
     if not routed or st.mesh.degree("ep") == 1:
         return {}
-    link = group_link(st.mesh.sizes, st.mesh.names.index("ep"), st.gpus_per_node, st.hw)
-    if not 1 < link.node_ranks < st.mesh.degree("ep"):
+    ranks, link = expert_group(st.mesh, st.fold_experts, st.gpus_per_node, st.hw)
+    if not 1 < link.node_ranks < ranks:
         return {}
     pricer = StrategyPricer(an, st)
     out = {}

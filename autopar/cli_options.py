@@ -22,6 +22,7 @@ __all__ = ["ESTIMATE_DEFAULTS", "add_memory_budget_arg", "add_spec_args", "parse
 
 ESTIMATE_DEFAULTS = {"dp": "the devices the other degrees leave", "tp": "1", "pp": "1",
                      "cp": "1", "cp_variant": "allgather", "ep": "1",
+                     "expert_tp": "the solver's choice",
                      "microbatch_size": "the largest that gives pp micro-batches",
                      "schedule": "1f1b", "virtual_stages": "the solver's choice",
                      "recompute": "the solver's choice", "zero": "0",
@@ -49,7 +50,10 @@ def add_spec_args(g: argparse._ActionsContainer,
     g.add_argument("--cp-variant", metavar="{allgather,ring,ulysses}",
                    help="how attention reaches the keys of the other cp ranks")
     g.add_argument("--ep", type=int, help="expert-parallel degree: the experts split over ep "
-                   "of the dp ranks (ep divides dp)")
+                   "of the dp ranks (ep divides dp), or of dp x tp with --expert-tp 1")
+    g.add_argument("--expert-tp", type=int, help="ranks splitting each expert: tp (as the "
+                   "rest of the model) or 1 (whole experts, ep folded over dp x tp, as "
+                   "Megatron-Core's expert tensor parallelism 1)")
     g.add_argument("--microbatch-size", "--microbatch", type=int, dest="microbatch_size",
                    help="samples per forward/backward pass on one data-parallel rank")
     g.add_argument("--schedule", metavar="{" + ",".join(SCHEDULES) + "}",

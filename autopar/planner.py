@@ -34,7 +34,8 @@ from autopar.explain import check_explain, explain_layouts
 from autopar.pipeline_split import pipeline_blocker
 from autopar.planner_inputs import (attention_heads, check_heads, check_imbalance,
                                     check_pipeline_depth, check_search_options, cp_variants,
-                                    expert_count, global_batch as batch_size,
+                                    expert_count, expert_folding,
+                                    global_batch as batch_size,
                                     memory_budget_bytes)
 from autopar.plans import Plan, model_fingerprint
 from autopar.solvers.idle_axis import splits_nothing
@@ -115,7 +116,8 @@ def _candidates(an: GraphAnalysis, spec: Spec, asked: _Asked,
                       experts=expert_count(an, spec.ep),
                       expert_imbalance=float(expert_imbalance), cp=spec.cp,
                       seq_len=graph.seq_len or 0, cp_variants=cp_variants(an, spec),
-                      cp_variant=spec.cp_variant, cp_with_pp=not an.sequence.masked)
+                      cp_variant=spec.cp_variant, cp_with_pp=not an.sequence.masked,
+                      fold=expert_folding(an, spec.expert_tp))
 
 
 def _pipeline_refusal(model: nn.Module, example_inputs: Any, an: GraphAnalysis,

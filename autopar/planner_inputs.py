@@ -11,7 +11,7 @@ from typing import Any
 from autopar.errors import ConfigError
 from autopar.spec import Spec
 
-__all__ = ["attention_heads", "batch_of", "check_heads", "check_imbalance",
+__all__ = ["attention_heads", "batch_of", "check_heads", "check_imbalance", "expert_folding",
            "check_pipeline_depth", "check_search_options", "cp_variants", "expert_count",
            "global_batch", "memory_budget_bytes", "positive_number"]
 
@@ -104,6 +104,26 @@ def check_imbalance(value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
         raise ConfigError(f"expert_imbalance={value!r}: expected a number of at least 1 (the "
                           f"busiest expert-parallel rank's tokens over the mean; 1 = even)")
+
+
+def expert_folding(an, expert_tp: int | None) -> bool | None:
+    """Whether the candidates fold the experts over tp (the ``fold`` of
+    :func:`~autopar.solvers.search_space.candidates`): never without expert modules or
+    with one that is not routed (fed tokens, expert indices and weights: the only kind
+    whose ops run on whichever tokens reach a rank), always with ``expert_tp=1``, else
+    (None) as the solver finds best. ``expert_tp=1`` on a model that cannot fold them
+    raises ConfigError."""
+    kinds = {path: em.kind for path, em in an.experts.items()}
+    other = sorted(p for p, k in kinds.items() if k != "routed")
+    if expert_tp == 1 and (other or not kinds):
+        what = (f"'{other[0]}' runs its experts as a {kinds[other[0]]} module" if other else
+                "the model has no expert modules")
+        raise ConfigError(f"expert_tp=1 folds routed experts (a module fed tokens, expert "
+                          f"indices and weights) over dp x tp, but {what}; leave expert_tp "
+                          f"out")
+    if other or not kinds or (expert_tp is not None and expert_tp > 1):
+        return False
+    return True if expert_tp == 1 else None
 
 
 def expert_count(an, ep: int | None) -> int:

@@ -99,6 +99,11 @@ class ExpertPlan:
             to every node holding any of its experts, then to their ranks inside the
             node: :mod:`autopar.cost_models.expert_dispatch`); 1: one all-to-all over
             the whole group.
+        folded: a routed module whose experts are split over the ``ep`` and ``tp``
+            ranks together, each rank holding whole experts (Megatron-Core's MoE
+            parallel folding, expert tensor parallelism 1): its tokens, split over tp,
+            go to their experts' ranks among those ``ep`` x ``tp``
+            (:attr:`Plan.expert_ranks`); False: split over ``ep`` alone.
     """
 
     path: str
@@ -109,6 +114,7 @@ class ExpertPlan:
     params: dict[str, int] = field(default_factory=dict)
     kind: str = "stacked"
     node_ranks: int = 1
+    folded: bool = False
 
 
 @dataclass
@@ -406,6 +412,18 @@ class Plan:
         return max((xp.node_ranks for xp in self.experts.values()), default=1)
 
     @property
+    def fold_experts(self) -> bool:
+        """Whether the routed experts are split over ``ep`` x ``tp``
+        (:attr:`ExpertPlan.folded`: all of them or none)."""
+        return any(xp.folded for xp in self.experts.values())
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks each expert module's experts are split over: ``ep``, times ``tp``
+        where they fold over it."""
+        return self.degree("ep") * (self.degree("tp") if self.fold_experts else 1)
+
+    @property
     def data_parallel(self) -> int:
         """How many ways the batch is split: ``dp`` × ``ep`` (ep is a part of the
         data-parallel ranks that splits the experts instead)."""
@@ -529,9 +547,17 @@ def _check_plan(plan: Plan) -> None:
 
 def _check_experts(plan: Plan) -> None:
     """A routed module's two-leg exchange must cut the ``ep`` group into nodes of
-    ``node_ranks`` members, and one ``node_ranks`` serves every module (one mesh)."""
-    ep = plan.degree("ep")
+    ``node_ranks`` members, and one ``node_ranks`` serves every module (one mesh);
+    folded experts are routed ones, all of them, on a mesh with ``ep`` and ``tp``."""
+    ep = plan.expert_ranks
     legs = {xp.node_ranks for xp in plan.experts.values() if xp.node_ranks != 1}
+    folded = {xp.folded for xp in plan.experts.values()}
+    if True in folded and (len(folded) > 1 or plan.degree("tp") == 1 or plan.degree("ep") == 1
+                           or any(xp.kind != "routed" for xp in plan.experts.values())):
+        raise PlanFormatError("some expert modules are folded over tp and some are not, or a "
+                              "folded one is not routed, or the mesh lacks ep or tp; folded "
+                              "experts are every routed module's, split over ep x tp; was it "
+                              "edited? Re-run `autopar plan`")
     for path, xp in plan.experts.items():
         if xp.node_ranks != 1 and (xp.kind != "routed" or not 1 < xp.node_ranks < ep
                                    or ep % xp.node_ranks):

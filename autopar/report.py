@@ -141,7 +141,8 @@ def _overview(plan: Plan) -> str:
         config.insert(4, ["context parallel", f"cp={plan.degree('cp')}, {plan.context.variant}, "
                           f"{plan.context.seq_len:,} tokens per sequence"])
     if plan.experts:
-        config.insert(4, ["expert parallel", f"ep={plan.degree('ep')} over "
+        folded = f" (ep={plan.degree('ep')} x tp, whole experts)" if plan.fold_experts else ""
+        config.insert(4, ["expert parallel", f"ep={plan.expert_ranks}{folded} over "
                           f"{len(plan.experts)} expert module(s)"])
     return (f"<h1>autopar plan for {escape(plan.model)}</h1>"
             f'<p class="sub">{c.get("nodes")} node(s) x {c.get("gpus_per_node")} '

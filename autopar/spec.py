@@ -24,7 +24,7 @@ __all__ = ["Spec", "SEARCH_OPTIONS", "split_space", "check_choice", "default_mic
 SEARCH_OPTIONS = ("time_limit_s", "top_k", "progress", "explain")
 """Keywords of :func:`autopar.plan` that steer the search rather than name a choice."""
 
-COUNTS = ("dp", "tp", "pp", "cp", "ep", "microbatch_size", "virtual_stages")
+COUNTS = ("dp", "tp", "pp", "cp", "ep", "expert_tp", "microbatch_size", "virtual_stages")
 """The fields that are positive integers."""
 
 
@@ -47,8 +47,14 @@ class Spec:
     Attributes:
         dp, tp, pp: data-, tensor- and pipeline-parallel degrees.
         ep: expert-parallel degree: the experts of each mixture-of-experts layer split
-            over ``ep`` of the ``dp`` ranks (ep divides dp, as Megatron's expert
-            parallelism; the rest of the model stays data-parallel over all dp).
+            over ``ep`` ranks, the rest of the model data-parallel over all dp: ranks of
+            dp (ep divides dp), or, with ``expert_tp=1``, of dp x tp.
+        expert_tp: how many ranks split each expert, Megatron-Core's expert tensor
+            parallelism: ``tp`` (the experts split like the rest of the model, the
+            solver choosing how) or 1 (each rank holds whole experts, the ep group
+            drawn from dp x tp, ``tp`` divides ``ep``: Megatron-Core's MoE parallel
+            folding; routed experts under sequence parallelism only). None: the
+            solver's choice.
         cp: context-parallel degree: every sequence split over ``cp`` ranks (head-tail
             chunks, so 2·cp divides the sequence), attention bringing the keys by
             ``cp_variant``; the parameters are replicated (or ZeRO-sharded) over dp × cp.
@@ -81,6 +87,7 @@ class Spec:
     pp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    expert_tp: int | None = None
     cp_variant: str | None = None
     microbatch_size: int | None = None
     schedule: str | None = None
@@ -118,6 +125,17 @@ class Spec:
                 f"from dp x cp, with every cp rank's tokens routed to them (Megatron-Core "
                 f"folds EP over DP x CP), while autopar's ep takes its ranks from dp alone; "
                 f"choose one (cp for long sequences, ep for the experts)")
+        if self.expert_tp is not None and self.tp is not None and \
+                self.expert_tp not in (1, self.tp):
+            raise ConfigError(f"expert_tp={self.expert_tp} with tp={self.tp}: the experts are "
+                              f"split like the rest of the model (expert_tp={self.tp}) or held "
+                              f"whole by each rank (expert_tp=1, ep drawn from dp x tp)")
+        if self.expert_tp == 1 and self.tp is not None and self.tp > 1 and \
+                self.ep is not None and (self.ep % self.tp or self.ep == self.tp):
+            raise ConfigError(f"ep={self.ep} with expert_tp=1 and tp={self.tp}: folded experts "
+                              f"take their ep ranks from dp x tp, so tp divides ep and ep / tp, "
+                              f"the ep ranks of dp, is above 1; choose ep = k x {self.tp} with "
+                              f"k > 1 dividing dp, or expert_tp={self.tp}")
         for name in ("sequence_parallel", "loss_parallel", "split_weights", "offload",
                      "compile"):
             if getattr(self, name) not in (None, True, False):
@@ -141,12 +159,13 @@ class Spec:
         ``microbatch_size`` is :func:`default_microbatch`, ``schedule`` (with ``pp`` >
         1) is "1f1b", ``cp_variant`` (with ``cp`` > 1) "allgather", ``zero`` 0,
         ``sequence_parallel`` (with ``tp`` > 1), ``offload`` and ``compile`` False (a
-        hand-written configuration runs eager unless it says otherwise); ``recompute``
-        and ``virtual_stages`` left out stay the solver's.
+        hand-written configuration runs eager unless it says otherwise); ``recompute``,
+        ``virtual_stages`` and ``expert_tp`` left out stay the solver's.
 
         Raises:
             ConfigError: the degrees do not multiply to ``world``, ``dp`` does not
-                divide ``global_batch``, or ``ep`` does not divide ``dp``.
+                divide ``global_batch``, or ``ep`` does not divide ``dp`` (nor, with
+                ``expert_tp=1``, dp x tp).
         """
         tp, pp, cp = self.tp or 1, self.pp or 1, self.cp or 1
         model = tp * pp * cp
@@ -160,9 +179,15 @@ class Spec:
         if global_batch % dp:
             raise ConfigError(f"the global batch {global_batch} is not divisible by dp={dp}")
         ep = self.ep or 1
-        if dp % ep:
+        whole = dp % ep == 0
+        folded = tp > 1 and ep % tp == 0 and ep > tp and dp % (ep // tp) == 0
+        if self.expert_tp == 1 and tp > 1 and not folded:
+            raise ConfigError(f"ep={ep} with expert_tp=1 needs ep / tp={tp} ranks of dp, a "
+                              f"divisor of dp={dp} above 1; choose an ep of tp x such a divisor")
+        if not whole and not (folded and self.expert_tp in (None, 1)):
             raise ConfigError(f"ep={ep} does not divide dp={dp}: the experts are split over "
-                              f"ep of the data-parallel ranks; choose an ep that divides dp")
+                              f"ep of the data-parallel ranks; choose an ep that divides dp"
+                              + (", or fold them over tp too (expert_tp=1)" if folded else ""))
         mb = self.microbatch_size or default_microbatch(global_batch // dp, pp)
         return replace(self, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatch_size=mb,
                        schedule=(self.schedule or "1f1b") if pp > 1 else self.schedule,

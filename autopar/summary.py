@@ -208,8 +208,10 @@ def plan_summary(plan: Plan) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
     if plan.degree("ep") > 1:
         legs = plan.ep_node_ranks
+        over = (f"ep x tp = {plan.expert_ranks} ranks, whole experts on each (folded)"
+                if plan.fold_experts else "ep")
         mesh += (f"  (data parallel over dp x ep = {plan.data_parallel}; "
-                 f"experts split over ep in {len(plan.experts)} module(s)"
+                 f"experts split over {over} in {len(plan.experts)} module(s)"
                  + (f"; each token sent once per node of its experts, then inside it to "
                     f"their ranks ({legs} a node)" if legs > 1 else "") + ")")
     lines = [

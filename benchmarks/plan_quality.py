@@ -194,7 +194,7 @@ def describe_plan(plan) -> str:
     return _describe(plan.data_parallel, plan.degree("tp"), plan.degree("pp"),
                      plan.microbatch_size, plan.num_microbatches, plan.zero,
                      pipe.schedule if pipe else None, pipe.virtual_stages if pipe else 1,
-                     plan.sequence_parallel, rc or "none", plan.degree("ep"), plan.degree("cp"))
+                     plan.sequence_parallel, rc or "none", plan.expert_ranks, plan.degree("cp"))
 
 
 def build_model(row: Row):

@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from math import comb
 
-from autopar.cost_models.comm import collective_time
+from autopar.cost_models.comm import collective_time, group_link
 from autopar.cost_models.hardware_spec import LinkSpec
+from autopar.sharding import Mesh
 
 EXCHANGES = 4
 """All-to-alls of one routed module per micro-batch, each leg: dispatch and combine,
@@ -68,3 +69,17 @@ def routed_dispatch(row_bytes: float, top_k: int, experts: int, ep: int,
     inside = collective_time("all_to_all", row_bytes * top_k, per_node, intra)
     legs = TokenExchange(per_node, EXCHANGES * (rail + inside))
     return legs if legs.seconds < flat.seconds else flat
+
+
+def expert_group(mesh: Mesh, fold: bool, gpus_per_node: int, hw) -> tuple[int, LinkSpec]:
+    """The ranks a routed module's experts are split over on ``mesh`` (which has an
+    ``ep`` axis) and their link: the ``ep`` axis's, or, ``fold``-ed over tp, the
+    ``ep`` and ``tp`` axes' ranks together (tp is the inner axis, so they are one block
+    of neighbours), of :func:`~autopar.cost_models.comm.group_link` on ``hw`` with
+    ``gpus_per_node``."""
+    sizes = list(mesh.sizes)
+    a = mesh.names.index("ep")
+    if fold:
+        t = mesh.names.index("tp")
+        sizes[a], sizes[t] = sizes[a] * sizes[t], 1
+    return sizes[a], group_link(tuple(sizes), a, gpus_per_node, hw)

@@ -82,6 +82,8 @@ class ParamPricer:
         self.cp = self.mesh.degree("cp")
         self.replicas = self.dp * self.cp
         self._groups = {False: self._group(self.dp), True: self._group(self.dp // self._ep())}
+        # a routed expert weight is split over ep, and over tp too where the experts fold
+        self.routed_split = self._ep() * (self.mesh.degree("tp") if st.fold_experts else 1)
         self._terms: dict[tuple, ParamTerms] = {}
 
     def _ep(self) -> int:
@@ -121,9 +123,10 @@ class ParamPricer:
 
     def local(self, p: OwnedParam, ins) -> float:
         """Elements of owned parameter ``p`` on one device under input placements
-        ``ins`` (a routed expert weight also split over ep)."""
+        ``ins`` (a routed expert weight also split over ep, and tp where the experts
+        fold over it)."""
         n = p.numel / self.degree(ins[p.pos])
-        return n / self._ep() if p.routed else n
+        return n / self.routed_split if p.routed else n
 
     def group_of(self, p: OwnedParam, ins) -> DataGroup:
         """:meth:`data_group` of owned parameter ``p`` under input placements ``ins``."""
@@ -275,8 +278,9 @@ class ParamPricer:
                 continue
             local = self.local(p, ins)
             share = p.share
+            folded = p.routed and self.st.fold_experts  # each rank's own experts, no sum
             for a in self.free:
-                if grads[p.pos][a] == "P":
+                if grads[p.pos][a] == "P" and not folded:
                     tp += self._partial_grad_time(local * 4.0, a, share)
             group = self.group_of(p, ins)
             if group.size == 1:

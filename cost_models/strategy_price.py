@@ -23,7 +23,7 @@ from autopar.cost_models.context_parallel import AttentionShape, CPAttentionCost
 from autopar.cost_models.compute import (OpShapes, backward_factors, is_matmul, is_norm,
                                          local_shape, op_time)
 from autopar.cost_models.dispatch import Dispatches
-from autopar.cost_models.expert_dispatch import TokenExchange, routed_dispatch
+from autopar.cost_models.expert_dispatch import TokenExchange, expert_group, routed_dispatch
 from autopar.cost_models.float8 import FP8, element_dtype, runs_float8
 from autopar.cost_models.host import HostFacts, charges_host, op_host_time
 from autopar.cost_models.memory import saved_element_bytes, saved_for_backward
@@ -191,10 +191,10 @@ class StrategyPricer(ParamPricer):
         em = self.an.expert_of_output(n.name)
         if em is None or em.kind != "routed" or self.ep_axis is None:
             return None
-        ep = self.mesh.sizes[self.ep_axis]
+        st = self.st
+        ep, link = expert_group(self.mesh, st.fold_experts, st.gpus_per_node, st.hw)
         rows = self.out_bytes(n.name) / self.degree(ns.out) * self.st.expert_imbalance
-        return routed_dispatch(rows, em.top_k, em.experts, ep, self.links[self.ep_axis],
-                               self.st.hw.intra_node)
+        return routed_dispatch(rows, em.top_k, em.experts, ep, link, self.st.hw.intra_node)
 
     def op_terms(self, n: OpNode, ns: NodeStrategy) -> OpTerms:
         """The op's own terms under strategy ``ns`` (:class:`OpTerms`): a routed expert

@@ -277,7 +277,7 @@ def _ep_sections(plan: Plan) -> list[str]:
     names, shape = expert_mesh_shape(plan)
     table = "{\n" + "".join(
         f'        "{path}": ({xp.batch_dim}, {xp.input_dim}, {xp.output_dim}, '
-        f'{dict(xp.params)}, {xp.node_ranks}),\n'
+        f'{dict(xp.params)}, {xp.node_ranks}, {xp.folded}),\n'
         for path, xp in sorted(plan.experts.items())) + "    }"
     a2a = _seconds(plan.breakdown.get("all_to_all_s", 0.0))
     sections = [T.EXPERT_MESH.substitute(shape=shape, **_mesh_words(names, shape))]
@@ -450,7 +450,11 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     if plan.experts:
         sections += _ep_sections(plan)
         legs = ", build_ep_legs(device_type)" if plan.ep_node_ranks > 1 else ""
+        if plan.fold_experts:  # each tp rank's own tokens; weights laid out before tp
+            legs = (legs or ", None") + ', mesh["tp"]'
         layout.append(f'apply_ep({target}, build_expert_mesh(device_type)["ep"]{legs})')
+        if plan.fold_experts:
+            layout.append(f'shard_experts({target}, build_expert_mesh(device_type), None)')
     if plan.degree("tp") > 1:
         sections += [T.DTENSOR_LAYOUT.template, _tp_section(plan, facts, pipelined)]
         if plan.loss_parallel:
@@ -459,7 +463,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
             sections.insert(-1, T.PIECEWISE.template)
         last = ", index == len(graphs) - 1" if pipelined and plan.loss_parallel else ""
         layout.append(f'apply_tp({target}, mesh["tp"]{last})')
-    if plan.experts:
+    if plan.experts and not plan.fold_experts:
         layout.append(f'shard_experts({target}, build_expert_mesh(device_type), mesh["tp"])')
     if any(m != "none" for m in plan.recompute.values()):
         if "selective" in plan.recompute.values():

@@ -270,31 +270,35 @@ def build_ep_legs(device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
 EXPERT_PARALLEL = Template("\n\n".join(inspect.getsource(f) for f in (
     _routed.exchange_rows, _routed.routed_args, _routed.Sends, _routed.plan_sends,
     _routed.exchange_ids, _routed.to_experts, _routed.from_experts, _routed.route_tokens,
-    _routed._by_node,
+    _routed._by_node, _routed._own_rows,
     _experts.ScaleGrad, _experts.over_ep, _experts.exchange, _experts.gather_tokens,
     _experts.keep_own_experts, _experts.split_experts, _experts.shard_expert_weights)) + '''
 
 
 EXPERTS = $table
 """Expert modules: path -> (batch dim, expert dim of its input, of its output,
-{parameter: expert dim}, ep ranks per node of a two-leg exchange); -1 for both dims
-marks a routed module, for the output's alone a gathered one (every expert on every
-token, a gate combining them)."""
+{parameter: expert dim}, ep ranks per node of a two-leg exchange, folded over tp);
+-1 for both dims marks a routed module, for the output's alone a gathered one (every
+expert on every token, a gate combining them)."""
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh,
-             legs: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
+             legs: tuple[DeviceMesh, DeviceMesh] | None = None,
+             tp_mesh: DeviceMesh | None = None) -> None:
     """Expert parallelism over ep=$ep: each listed module keeps 1/$ep of its experts
     and its tokens cross ep on the way in and out (all-to-all; for a gathered module
     all-gather in, reduce-scatter out; in two legs over ``legs``, across the nodes and
-    inside one, where a routed module's ranks per node exceed 1); predicted token
-    exchange $a2a per step."""
-    split_experts(model, EXPERTS, ep_mesh, legs)
+    inside one, where a routed module's ranks per node exceed 1; each tp rank's own
+    tokens where the experts fold over ``tp_mesh``); predicted token exchange $a2a per
+    step."""
+    split_experts(model, EXPERTS, ep_mesh, legs, tp_mesh)
 
 
-def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
-    """The experts' weights as DTensors split over ep (after tensor parallelism): what
-    FSDP2 and checkpoints see; the modules' forwards see this rank's share."""
+def shard_experts(model: nn.Module, expert_mesh: DeviceMesh,
+                  tp_mesh: DeviceMesh | None) -> None:
+    """The experts' weights as DTensors split over ep (after tensor parallelism; folded
+    experts before it, which leaves them alone): what FSDP2 and checkpoints see; the
+    modules' forwards see this rank's share."""
     shard_expert_weights(model, EXPERTS, expert_mesh, tp_mesh)''')
 """Expert parallelism: the runtime's own functions (:mod:`autopar.runtime.experts`),
 copied into the program, with the plan's table."""

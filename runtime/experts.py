@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from autopar.errors import LoweringError
 from autopar.plans import Plan
+from autopar.runtime.mesh import PlanMeshes
 from autopar.runtime.routed_experts import route_tokens
 
 __all__ = ["check_experts", "apply_expert_parallel", "expert_table", "split_experts",
@@ -134,24 +135,27 @@ def keep_own_experts(module: nn.Module, params: Mapping[str, int], mesh: DeviceM
 
 
 def split_experts(model: nn.Module, table: Mapping[str, tuple], mesh: DeviceMesh,
-                  legs: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
+                  legs: tuple[DeviceMesh, DeviceMesh] | None = None,
+                  tp: DeviceMesh | None = None) -> None:
     """For each module path of ``table`` -> (batch dim, expert dim of its input, of its
-    output, {parameter: expert dim}, ep ranks per node of a two-leg exchange): keep this
-    rank's experts and move the module's tokens by all-to-all over ``mesh`` (the
-    ``ep`` axis) at its boundary; expert dims of -1 mark a routed module
-    (:func:`~autopar.runtime.routed_experts.route_tokens`, in two legs over ``legs``
-    where its ranks per node exceed 1), an output expert dim of -1 alone a gathered
-    one (:func:`gather_tokens`). Modules the model (or this pipeline stage) does not
-    hold are skipped."""
+    output, {parameter: expert dim}, ep ranks per node of a two-leg exchange, folded):
+    keep this rank's experts and move the module's tokens by all-to-all over ``mesh``
+    (the ``ep`` axis; the ``ep`` and ``tp`` ranks together where the experts are
+    folded over ``tp``, the tp mesh) at its boundary; expert dims of -1 mark a routed
+    module (:func:`~autopar.runtime.routed_experts.route_tokens`, in two legs over
+    ``legs`` where its ranks per node exceed 1), an output expert dim of -1 alone a
+    gathered one (:func:`gather_tokens`). Modules the model (or this pipeline stage)
+    does not hold are skipped."""
     paths = dict(model.named_modules())
     ep = float(mesh.size())
-    for path, (batch, into, out_dim, params, per_node) in table.items():
+    for path, (batch, into, out_dim, params, per_node, folded) in table.items():
         module = paths.get(path)
         if module is None:
             continue
         keep_own_experts(module, params, mesh)
         if into < 0:  # a routed module: each token to its experts' ranks and back
-            route_tokens(module, params, mesh, ScaleGrad, legs if per_node > 1 else None)
+            route_tokens(module, params, mesh, ScaleGrad, legs if per_node > 1 else None,
+                         tp if folded else None)
             continue
         if out_dim < 0:  # a gathered module: the group's tokens in, partial sums out
             gather_tokens(module, params, batch, into, mesh, ScaleGrad)
@@ -173,7 +177,8 @@ def split_experts(model: nn.Module, table: Mapping[str, tuple], mesh: DeviceMesh
 def shard_expert_weights(model: nn.Module, table: Mapping[str, tuple],
                          expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
     """Make each expert parameter of ``table`` (cut to this rank's experts by
-    :func:`split_experts`, and split by tensor parallelism since, where it is) a DTensor
+    :func:`split_experts`, and split by tensor parallelism since, where it is; folded
+    experts before tensor parallelism, which leaves them alone, as DTensors) a DTensor
     sharded over ``expert_mesh["ep"]`` along its expert dim, on ``expert_mesh["ep",
     "tp"]`` when it is a tensor-parallel DTensor: the global tensor of every expert,
     which FSDP2 and checkpoints see under the parameter's own name. The module's
@@ -219,15 +224,18 @@ def shard_plan_experts(model: nn.Module, plan: Plan, expert_mesh: DeviceMesh,
     shard_expert_weights(model, expert_table(plan), expert_mesh, tp_mesh)
 
 
-def expert_table(plan: Plan) -> dict[str, tuple[int, int, int, dict[str, int], int]]:
+def expert_table(plan: Plan) -> dict[str, tuple[int, int, int, dict[str, int], int, bool]]:
     """``plan.experts`` as the plain table :func:`split_experts` reads."""
-    return {path: (xp.batch_dim, xp.input_dim, xp.output_dim, dict(xp.params), xp.node_ranks)
-            for path, xp in plan.experts.items()}
+    return {path: (xp.batch_dim, xp.input_dim, xp.output_dim, dict(xp.params), xp.node_ranks,
+                   xp.folded) for path, xp in plan.experts.items()}
 
 
-def apply_expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh,
-                          legs: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
-    """Split the experts of ``plan.experts`` over ``mesh`` (the ``ep`` axis) and move
-    their tokens by all-to-all, a routed module's in two legs over ``legs`` where the
-    plan says so (module docstring; :func:`split_experts`)."""
-    split_experts(model, expert_table(plan), mesh, legs)
+def apply_expert_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes) -> None:
+    """Split the experts of ``plan.experts`` over ``meshes.ep`` and move their tokens by
+    all-to-all, a routed module's in two legs over ``meshes.ep_legs`` where the plan
+    says so (module docstring; :func:`split_experts`). Experts folded over tp are made
+    DTensors over the expert mesh here, before tensor parallelism
+    (:func:`shard_plan_experts` runs after it for the others)."""
+    split_experts(model, expert_table(plan), meshes.ep, meshes.ep_legs, meshes.tp)
+    if plan.fold_experts and meshes.experts is not None:
+        shard_plan_experts(model, plan, meshes.experts, None)

@@ -196,10 +196,10 @@ def lower(model: nn.Module, plan: Plan, device: torch.device,
         model.to(device)
     meshes = build_meshes(plan, device.type)
     if meshes.ep is not None:
-        apply_expert_parallel(model, plan, meshes.ep, meshes.ep_legs)
+        apply_expert_parallel(model, plan, meshes)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(model, plan, meshes.tp, local=not compile)
-    if meshes.experts is not None:
+    if meshes.experts is not None and not plan.fold_experts:
         shard_plan_experts(model, plan, meshes.experts, meshes.tp)
     apply_ac(model, plan)
     if compile:

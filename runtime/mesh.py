@@ -138,12 +138,17 @@ def expert_legs_shape(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]] | N
 
 def expert_mesh_shape(plan: Plan) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The axis names and sizes of the expert mesh: the plan's, with ``dp_shard`` = 1
-    after ``dp`` under ZeRO-0 (FSDP2's hybrid mode: full replicas, as for the rest)."""
+    after ``dp`` under ZeRO-0 (FSDP2's hybrid mode: full replicas, as for the rest);
+    where the experts fold over tp, ``ep`` is the ``ep`` and ``tp`` ranks together
+    (:attr:`~autopar.plans.Plan.expert_ranks`) and there is no ``tp``."""
     names: tuple[str, ...] = ()
     shape: tuple[int, ...] = ()
     for a in MESH_AXES:
+        if a == "tp" and plan.fold_experts:
+            continue
         if a in plan.mesh:
-            names, shape = names + (a,), shape + (plan.degree(a),)
+            size = plan.expert_ranks if a == "ep" else plan.degree(a)
+            names, shape = names + (a,), shape + (size,)
         if a == "dp" and plan.zero == 0:
             names, shape = names + ("dp_shard",), shape + (1,)
     return names, shape

@@ -339,12 +339,12 @@ def parallelize_stage(module: nn.Module, plan: Plan, meshes: PlanMeshes,
     if plan.pipeline.schedule in ZERO_BUBBLE:
         sub = dataclasses.replace(sub, zero=min(sub.zero, 2))
     if meshes.ep is not None:
-        apply_expert_parallel(module, sub, meshes.ep, meshes.ep_legs)
+        apply_expert_parallel(module, sub, meshes)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(module, sub, meshes.tp)
         if plan.pipeline.schedule in ZERO_BUBBLE:
             module.register_forward_hook(_own_outputs)
-    if meshes.experts is not None:
+    if meshes.experts is not None and not plan.fold_experts:
         shard_plan_experts(module, sub, meshes.experts, meshes.tp)
     apply_ac(module, sub)
     if meshes.fsdp is not None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["exchange_rows", "route_tokens", "routed_args", "Sends", "plan_sends",
            "exchange_ids", "to_experts", "from_experts"]
@@ -95,15 +95,20 @@ def from_experts(out: torch.Tensor, s: Sends, weight: torch.Tensor | None, count
 
 
 def route_tokens(module: nn.Module, params: Mapping[str, int], mesh: DeviceMesh,
-                 scale: type, legs: tuple[DeviceMesh, DeviceMesh] | None = None) -> None:
+                 scale: type, legs: tuple[DeviceMesh, DeviceMesh] | None = None,
+                 tp: DeviceMesh | None = None) -> None:
     """Send each token to its experts' ranks and back around ``module``'s forward, its
     parameters (name -> expert dim) already cut to this ep rank's experts. ``scale`` is
     the gradient-scaling function (:class:`~autopar.runtime.experts.ScaleGrad`).
     ``legs`` (the ep group cut into its nodes: the mesh across them, the mesh inside
     this one) sends a token once to each node holding any of its experts, then to
     their ranks inside it, and back (docs/runtime.md, section
-    ``autopar.runtime.experts``); without it, one exchange over ``mesh``."""
+    ``autopar.runtime.experts``); without it, one exchange over ``mesh``. ``tp``: the
+    experts are folded over this tensor-parallel mesh (``mesh`` holds its ranks too):
+    each rank sends its own rows of the tokens (split over tp first where they are
+    not) and the module runs on local tensors."""
     ep, group = mesh.size(), mesh.get_group()
+    replicas = ep // tp.size() if tp is not None else ep  # the samples' ranks among them
     local = getattr(module, next(iter(params))).shape[next(iter(params.values()))]
     if hasattr(module, "num_experts"):
         module.num_experts = local
@@ -111,6 +116,8 @@ def route_tokens(module: nn.Module, params: Mapping[str, int], mesh: DeviceMesh,
 
     def dispatch(_: nn.Module, args: tuple) -> tuple:
         t, i, w = routed_args(args)
+        if tp is not None:
+            args = _own_rows(args, (t, i, w), tp)
         like = args[t] if isinstance(args[t], DTensor) else None  # tensor parallelism
         tokens, index, weights = (a.to_local() if isinstance(a, DTensor) else a
                                   for a in (args[t], args[i], args[w]))
@@ -122,25 +129,45 @@ def route_tokens(module: nn.Module, params: Mapping[str, int], mesh: DeviceMesh,
             rows, ids, back = _by_node(tokens, index, weights, local, legs)
         pending.append((back, like))
         out = list(args)
-        out[t] = scale.apply(rows, float(ep))
+        out[t] = scale.apply(rows, float(replicas))
         out[i] = ids.unsqueeze(-1)
         out[w] = torch.ones(len(ids), 1, dtype=weights.dtype, device=weights.device)
-        if like is not None:  # the module runs on DTensors laid out as its tokens were
+        if like is not None and tp is None:  # it runs on DTensors laid out as its tokens
             out = [DTensor.from_local(x, like.device_mesh, like.placements, run_check=False)
                    if n in (t, i, w) else x for n, x in enumerate(out)]
         return tuple(out)
 
     def combine(_: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         back, like = pending.pop()
-        mixed = scale.apply(out.to_local() if isinstance(out, DTensor) else out, 1.0 / ep)
+        mixed = scale.apply(out.to_local() if isinstance(out, DTensor) else out,
+                            1.0 / replicas)
         for s, weight, count, g in back:  # the inner leg first
             mixed = from_experts(mixed, s, weight, count, g)
         if like is None:
             return mixed
-        return DTensor.from_local(mixed, like.device_mesh, like.placements, run_check=False)
+        return DTensor.from_local(mixed, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
 
     module.register_forward_pre_hook(dispatch)
     module.register_forward_hook(combine)
+
+
+def _own_rows(args: tuple, which: tuple[int, ...], tp: DeviceMesh) -> tuple:
+    """``args`` with the tensors at positions ``which`` (a routed module's tokens,
+    indices and weights, one row a token) split along their rows over ``tp`` (a
+    redistribution; free where they are replicated), so that each tp rank routes its
+    own tokens to folded experts."""
+    out = list(args)
+    for k in which:
+        a = args[k]
+        if not isinstance(a, DTensor) or a.device_mesh != tp:
+            raise RuntimeError(f"experts folded over tp need their tokens, indices and "
+                               f"weights as DTensors on the tp mesh; argument {k} is a "
+                               f"{type(a).__name__}: lay the module's inputs out with "
+                               f"autopar's tensor parallelism, or re-plan with expert_tp>1")
+        if a.placements != (Shard(0),):
+            out[k] = a.redistribute(tp, [Shard(0)])
+    return tuple(out)
 
 
 def _by_node(tokens: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, local: int,

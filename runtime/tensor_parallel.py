@@ -162,9 +162,11 @@ def tp_layout(plan: Plan, model: nn.Module, local: bool = True) -> TPLayout:
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     paths = {p for p, _ in model.named_modules(remove_duplicate=False)}
     out = TPLayout()
+    whole = {f"{path}.{local}" for path, xp in plan.experts.items() if xp.folded
+             for local in xp.params}  # each rank's own experts: laid out by the ep step
     for fqn, placements in plan.params.items():
         p = tp_placement(plan, placements)
-        if fqn in names and p != "R":
+        if fqn in names and p != "R" and fqn not in whole:
             out.params[fqn] = p
     for path, mp in plan.modules.items():
         if path not in paths or not path:

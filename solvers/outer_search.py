@@ -512,7 +512,7 @@ def _batch_group(c: Candidate) -> tuple:
     """What candidates share but for the cut of each rank's samples into micro-batches
     (one micro-batch apart: it keeps no gradients between micro-batches)."""
     return (c.dp, c.tp, c.pp, c.zero, c.offload, c.ep, c.split_experts,
-            c.num_microbatches == 1, c.cp, c.cp_variant)
+            c.num_microbatches == 1, c.cp, c.cp_variant, c.fold_experts)
 
 
 def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, bound: float,

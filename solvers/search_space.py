@@ -28,18 +28,27 @@ class Candidate:
     schedule: str = ""
     virtual_stages: int = 1
     offload: bool = False
-    ep: int = 1  # experts split over ep of the dp ranks (ep divides dp)
+    ep: int = 1  # the ep mesh axis: experts split over ep of the dp ranks (ep divides dp)
+    fold_experts: bool = False  # routed experts split over ep x tp, whole on each rank
     split_experts: bool = False  # every expert module split over ep (ep asked for)
     expert_imbalance: float = 1.0  # busiest ep rank's routed tokens over the mean
     cp: int = 1  # context parallelism: every sequence split over cp ranks
     cp_variant: str = ""  # how its attention brings the keys (context_parallel.VARIANTS)
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks each expert module's experts are split over: the ``ep`` axis, times
+        ``tp`` where the experts fold over it (Megatron-Core's expert tensor parallelism
+        1 under tp > 1)."""
+        return self.ep * self.tp if self.fold_experts else self.ep
 
     def label(self) -> str:
         """Short readable description."""
         pipe = f"pp={self.pp} {self.schedule}" + (
             f" v={self.virtual_stages}" if self.virtual_stages > 1 else "") + " " \
             if self.pp > 1 else ""
-        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        ep = f" ep={self.expert_ranks}" if self.ep > 1 else ""
+        ep += f" (ep={self.ep} x tp)" if self.fold_experts else ""
         cp = f" cp={self.cp} {self.cp_variant}" if self.cp > 1 else ""
         return (f"{pipe}dp={self.dp}{ep}{cp} tp={self.tp} mb={self.microbatch_size}x"
                 f"{self.num_microbatches} zero={self.zero}" + (" offload" if self.offload else ""))
@@ -67,14 +76,18 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                heads: int | None = None, ep: int | None = None,
                experts: int = 0, expert_imbalance: float = 1.0, cp: int | None = None,
                seq_len: int = 0, cp_variants: tuple[str, ...] = (),
-               cp_variant: str | None = None, cp_with_pp: bool = True) -> list[Candidate]:
+               cp_variant: str | None = None, cp_with_pp: bool = True,
+               fold: bool | None = False) -> list[Candidate]:
     """Every candidate allowed by the fixed degrees (None = free). ``num_units`` (the
     model's pipeline units) bounds the pipeline: each stage needs one unit. A free
     ``tp`` must divide ``heads`` (the attention heads; None = any), since attention
     cannot split otherwise; a free micro-batch size must leave a pipeline at least
-    ``pp`` micro-batches (fewer leave ranks idle for most of the step). A free ``ep``
-    is each divisor of both ``dp`` and ``experts`` (the experts of every expert module;
-    0 = the model has none, so ep is 1); every candidate carries ``expert_imbalance``,
+    ``pp`` micro-batches (fewer leave ranks idle for most of the step). ``ep`` counts
+    the ranks the experts are split over: an ``ep`` axis of the dp ranks, or, folded
+    (``fold`` True: always, None: also, False: never; :func:`_expert_degrees`), that
+    axis times ``tp``. A free ``ep`` is each degree that divides ``experts`` (the
+    experts of every expert module; 0 = the model has none, so ep is 1); every
+    candidate carries ``expert_imbalance``,
     the load imbalance its pricing assumes for routed experts. A free ``cp`` is each
     degree whose head-tail chunks divide ``seq_len`` (2·cp of them), each with every
     variant of ``cp_variants`` that can split the heads left by tp (or ``cp_variant``
@@ -104,8 +117,9 @@ def candidates(world: int, global_batch: int, *, dp: int | None = None, tp: int 
                                                       [0, 2] if r > 1 else [0])
                 for z in zs:
                     for sched, v in _schedules(p, m, schedule, virtual_stages, num_units):
-                        for e in _expert_degrees(d, ep, experts):
+                        for e, f in _expert_degrees(d, t if c == 1 else 1, ep, experts, fold):
                             out.append(Candidate(d, t, mb, m, z, p, sched, v, ep=e,
+                                                 fold_experts=f,
                                                  split_experts=ep is not None and e > 1,
                                                  expert_imbalance=expert_imbalance,
                                                  cp=c, cp_variant=variant))
@@ -146,13 +160,25 @@ def _model_degrees(n: int, tp: int | None, cp: int | None, heads: int | None, se
     return out
 
 
-def _expert_degrees(dp: int, ep: int | None, experts: int) -> list[int]:
-    """The expert-parallel degrees to try with ``dp`` data-parallel ranks: the one
-    asked for if it divides ``dp``, else every common divisor of ``dp`` and
-    ``experts``."""
-    if ep is not None:
-        return [ep] if dp % ep == 0 else []
-    return [e for e in divisors(dp) if experts and experts % e == 0] or [1]
+def _expert_degrees(dp: int, tp: int, ep: int | None, experts: int,
+                    fold: bool | None) -> list[tuple[int, bool]]:
+    """The (ep axis, folded) pairs to try with ``dp`` data-parallel and ``tp``
+    tensor-parallel ranks: unfolded (``fold`` not True), an ``ep`` axis that divides
+    ``dp``; folded over tp (``fold`` not False, tp > 1), an axis of ``ep / tp`` ranks,
+    above 1, dividing ``dp``. ``ep`` (the ranks the experts are split over) asked for:
+    those giving it; free: those whose ranks divide ``experts``."""
+    out: list[tuple[int, bool]] = []
+    if fold is not True or tp == 1:
+        if ep is not None:
+            out += [(ep, False)] if dp % ep == 0 else []
+        else:
+            out += [(e, False) for e in divisors(dp) if experts and experts % e == 0] or \
+                [(1, False)]
+    if fold is not False and tp > 1:
+        axes = [ep // tp] if ep is not None and ep % tp == 0 else [] if ep is not None else \
+            [e for e in divisors(dp) if experts and experts % (e * tp) == 0]
+        out += [(e, True) for e in axes if e > 1 and dp % e == 0]
+    return out
 
 
 def _schedules(pp: int, m: int, schedule: str | None, virtual_stages: int | None,
@@ -197,7 +223,7 @@ def tiers(cands: list[Candidate], gpus_per_node: int,
     context parallelism, tensor parallelism wider than a node and (``offload`` None)
     CPU offload together, each a way to fit at a price in time. ``offload=True``: only
     the offload variants (:func:`offload_candidates`), in the same order."""
-    local = [c for c in cands if c.tp * c.ep <= gpus_per_node]
+    local = [c for c in cands if c.tp * c.ep <= gpus_per_node]  # folded: ep x tp ranks
     wide = [c for c in cands if c.tp * c.ep > gpus_per_node]
     if not local:  # every candidate is wider than a node: the caller asked for that tp
         local, wide = wide, []
@@ -232,6 +258,7 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
                     sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                     split_weights=split_weights, offload=c.offload,
                     split_experts=c.split_experts, expert_imbalance=c.expert_imbalance,
+                    fold_experts=c.fold_experts,
                     recompute_modes=recompute or RECOMPUTE,
                     cp_variant=c.cp_variant or "allgather", pipelined=c.pp > 1,
                     compiled=compile_blocks and c.pp == 1)
@@ -240,7 +267,7 @@ def candidate_settings(c: Candidate, *, hw, gpus_per_node: int, precision: str,
 def problem_key(c: Candidate) -> tuple:
     """What a candidate's intra-op problem depends on (pipelined or not)."""
     return (c.dp, c.tp, c.microbatch_size, c.num_microbatches, c.zero, c.offload, c.ep,
-            c.split_experts, c.expert_imbalance, c.cp, c.cp_variant)
+            c.split_experts, c.expert_imbalance, c.cp, c.cp_variant, c.fold_experts)
 
 
 @dataclass

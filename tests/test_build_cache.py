@@ -73,7 +73,7 @@ def test_every_settings_field_is_in_the_key_or_repriced(analysis):
              "hw": Cluster("a100-80g", 1, 8).hardware(), "gpus_per_node": 4,
              "sequence_parallel": True, "loss_parallel": True, "split_weights": True,
              "recompute_modes": ("full",), "split_experts": True, "expert_imbalance": 1.5,
-             "cp_variant": "ring", "compiled": True}
+             "cp_variant": "ring", "compiled": True, "fold_experts": True}
     keyed = {f.name for f in fields(Settings)} - REPRICED_SETTINGS
     assert set(other) == keyed
     for name, value in other.items():

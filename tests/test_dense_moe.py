@@ -235,7 +235,7 @@ def test_emitted_programs_with_pipelines_and_tensor_parallelism_are_clean(tmp_pa
     program.write_text(emit_program(plan, f"{MODELS}:tiny_dense_moe"))
     text = program.read_text()
     for path in EXPERT_MODULES:
-        assert f"\"{path}\": (0, 1, -1, {{'w_in': 0, 'w_out': 0}}, 1)," in text
+        assert f"\"{path}\": (0, 1, -1, {{'w_in': 0, 'w_out': 0}}, 1, False)," in text
     assert pyflakes(program) == ""
 
 

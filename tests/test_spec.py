@@ -85,10 +85,10 @@ def test_expert_parallelism_of_a_dense_model_is_refused(gpt, capsys):
 def test_an_unknown_planning_keyword_names_the_valid_ones(gpt):
     model, x = gpt
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, tensor_parallel=2)) == (
-        "unknown planning option(s) tensor_parallel; known: dp, tp, pp, cp, ep, cp_variant, "
-        "microbatch_size, schedule, virtual_stages, recompute, zero, sequence_parallel, "
-        "loss_parallel, split_weights, offload, compile, time_limit_s, top_k, progress, "
-        "explain (or space=autopar.Spec(...))")
+        "unknown planning option(s) tensor_parallel; known: dp, tp, pp, cp, ep, expert_tp, "
+        "cp_variant, microbatch_size, schedule, virtual_stages, recompute, zero, "
+        "sequence_parallel, loss_parallel, split_weights, offload, compile, time_limit_s, "
+        "top_k, progress, explain (or space=autopar.Spec(...))")
     assert _message(lambda: autopar.plan(model, x, cluster=CLUSTER, space={"tp": 2})) == \
         "space must be an autopar.Spec, got dict"
 
@@ -134,7 +134,7 @@ def test_estimate_fills_what_the_spec_leaves_out():
 
 def test_the_cli_has_an_option_per_spec_field_by_its_name():
     parser = _build_parser()
-    values = {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1, "cp_variant": "ring",
+    values = {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1, "expert_tp": 2, "cp_variant": "ring",
               "microbatch_size": 2,
               "schedule": "gpipe", "virtual_stages": 1, "recompute": "full", "zero": 3,
               "sequence_parallel": True, "loss_parallel": True, "split_weights": True,

@@ -131,7 +131,11 @@ def edge_options(space: StrategySpace, counts: dict[tuple[int, int, int], int],
     edges = []
     for (u, v, pos), mult in counts.items():
         un, vn = space.node(names[u]), space.node(names[v])
-        module_consumer = vn.name in an.module_ops
+        # a module's first op converts what it is handed; so does a routed expert
+        # module's op reading from outside it where the experts fold over tp (the
+        # runtime splits its tokens, indices and weights over tp on entry)
+        module_consumer = vn.name in an.module_ops or (
+            space.st.fold_experts and vn.name in an.routed_ops and un.name not in an.routed_ops)
         em = an.expert_of(vn.name)
         # an expert module's entry takes the tokens over ep by an all-to-all
         entry = em is not None and space.ep_axis is not None and vn.name in em.entries \

@@ -213,6 +213,8 @@ class StrategySpace:
             raw_t = tuple(raw)
             ins = tuple(_placements(labs, combo) for labs in rule.ins)
             grads = tuple(self._grad(labs, combo, rule, p) for labs, p in zip(rule.ins, ins))
+            if self.st.fold_experts and n.name in self.an.routed_ops:
+                grads = self._folded(grads, ins)
             if self.cp_axis is not None:
                 raw_t, ins, grads = self._sequence(n, raw_t, ins, grads)
                 if not self._shard_counts_ok(raw_t, out_meta):
@@ -267,6 +269,8 @@ class StrategySpace:
                 per_axis.append([None])
             elif n.name == self.g.loss:  # whole on every tp rank, or class-split
                 per_axis.append(self._loss_choices(rule, labels))
+            elif self.st.fold_experts and n.name in self.an.routed_ops:
+                per_axis.append([self.an.batch_label.get(n.name)])  # tokens split: _folded
             else:
                 per_axis.append([None] + labels)
         result = []
@@ -274,6 +278,15 @@ class StrategySpace:
             if self._divisible(n, rule, combo):
                 result.append(combo)
         return result
+
+    def _folded(self, grads: tuple[Placements, ...], ins: tuple[Placements, ...]
+                ) -> tuple[Placements, ...]:
+        """The gradients of a routed expert module's op where the experts fold over the
+        model-parallel axes (:attr:`~autopar.strategies.settings.Settings.fold_experts`):
+        the op runs on its rank's tokens (split along the batch there) with its rank's
+        own experts, so a weight's gradient is that rank's alone, never partial there."""
+        return tuple(tuple(p if a in self.free else gp for a, (gp, p) in
+                           enumerate(zip(g, i))) for g, i in zip(grads, ins))
 
     def _loss_choices(self, rule: OpRule, labels: list[str]) -> list[str | None]:
         """What a model-parallel axis may split of the loss, of ``labels`` (those the

@@ -33,6 +33,7 @@ class Settings:
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
     split_experts: bool = False  # every expert module split over ep (else the solver's)
     expert_imbalance: float = 1.0  # busiest ep rank's routed tokens over the mean
+    fold_experts: bool = False  # routed experts split over ep x tp, whole on each rank
     cp_variant: str = "allgather"  # how attention brings keys over cp (context_parallel)
     compiled: bool = False  # the blocks run under torch.compile (cost_models.compiled)
     pipelined: bool = False  # a pipeline stage's problem (torch.distributed.pipelining runs it)
