@@ -114,17 +114,28 @@ def why_not_scored(row: dict[str, Any], sources: dict[str, Any]) -> str | None:
     if a["family"] != "gpt" and (a["hidden"] // a["heads"]) % 2:
         return (f"autopar's Llama/MoE attention needs an even head width hidden/heads for "
                 f"its rotary embedding: {a['hidden']}/{a['heads']} = {a['hidden'] // a['heads']}")
-    if p["ep"] > 1 and p["tp"] > 1 and sources[row["source"]].get("expert_tensor_parallel") == 1:
-        return (f"Megatron-Core folds EP {p['ep']} over TP x DP ranks (expert TP 1), inside a "
-                f"node; autopar's ep splits experts over DP ranks only, so ep={p['ep']} beside "
-                f"tp={p['tp']} spans {p['ep'] * p['tp']} ranks and its all-to-all crosses nodes: "
-                "a different layout")
-    if p["ep"] > 1 and p["dp"] % p["ep"]:
-        return (f"EP {p['ep']} does not divide DP {p['dp']}: Megatron-Core spreads experts over "
-                f"TP x DP ranks (expert TP 1), autopar's ep splits them over DP ranks only")
+    if folds_experts(row):
+        if p["ep"] % p["tp"] or p["dp"] % (p["ep"] // p["tp"]) or p["ep"] == p["tp"]:
+            return (f"EP {p['ep']} folded over TP {p['tp']} x DP {p['dp']} (expert TP 1) is not "
+                    f"a multiple of TP drawing a divisor of DP above 1, as autopar's folding is")
+        if row["scoring_assumptions"].get("model") not in HF_MODELS:
+            return (f"EP {p['ep']} folds over TP x DP (expert TP 1), which autopar does for "
+                    f"routed experts only; autopar's MoE example routes through stacked "
+                    f"experts: name a routed model in scoring_assumptions.model")
     if published_step_s(row, sources) is None:
         return "the published figure cannot be converted to seconds per step"
     return None
+
+
+def folds_experts(row: dict[str, Any]) -> bool:
+    """Whether the run folds its experts over TP x DP (Megatron-Core's expert tensor
+    parallelism 1 beside TP > 1): where the row's assumptions say so (``expert_tp``: 1,
+    from its source), or where EP does not divide DP (EP x ETP x EDP = TP x DP then
+    leaves ETP 1)."""
+    p = row["parallel"]
+    ep, tp = p["ep"] or 1, p["tp"] or 1
+    stated = row["scoring_assumptions"].get("expert_tp") == 1
+    return ep > 1 and tp > 1 and (stated or bool(p["dp"] % ep))
 
 
 def build_model(row: dict[str, Any]):
@@ -226,7 +237,8 @@ def spec_of(row: dict[str, Any]):
     ZeRO-1, and a field the source leaves null takes the row's ``scoring_assumptions``
     (ZeRO, SP, micro-batch; with cp, the variant closest to how the run reached the
     other ranks' keys) or the estimate's default (micro-batch:
-    :func:`autopar.spec.default_microbatch`)."""
+    :func:`autopar.spec.default_microbatch`); experts folded over TP x DP
+    (:func:`folds_experts`) are ``expert_tp=1``."""
     import autopar
 
     p, assume = row["parallel"], row["scoring_assumptions"]
@@ -249,7 +261,8 @@ def spec_of(row: dict[str, Any]):
                         sequence_parallel=bool(sp) if p["tp"] > 1 else None,
                         split_weights=assume.get("split_weights", True) or None
                         if p["tp"] > 1 else None,
-                        cp_variant=assume.get("cp_variant") if (p["cp"] or 1) > 1 else None)
+                        cp_variant=assume.get("cp_variant") if (p["cp"] or 1) > 1 else None,
+                        expert_tp=1 if folds_experts(row) else None)
 
 
 def precision_of(row: dict[str, Any]) -> str:

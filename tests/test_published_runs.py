@@ -105,10 +105,16 @@ def test_unscoreable_rows_say_why(pa, data) -> None:
     assert pa.why_not_scored(_row(data, "mbr-2604.01-llama3-70b-fp8"), src) is None  # ep null
     assert "context and expert" in pa.why_not_scored(_row(data, "zoo-qwen3-235b-32k-cp2"), src)
     assert "global batch" in pa.why_not_scored(_row(data, "opt-175b"), src)
-    assert pa.why_not_scored(_row(data, "zoo-qwen3-235b-ep8-fsdp"), src) == (
-        "Megatron-Core folds EP 8 over TP x DP ranks (expert TP 1), inside a node; autopar's "
-        "ep splits experts over DP ranks only, so ep=8 beside tp=2 spans 16 ranks and its "
-        "all-to-all crosses nodes: a different layout")
+    folded = _row(data, "zoo-qwen3-235b-ep8-fsdp")  # EP 8 over TP 2 x DP, expert TP 1
+    assert pa.why_not_scored(folded, src) is None
+    assert pa.spec_of(folded).expert_tp == 1 and pa.spec_of(folded).ep == 8
+    stacked = {**folded, "scoring_assumptions": {
+        k: v for k, v in folded["scoring_assumptions"].items() if k != "model"}}
+    assert pa.why_not_scored(stacked, src) == (
+        "EP 8 folds over TP x DP (expert TP 1), which autopar does for routed experts only; "
+        "autopar's MoE example routes through stacked experts: name a routed model in "
+        "scoring_assumptions.model")
+    assert pa.spec_of(_row(data, "mbr-2509-deepseek-v3-fp8")).expert_tp is None  # EP | DP
     assert pa.why_not_scored(_row(data, "bloom-176b"), src) is None
 
 
