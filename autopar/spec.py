@@ -123,7 +123,8 @@ class Spec:
                 f"cp={self.cp} with ep={self.ep}: context and expert parallelism are not "
                 f"planned together; it would need the experts split over ep ranks drawn "
                 f"from dp x cp, with every cp rank's tokens routed to them (Megatron-Core "
-                f"folds EP over DP x CP), while autopar's ep takes its ranks from dp alone; "
+                f"folds EP over DP x CP), while autopar's ep takes its ranks from dp (or dp "
+                f"x tp with expert_tp=1), never cp; "
                 f"choose one (cp for long sequences, ep for the experts)")
         if self.expert_tp is not None and self.tp is not None and \
                 self.expert_tp not in (1, self.tp):

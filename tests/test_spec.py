@@ -27,7 +27,8 @@ BAD = [  # (Spec fields, CLI options, the one message)
      "cp=2 with ep=2: context and expert parallelism are not planned together; it would "
      "need the experts split over ep ranks drawn from dp x cp, with every cp rank's tokens "
      "routed to them (Megatron-Core folds EP over DP x CP), while autopar's ep takes its "
-     "ranks from dp alone; choose one (cp for long sequences, ep for the experts)"),
+     "ranks from dp (or dp x tp with expert_tp=1), never cp; choose one (cp for long "
+     "sequences, ep for the experts)"),
     ({"tp": 0}, ["--tp", "0"], "tp=0: expected a positive integer"),
     ({"zero": 5}, ["--zero", "5"], "zero=5: expected a ZeRO stage, 0, 1, 2 or 3"),
     ({"schedule": "1f2b"}, ["--schedule", "1f2b"],
