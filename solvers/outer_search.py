@@ -28,6 +28,7 @@ from autopar.solvers.pipelined_candidate import (PipelineOutcome, RefineLater, r
                                                  solve_pipeline)
 from autopar.solvers.problem import evaluate
 from autopar.solvers.problem_build import Built, build_problem
+from autopar.solvers.ranking import Ranking, Scored, SearchBudget
 from autopar.solvers.search_bounds import (candidate_bounds, flop_bound, lower_bound_memory,
                                            no_fit_message)
 from autopar.solvers.search_space import Candidate, Outcome, candidate_settings, problem_key, tiers
@@ -89,12 +90,11 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
 
     Raises NoFeasiblePlanError when none fits, naming the least memory a plan needs.
     """
-    if deadline is None and time_limit_s is not None:
-        deadline = time.perf_counter() + time_limit_s
     kw = dict(hw=hw, gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer,
               memory_budget=memory_budget, sequence_parallel=sequence_parallel,
               loss_parallel=loss_parallel, split_weights=split_weights, recompute=recompute,
-              deadline=deadline, top_k=top_k, progress=progress, compile_blocks=compile_blocks)
+              budget=SearchBudget.starting_now(time_limit_s, deadline), top_k=top_k,
+              progress=progress, compile_blocks=compile_blocks)
     failed: NoFeasiblePlanError | None = None
     passed: list[str] = []
     order = tiers(cands, gpus_per_node, offload) or [[]]
@@ -139,14 +139,13 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     split = [f for f in following if f.cp > 1]
     unbuilt: list[Candidate] = []
     t0 = time.perf_counter()
-    budget = kw["deadline"] is None  # its own CP_TIER_PROBLEMS, not the caller's limit
+    untimed = not kw["budget"].timed  # its own CP_TIER_PROBLEMS, not the caller's limit
     mine = Scored(res.step_time_s, res.built, res.solution, c, res.pipeline,
                   idle=splits_nothing(res.built, res.solution.choice))
     seed = [mine] + res.runners_up + ([res.set_aside] if res.set_aside else [])
-    other = _search(an, split, **kw, have_plan=True, unbuilt=unbuilt,
-                    max_built=CP_TIER_PROBLEMS if budget else None,
-                    seed=seed)
-    _note_cut(res, unbuilt, len(split), budget)
+    budget = SearchBudget(kw["budget"].deadline, CP_TIER_PROBLEMS if untimed else None)
+    other = _search(an, split, **{**kw, "budget": budget}, unbuilt=unbuilt, seed=seed)
+    _note_cut(res, unbuilt, len(split), untimed)
     if other.candidate is c:  # still the plan; the runners-up of both tiers ranked
         res.runners_up, res.set_aside = other.runners_up, other.set_aside
         _set_gap(res, other.gap_bound_s)
@@ -192,58 +191,31 @@ def _set_gap(res: SearchResult, bound_s: float | None) -> None:
     res.solution.stats["gap"] = max(0.0, 1.0 - res.gap_bound_s / res.step_time_s)
 
 
-class _OutOfTime(Exception):
-    """A search that may return nothing (a plan is already in hand) reached its
-    deadline before it solved a candidate; ``bound_s``: the least lower bound of those
-    it left."""
-
-    def __init__(self, bound_s: float) -> None:
-        super().__init__(f"out of time; no plan left is faster than {bound_s} s")
-        self.bound_s = bound_s
-
-
-@dataclass
-class Scored:
-    """A solved candidate: its step time and the pieces to assemble its plan."""
-
-    step_time_s: float
-    built: Built
-    solution: Solution
-    candidate: Candidate
-    pipeline: PipelineOutcome | None = None
-    bound_s: float = 0.0  # the candidate's lower bound on its step time
-    rank: int = 0  # its place in the search's order of bounds (ties go to the first)
-    idle: bool = False  # its layout splits nothing over tp (solvers.idle_axis)
-
-
 def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
             precision: str, optimizer: str, memory_budget: float,
             sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
-            deadline: float | None, top_k: int, loss_parallel: bool | None = None,
+            budget: SearchBudget, top_k: int, loss_parallel: bool | None = None,
             split_weights: bool = False, compile_blocks: bool = False,
             progress: Callable[[int, int, float | None], None] | None,
-            have_plan: bool = False, unbuilt: list[Candidate] | None = None,
-            max_built: int | None = None, seed: list[Scored] | None = None) -> SearchResult:
-    """:func:`search` over ``cands`` as given. ``have_plan``: the caller holds a plan
-    already, so the deadline may stop this search before it finds one (raising
-    :class:`_OutOfTime`), or before it builds every candidate's problem (those go to
-    ``unbuilt``, as do those past ``max_built`` problems). ``seed``: plans an earlier
-    search kept, fastest first, which prune this one from its start and stay in its
-    ranking (ahead of its own on ties); its result may be ``seed[0]`` itself."""
+            unbuilt: list[Candidate] | None = None,
+            seed: list[Scored] | None = None) -> SearchResult:
+    """:func:`search` over ``cands`` as given, within ``budget``. ``seed``: plans an
+    earlier search kept, fastest first, which prune this one from its start and stay in
+    its ranking (ahead of its own on ties); its result may be ``seed[0]`` itself. With
+    a seed the budget may end this search before it builds every candidate's problem
+    (those go to ``unbuilt``, as do those past its ``max_built`` problems); without
+    one, it runs past the deadline to build a problem that may fit and find a plan."""
     t0 = time.perf_counter()
-    kept: list[Scored] = []  # the top_k fastest so far, fastest first
-    idle: list[Scored] = []  # the same of those whose layout splits nothing over tp
-    for i, s in enumerate(seed or []):
-        s.rank = i - len(seed)
-        kept, idle = _place(kept, idle, s, top_k)
+    ranking = Ranking(top_k, seed or [])
+    have_plan = bool(seed)
     outcomes: list[Outcome] = []
     infeasible: list[tuple[Candidate, Built]] = []
     built_by = _build_all(an, cands, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                           optimizer=optimizer, memory_budget=memory_budget,
                           sequence_parallel=sequence_parallel, recompute=recompute,
                           loss_parallel=loss_parallel, split_weights=split_weights,
-                          compile_blocks=compile_blocks, deadline=_halfway(deadline),
-                          need_one=not have_plan, max_built=max_built)
+                          compile_blocks=compile_blocks, budget=budget.halfway(),
+                          need_one=not have_plan)
     if unbuilt is not None:
         unbuilt.extend(c for c in cands if isinstance(built_by[problem_key(c)], _NotBuilt))
     bound = candidate_bounds(an.graph, cands, built_by, memory_budget)
@@ -258,8 +230,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
 
     def out_of_time() -> bool:
         """Whether the deadline has passed and a plan is in hand (here or the caller's)."""
-        return deadline is not None and bool(kept or idle or have_plan) and \
-            time.perf_counter() > deadline
+        return budget.passed() and (ranking.leader is not None or have_plan)
 
     def score(k: int, refine: bool, beat: float | None = None) -> Scored | None:
         """:func:`_score` of candidate ``k`` against the k-th best time found (``beat``:
@@ -267,8 +238,8 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         the plan); one whose ILP the time limit cut short leaves its bound in
         ``unproven``."""
         c = cands[k]
-        left = None if deadline is None or not kept else deadline - time.perf_counter()
-        limit = _limit(kept, top_k) if beat is None else beat
+        left = budget.seconds_left() if ranking.kept else None
+        limit = ranking.limit if beat is None else beat
         try:
             scored = _score(an, c, built_by[problem_key(c)], bound[k], limit, solved, outcomes,
                             infeasible, refine=refine, time_limit_s=left,
@@ -300,41 +271,36 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         except RefineLater:
             later.append(k)
             continue
-        kept, idle = _place(kept, idle, scored, top_k)
+        ranking.place(scored)
         if progress is not None:
-            plan = (kept or idle)[:1]  # what would be returned now
-            progress(done + 1, len(order), plan[0].step_time_s if plan else None)
+            leader = ranking.leader  # what would be returned now
+            progress(done + 1, len(order), leader.step_time_s if leader else None)
     for i, j in enumerate(later):  # the deferred searches, in their bounds' order
         if out_of_time():
             unproven.extend(bound[x] for x in later[i:])
             break
-        if kept and kept[0].step_time_s <= bound[j] < _limit(kept, top_k):
+        kept = ranking.kept
+        if kept and kept[0].step_time_s <= bound[j] < ranking.limit:
             outcomes.append(Outcome(cands[j], None, None, RUNNER_UP_UNREFINED))
             continue
-        kept, idle = _place(kept, idle, score(j, refine=True,
-                                             beat=kept[0].step_time_s if kept else None),
-                            top_k)
-    if not kept:  # nothing else: the layouts that split nothing
-        kept, idle = idle[:top_k], []
-    if not kept and have_plan and unproven:
-        raise _OutOfTime(min(unproven))
-    if not kept and timed_out:  # no first plan yet: the rest is built, whatever the time
+        ranking.place(score(j, refine=True, beat=kept[0].step_time_s if kept else None))
+    best = ranking.settle()  # a seed guarantees one
+    if best is None and timed_out:  # no first plan yet: the rest is built, whatever the time
         res = _search(an, timed_out, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
                       optimizer=optimizer, memory_budget=memory_budget,
                       sequence_parallel=sequence_parallel, recompute=recompute,
-                      deadline=None, top_k=top_k, loss_parallel=loss_parallel,
+                      budget=SearchBudget(), top_k=top_k, loss_parallel=loss_parallel,
                       split_weights=split_weights, compile_blocks=compile_blocks,
                       progress=progress)
         res.outcomes = [o for o in outcomes if o.candidate not in timed_out] + res.outcomes
         res.solution.stats["candidates"] = scored_count(res.outcomes)
         return res
-    if not kept:
+    if best is None:
         err = NoFeasiblePlanError(no_fit_message(an.graph, infeasible, memory_budget, outcomes,
                                                   recompute))
         err.least_bytes = min((lower_bound_memory(an.graph, b, c) for c, b in infeasible),
                               default=float("inf"))
         raise err
-    best = kept[0]
     if best.pipeline is not None and not any(best is s for s in seed or []):
         # the winner's recomputation, chosen with its stage split (a seed's already was)
         c = best.candidate
@@ -346,14 +312,10 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                 best.pipeline
             best = Scored(po.step_time_s, best.built, po.solution, c, po, best.bound_s,
                           best.rank, best.idle)
-    others = kept[1:]  # the runners-up: those slower than the plan, idle or not
-    for s in idle:
-        if s.step_time_s >= best.step_time_s:
-            others = _keep(others, s, top_k - 1)
     res = SearchResult(best.built, best.solution, outcomes, time.perf_counter() - t0,
-                       best.candidate, best.pipeline, others, step_time_s=best.step_time_s)
-    if idle and idle[0].step_time_s < best.step_time_s:
-        res.set_aside = idle[0]
+                       best.candidate, best.pipeline, ranking.runners_up(best),
+                       step_time_s=best.step_time_s)
+    res.set_aside = ranking.set_aside(best)
     res.solution.stats["candidates"] = scored_count(outcomes)
     res.solution.stats["search_s"] = res.time_s
     _set_gap(res, min(unproven) if unproven else None)
@@ -375,48 +337,17 @@ RUNNER_UP_PRUNED = ("pruned: no recomputation and stage split of it beats the pl
 ``top_k`` > 1: against the k-th best time it would cost as much again) is no runner-up."""
 
 
-def _limit(kept: list[Scored], top_k: int) -> float:
-    """The step time a plan must beat to enter ``kept`` (inf while it has room)."""
-    return kept[-1].step_time_s if len(kept) >= top_k else float("inf")
-
-
-def _place(kept: list[Scored], idle: list[Scored], scored: Scored | None,
-           top_k: int) -> tuple[list[Scored], list[Scored]]:
-    """``(kept, idle)`` with ``scored`` kept (:func:`_keep`) in ``kept``, or, when its
-    layout splits nothing over tp (:mod:`autopar.solvers.idle_axis`: set aside while a
-    layout that uses its ranks exists), in ``idle``, which keeps every one: those
-    faster than the plan are no runners-up, and how many that is is known at the end."""
-    if scored is not None and scored.idle:
-        return kept, _keep(idle, scored, len(idle) + 1)
-    return _keep(kept, scored, top_k), idle
-
-
-def _keep(kept: list[Scored], scored: Scored | None, top_k: int) -> list[Scored]:
-    """``kept`` (the top_k fastest, fastest first) with ``scored`` placed after every
-    plan as fast (ties go to the candidate of the smaller bound, whatever the order the
-    search visited them in)."""
-    if scored is None:
-        return kept
-
-    def before(s: Scored) -> bool:
-        if scored.step_time_s < s.step_time_s * (1 - 1e-9):
-            return True
-        return scored.step_time_s <= s.step_time_s * (1 + 1e-9) and scored.rank < s.rank
-    at = next((i for i, s in enumerate(kept) if before(s)), len(kept))
-    return (kept[:at] + [scored] + kept[at:])[:top_k]
-
-
 def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
                precision: str, optimizer: str, memory_budget: float,
                sequence_parallel: bool | None, recompute: tuple[str, ...] | None,
                loss_parallel: bool | None = None, split_weights: bool = False,
-               compile_blocks: bool = False, deadline: float | None = None,
-               need_one: bool = False, max_built: int | None = None
+               compile_blocks: bool = False, budget: SearchBudget = SearchBudget(),
+               need_one: bool = False
                ) -> dict[tuple, Built | NoFeasiblePlanError]:
     """One intra-op problem per distinct :func:`problem_key` (or the error saying an op has
     no strategy on that mesh, or that a smaller micro-batch already needs more memory
-    than the budget, or :class:`_NotBuilt` past ``max_built`` problems, or
-    :class:`_OutOfTimeBuilding` past ``deadline`` — with ``need_one``, only once a
+    than the budget, or :class:`_NotBuilt` past ``budget.max_built`` problems, or
+    :class:`_OutOfTimeBuilding` past ``budget.deadline`` — with ``need_one``, only once a
     problem whose memory bound fits is built, so that a first plan can be found).
 
     Keys are built by increasing micro-batch size within each group of
@@ -432,11 +363,11 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         users.setdefault(problem_key(c), []).append(c)
     hopeless: dict[tuple, int] = {}  # batch group -> the micro-batch size that did not fit
     built_count = 0
-    fitting = not need_one or deadline is None  # a problem that may hold a plan is built
+    fitting = not need_one or not budget.timed  # a problem that may hold a plan is built
 
     def first(c: Candidate) -> tuple:
         """With a budget, the fewest-way splits first (cp, then pp, then tp)."""
-        return (c.cp, c.pp, c.tp) if deadline is not None or max_built is not None else ()
+        return (c.cp, c.pp, c.tp) if budget.timed or budget.max_built is not None else ()
     order = sorted(users, key=lambda k: (first(users[k][0]), _batch_group(users[k][0]),
                                          users[k][0].microbatch_size))
     # whether a larger micro-batch of the same group follows (only then is a bound worth it)
@@ -445,10 +376,10 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
     for key in order:
         c = users[key][0]
         group = _batch_group(c)
-        if fitting and deadline is not None and time.perf_counter() > deadline:
+        if fitting and budget.passed():
             built_by[key] = _OutOfTimeBuilding(UNBUILT_IN_TIME)
             continue
-        if max_built is not None and built_count >= max_built:
+        if budget.max_built is not None and built_count >= budget.max_built:
             built_by[key] = _NotBuilt("not scored: the search's budget of problems ran out "
                                       "before its problem was built")
             continue
@@ -478,15 +409,6 @@ def _build_all(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: 
         else:
             fitting = True
     return {k: built_by[k] for k in users}
-
-
-def _halfway(deadline: float | None) -> float | None:
-    """The instant halfway from now to ``deadline``: building problems may take half the
-    time left, so that scoring them has the rest."""
-    if deadline is None:
-        return None
-    now = time.perf_counter()
-    return now + max(0.0, deadline - now) / 2
 
 
 UNBUILT_IN_TIME = "not scored: the search's time limit ran out before its problem was built"
