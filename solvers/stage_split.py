@@ -62,8 +62,9 @@ def _finish(prob: SplitProblem, bounds: list[tuple[int, int]], stats: dict) -> S
     chunks = []
     for i, j in bounds:
         chunks.append(PieceCost(
-            forward_s=prob.pre.f[j] - prob.pre.f[i], backward_s=prob.pre.b[j] - prob.pre.b[i],
-            backward_weight_s=prob.pre.w[j] - prob.pre.w[i],
+            forward_s=prob.pre.forward[j] - prob.pre.forward[i],
+            backward_s=prob.pre.backward[j] - prob.pre.backward[i],
+            backward_weight_s=prob.pre.weight[j] - prob.pre.weight[i],
             activation_bytes=prob.pre.act[j] - prob.pre.act[i],
             static_bytes=prob.pre.static[j] - prob.pre.static[i]))
     est = prob.timeline.estimate(chunks, prob.p2p_s, prob.makespans.get(tuple(bounds)))
@@ -173,7 +174,7 @@ def _min_t_max(prob: SplitProblem) -> tuple[list[tuple[int, int]], list[float], 
     search over the candidate stage times; with those candidates, the index of its t_max
     among them and the feasibility checks made. None when no split fits."""
     pre, n, budget = prob.pre, prob.n, prob.budget
-    cands = sorted({pre.c[j] - pre.c[i] for i in range(n) for j in range(i + 1, n + 1)})
+    cands = sorted({pre.work[j] - pre.work[i] for i in range(n) for j in range(i + 1, n + 1)})
     lo, hi = 0, len(cands) - 1
     best = feasible_split(prob, cands[hi], budget)
     checks = 1
@@ -203,7 +204,7 @@ def _formula_split(prob: SplitProblem, units: list[PieceCost],
     method = "min t_max (binary search)"
     if not _g_is_additive(prob.schedule, units):
         method = "min t_max, then min Σg per t_max"
-        g_floor = pre.f[-1] + max(0.0, (pre.b[-1] - 2 * pre.w[-1]))
+        g_floor = pre.forward[-1] + max(0.0, (pre.backward[-1] - 2 * pre.weight[-1]))
         best_obj = prob.formula(best_bounds)
         for t in cands[lo:]:
             if objective(t, g_floor, prob.pp, prob.m, prob.v, 0, 0.0) \

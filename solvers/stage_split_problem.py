@@ -26,12 +26,15 @@ def after_backward(comm: list[float], bwd: list[float], opt: list[float],
 
 @dataclass
 class Prefix:
-    """Prefix sums of the unit costs; ``x[j] − x[i]`` is the sum over units i..j−1."""
+    """Prefix sums of the unit costs; ``x[j] − x[i]`` is the sum over units i..j−1:
+    ``work`` (forward + backward seconds of a micro-batch), ``forward``, ``backward``
+    and ``weight`` (its weight-gradient part, which zero-bubble schedules run apart),
+    static and activation bytes, per-step communication, optimizer and host seconds."""
 
-    c: list[float]
-    f: list[float]
-    b: list[float]
-    w: list[float]
+    work: list[float]
+    forward: list[float]
+    backward: list[float]
+    weight: list[float]
     static: list[float]
     act: list[float]
     comm: list[float]
@@ -81,8 +84,10 @@ def cross_rank_hops(ranks: list[int]) -> int:
 def bubble_g(schedule: str, pre: Prefix, i: int, j: int) -> float:
     """g of a stage over units [i, j) (docs/solvers.md)."""
     if schedule in ZERO_BUBBLE:
-        return (pre.f[j] - pre.f[i]) + max(0.0, (pre.b[j] - pre.b[i]) - 2 * (pre.w[j] - pre.w[i]))
-    return pre.c[j] - pre.c[i]
+        backward = pre.backward[j] - pre.backward[i]
+        return (pre.forward[j] - pre.forward[i]) + \
+            max(0.0, backward - 2 * (pre.weight[j] - pre.weight[i]))
+    return pre.work[j] - pre.work[i]
 
 
 def objective(t_max: float, g_sum: float, pp: int, m: int, v: int, hops: int, p2p_s: float) -> float:
@@ -138,7 +143,7 @@ class SplitProblem:
     def exposed(self, bounds: list[tuple[int, int]]) -> float:
         """max_r (max(0, comm_r − overlap · bwd_r) + opt_r) (docs/solvers.md)."""
         pre = self.pre
-        return after_backward(self.per_rank(pre.comm, bounds), self.per_rank(pre.b, bounds),
+        return after_backward(self.per_rank(pre.comm, bounds), self.per_rank(pre.backward, bounds),
                               self.per_rank(pre.opt, bounds), self.overlap)
 
     def host(self, bounds: list[tuple[int, int]]) -> float:
@@ -156,8 +161,8 @@ class SplitProblem:
         """Every stage's F, B, I and W seconds, as :meth:`Timeline.durations` lays them out."""
         pre, out = self.pre, []
         for i, j in bounds:
-            b, w = pre.b[j] - pre.b[i], pre.w[j] - pre.w[i]
-            out += [pre.f[j] - pre.f[i], b, b - w, w]
+            b, w = pre.backward[j] - pre.backward[i], pre.weight[j] - pre.weight[i]
+            out += [pre.forward[j] - pre.forward[i], b, b - w, w]
         return out
 
     def simulated(self, bounds: list[tuple[int, int]]) -> float:
@@ -169,7 +174,7 @@ class SplitProblem:
 
     def formula(self, bounds: list[tuple[int, int]]) -> float:
         """T(split), the closed form of docs/solvers.md (step 1)."""
-        t_max = max(self.pre.c[j] - self.pre.c[i] for i, j in bounds)
+        t_max = max(self.pre.work[j] - self.pre.work[i] for i, j in bounds)
         g_sum = sum(bubble_g(self.schedule, self.pre, i, j) for i, j in bounds)
         return objective(t_max, g_sum, self.pp, self.m, self.v, self.hops, self.p2p_s)
 

@@ -46,8 +46,8 @@ of a neighbouring split counts as S operations."""
 def _ends(prob: "SplitProblem", t: float, budget: float) -> list[list[int]]:
     """J_s(i) for every stage s and start i (i+1 > J means no stage starts at i)."""
     pre, n, S = prob.pre, prob.n, prob.stages
-    tol_t = 1e-12 * max(1.0, pre.c[-1])
-    by_time = [bisect.bisect_right(pre.c, pre.c[i] + t + tol_t) - 1 for i in range(n)]
+    tol_t = 1e-12 * max(1.0, pre.work[-1])
+    by_time = [bisect.bisect_right(pre.work, pre.work[i] + t + tol_t) - 1 for i in range(n)]
     by_k: dict[int, list[int]] = {}
     out = []
     for s in range(S):
@@ -264,22 +264,22 @@ class PathBound:
 def lower_bound(prob: "SplitProblem", pb: PathBound, bounds: Bounds) -> float:
     """L(split) ≤ F(split) (docs/solvers.md), in O(S·v)."""
     pre, m, p2p, n, pp = prob.pre, prob.m, prob.p2p_s, prob.n, prob.pp
-    f = [pre.f[j] - pre.f[i] for i, j in bounds]
-    b = [pre.b[j] - pre.b[i] for i, j in bounds]
-    w = [pre.w[j] - pre.w[i] for i, j in bounds]
-    load = prob.per_rank(pre.c, bounds)
-    comm, bwd = prob.per_rank(pre.comm, bounds), prob.per_rank(pre.b, bounds)
+    f = [pre.forward[j] - pre.forward[i] for i, j in bounds]
+    b = [pre.backward[j] - pre.backward[i] for i, j in bounds]
+    w = [pre.weight[j] - pre.weight[i] for i, j in bounds]
+    load = prob.per_rank(pre.work, bounds)
+    comm, bwd = prob.per_rank(pre.comm, bounds), prob.per_rank(pre.backward, bounds)
     start = [0.0] * pp
     best = 0.0
     for r in range(pp):
         a, z = pb.first[r], pb.last_b[r]
-        start[r] = pre.f[bounds[a][0]] + pb.hops[a] * p2p if a >= 0 else 0.0
-        tail = pre.b[bounds[z][0]] + pb.hops[z] * p2p if z >= 0 else 0.0
+        start[r] = pre.forward[bounds[a][0]] + pb.hops[a] * p2p if a >= 0 else 0.0
+        tail = pre.backward[bounds[z][0]] + pb.hops[z] * p2p if z >= 0 else 0.0
         best = max(best, start[r] + m * load[r] + tail)
-    back = pre.b[n] - pre.w[n] + w[0] if pb.zero_bubble else pre.b[n]
+    back = pre.backward[n] - pre.weight[n] + w[0] if pb.zero_bubble else pre.backward[n]
     total_hops = pb.hops[-1]
     for s, counts in enumerate(pb.before):
-        t = start[prob.ranks[s]] + pre.f[n] - pre.f[bounds[s][0]] + back + \
+        t = start[prob.ranks[s]] + pre.forward[n] - pre.forward[bounds[s][0]] + back + \
             (2 * total_hops - pb.hops[s]) * p2p
         for u, nf, nb, ni, nw in counts:
             t += nf * f[u] + nb * b[u] + ni * (b[u] - w[u]) + nw * w[u]
@@ -302,9 +302,9 @@ def _admitted(prob: "SplitProblem", pb: PathBound, theta: float) -> list[list[in
         fixed = (pb.hops[a] if a >= 0 else 0) * p2p + (pb.hops[z] if z >= 0 else 0) * p2p
         row = []
         for i in range(n):
-            lead = (pre.f[i] if a == s else 0.0) + (pre.b[i] if z == s else 0.0)
+            lead = (pre.forward[i] if a == s else 0.0) + (pre.backward[i] if z == s else 0.0)
             room = (limit - fixed - lead) / m
-            j = bisect.bisect_right(pre.c, pre.c[i] + room) - 1 if room >= 0 else i
+            j = bisect.bisect_right(pre.work, pre.work[i] + room) - 1 if room >= 0 else i
             by_host = bisect.bisect_left(pre.host, pre.host[i] + limit) - 1
             row.append(min(j, mem_ends[s][i], by_host))
         out.append(row)
