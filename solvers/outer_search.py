@@ -232,7 +232,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         """Whether the deadline has passed and a plan is in hand (here or the caller's)."""
         return budget.passed() and (ranking.leader is not None or have_plan)
 
-    def score(k: int, refine: bool, beat: float | None = None) -> Scored | None:
+    def score(k: int, refine: bool, beat: float | None = None) -> Scored | _Deferred | None:
         """:func:`_score` of candidate ``k`` against the k-th best time found (``beat``:
         against that time instead, which a search of the modes need beat to matter for
         the plan); one whose ILP the time limit cut short leaves its bound in
@@ -248,7 +248,7 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             outcomes.append(Outcome(c, None, None, "not solved: the search's time limit"))
             unproven.append(bound[k])
             return None
-        if scored is not None:
+        if isinstance(scored, Scored):
             scored.bound_s, scored.rank = bound[k], rank[k]
             scored.idle = splits_nothing(scored.built, scored.solution.choice)
             if scored.solution.status == "Stopped":  # its own bound is on F: no pipeline
@@ -266,9 +266,8 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             unproven.extend(bound[j] for j in later)
             later = []
             break
-        try:
-            scored = score(k, refine=False)
-        except RefineLater:
+        scored = score(k, refine=False)
+        if scored is DEFERRED:
             later.append(k)
             continue
         ranking.place(scored)
@@ -283,7 +282,9 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
         if kept and kept[0].step_time_s <= bound[j] < ranking.limit:
             outcomes.append(Outcome(cands[j], None, None, RUNNER_UP_UNREFINED))
             continue
-        ranking.place(score(j, refine=True, beat=kept[0].step_time_s if kept else None))
+        again = score(j, refine=True, beat=kept[0].step_time_s if kept else None)
+        assert not isinstance(again, _Deferred)  # refined: solved or dropped
+        ranking.place(again)
     best = ranking.settle()  # a seed guarantees one
     if best is None and timed_out:  # no first plan yet: the rest is built, whatever the time
         res = _search(an, timed_out, hw=hw, gpus_per_node=gpus_per_node, precision=precision,
@@ -437,13 +438,24 @@ def _batch_group(c: Candidate) -> tuple:
             c.num_microbatches == 1, c.cp, c.cp_variant, c.fold_experts)
 
 
+class _Deferred:
+    """What :func:`_score` returns for a pipelined candidate whose recomputation modes
+    must be searched with its stage split (many ILPs): the search visits it again once
+    every candidate has been, when the best plan found prunes most of that search."""
+
+
+DEFERRED = _Deferred()
+"""The one :class:`_Deferred` (compared by identity)."""
+
+
 def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, bound: float,
            limit: float, solved: dict, outcomes: list[Outcome],
            infeasible: list[tuple[Candidate, Built]], refine: bool = True,
-           time_limit_s: float | None = None, pruned: str | None = None) -> Scored | None:
+           time_limit_s: float | None = None, pruned: str | None = None
+           ) -> Scored | _Deferred | None:
     """Solve candidate ``c`` unless it cannot fit or cannot beat ``limit`` (the time a
     plan must beat to be kept); record its outcome either way. Without ``refine``, a
-    pipelined candidate that would search its modes raises RefineLater instead (and
+    pipelined candidate that would search its modes is :data:`DEFERRED` instead (and
     records nothing). ``time_limit_s`` bounds its intra-op ILP without a pipeline
     (:func:`~autopar.solvers.intra_op_solve.solve_ilp`: SolverTimeout when it found
     nothing, records nothing). ``pruned``: the outcome of a pipelined candidate that
@@ -466,6 +478,8 @@ def _score(an: GraphAnalysis, c: Candidate, built: Built | NoFeasiblePlanError, 
             po = solve_pipeline(an.graph, built, pp=c.pp, schedule=c.schedule,
                                 virtual_stages=c.virtual_stages, solved=solved, bound=limit,
                                 refine=refine)
+        except RefineLater:
+            return DEFERRED
         except NoFeasiblePlanError as e:
             return drop(str(e), fits=False)
         if po is None:
