@@ -99,15 +99,15 @@ def search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int,
     passed: list[str] = []
     order = tiers(cands, gpus_per_node, offload) or [[]]
     for k, tier in enumerate(order):
-        try:
-            res = _search(an, tier, **kw)
-            res.passed_over = passed
-            return _or_split_sequences(an, res, order[k + 1] if k + 1 < len(order) else [], kw)
-        except NoFeasiblePlanError as e:  # name the smaller of the minima
-            passed.append(str(e))
-            if failed is None or getattr(e, "least_bytes", 0.0) < \
+        res = _search(an, tier, **kw)
+        if isinstance(res, NoFeasiblePlanError):  # name the smaller of the minima
+            passed.append(str(res))
+            if failed is None or getattr(res, "least_bytes", 0.0) < \
                     getattr(failed, "least_bytes", 0.0):
-                failed = e
+                failed = res
+            continue
+        res.passed_over = passed
+        return _or_split_sequences(an, res, order[k + 1] if k + 1 < len(order) else [], kw)
     raise failed
 
 
@@ -145,6 +145,7 @@ def _or_split_sequences(an: GraphAnalysis, res: SearchResult, following: list[Ca
     seed = [mine] + res.runners_up + ([res.set_aside] if res.set_aside else [])
     budget = SearchBudget(kw["budget"].deadline, CP_TIER_PROBLEMS if untimed else None)
     other = _search(an, split, **{**kw, "budget": budget}, unbuilt=unbuilt, seed=seed)
+    assert isinstance(other, SearchResult)  # seeded with the plan in hand
     _note_cut(res, unbuilt, len(split), untimed)
     if other.candidate is c:  # still the plan; the runners-up of both tiers ranked
         res.runners_up, res.set_aside = other.runners_up, other.set_aside
@@ -198,13 +199,15 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
             split_weights: bool = False, compile_blocks: bool = False,
             progress: Callable[[int, int, float | None], None] | None,
             unbuilt: list[Candidate] | None = None,
-            seed: list[Scored] | None = None) -> SearchResult:
-    """:func:`search` over ``cands`` as given, within ``budget``. ``seed``: plans an
-    earlier search kept, fastest first, which prune this one from its start and stay in
-    its ranking (ahead of its own on ties); its result may be ``seed[0]`` itself. With
-    a seed the budget may end this search before it builds every candidate's problem
-    (those go to ``unbuilt``, as do those past its ``max_built`` problems); without
-    one, it runs past the deadline to build a problem that may fit and find a plan."""
+            seed: list[Scored] | None = None) -> SearchResult | NoFeasiblePlanError:
+    """:func:`search` over ``cands`` as given, within ``budget``: its result, or the
+    error saying why none fits (returned, not raised: the caller tries the next tier).
+    ``seed``: plans an earlier search kept, fastest first, which prune this one from
+    its start and stay in its ranking (ahead of its own on ties); its result may be
+    ``seed[0]`` itself. With a seed the budget may end this search before it builds
+    every candidate's problem (those go to ``unbuilt``, as do those past its
+    ``max_built`` problems); without one, it runs past the deadline to build a problem
+    that may fit and find a plan."""
     t0 = time.perf_counter()
     ranking = Ranking(top_k, seed or [])
     have_plan = bool(seed)
@@ -293,15 +296,16 @@ def _search(an: GraphAnalysis, cands: list[Candidate], *, hw, gpus_per_node: int
                       budget=SearchBudget(), top_k=top_k, loss_parallel=loss_parallel,
                       split_weights=split_weights, compile_blocks=compile_blocks,
                       progress=progress)
-        res.outcomes = [o for o in outcomes if o.candidate not in timed_out] + res.outcomes
-        res.solution.stats["candidates"] = scored_count(res.outcomes)
+        if isinstance(res, SearchResult):
+            res.outcomes = [o for o in outcomes if o.candidate not in timed_out] + res.outcomes
+            res.solution.stats["candidates"] = scored_count(res.outcomes)
         return res
     if best is None:
         err = NoFeasiblePlanError(no_fit_message(an.graph, infeasible, memory_budget, outcomes,
                                                   recompute))
         err.least_bytes = min((lower_bound_memory(an.graph, b, c) for c, b in infeasible),
                               default=float("inf"))
-        raise err
+        return err
     if best.pipeline is not None and not any(best is s for s in seed or []):
         # the winner's recomputation, chosen with its stage split (a seed's already was)
         c = best.candidate
