@@ -6,8 +6,8 @@ MFU."""
 
 from __future__ import annotations
 
-from autopar.cost_models.expert_dispatch import expert_group
 from autopar.cost_models.compiled import compile_time_s
+from autopar.cost_models.expert_dispatch import expert_group
 from autopar.cost_models.strategy_price import StrategyPricer
 from autopar.graph import Graph
 from autopar.plans import ContextPlan, ExpertPlan, ModulePlan, PipelinePlan, Plan, StagePlan
