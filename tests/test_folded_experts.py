@@ -3,8 +3,8 @@ expert tensor parallelism 1): the experts split over the ``ep`` and ``tp`` ranks
 together, whole on each rank, each tp rank routing its own rows of the tokens
 (:attr:`autopar.plans.ExpertPlan.folded`). Asked for with ``expert_tp=1`` or chosen by
 the planner where it pays; trained as in one process (Hugging Face's Mixtral, Qwen2-MoE
-and DeepSeek-V3, fp32, gloo; 4 ranks, and 8 with a pipeline); the emitted program
-trains as one process does."""
+and DeepSeek-V3, fp32, gloo; 4 ranks, and 8 with a pipeline); checkpointed whole, so
+another plan resumes it; the emitted program trains as one process does."""
 
 from __future__ import annotations
 
@@ -54,8 +54,7 @@ def _train(cases: list[tuple[str, dict, int]]) -> list[tuple[list[float], list[i
     return out
 
 
-CASES = {4: [("mixtral", {"dp": 2, "ep": 4, **FOLD}, 1),
-             ("mixtral", {"dp": 2, "ep": 4, **FOLD}, 2),  # two legs over 2 nodes of 2
+CASES = {4: [("mixtral", {"dp": 2, "ep": 4, **FOLD}, 2),  # two legs over 2 nodes of 2
              ("qwen2moe", {"dp": 2, "ep": 4, "tp": 2, "expert_tp": 1, "zero": 3}, 1),
              ("deepseek_v3", {"dp": 2, "ep": 4, "microbatch_size": 1, **FOLD}, 1)],
          8: [("mixtral", {"pp": 2, "dp": 2, "ep": 4, **FOLD}, 1)]}
@@ -73,6 +72,47 @@ def test_folded_experts_train_as_in_one_process(rank_pool: RankPool, ranks: int)
         assert losses == pytest.approx(ref, abs=1e-5), (kind, space, per_node)
         experts = 8 if kind == "mixtral" else 4
         assert folded and held == [experts // space["ep"]], (kind, space, held)
+
+
+def _save_then_resume(folder: str) -> list[float]:
+    """On each of 4 ranks: 2 AdamW steps of Mixtral with its experts folded over tp
+    (dp2 x tp2, ep 4), saved; then a fresh Mixtral under dp4 x ep2 (experts over dp
+    alone) loads it and takes a third step: the three losses."""
+    import autopar
+
+    x, y = batch()
+    losses = []
+    for space, steps in (({"dp": 2, "ep": 4, **FOLD}, 2), ({"dp": 4, "ep": 2}, 1)):
+        pm = autopar.parallelize(mixtral(), (x,), precision="fp32", **space)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        if steps == 1:
+            assert autopar.load(folder, pm, opt).step == 2
+        for _ in range(steps):
+            losses.append(float(pm.step(x, y)))
+            opt.step()
+            opt.zero_grad()
+        if steps == 2:
+            assert pm.plan.fold_experts
+            autopar.save(folder, pm, opt, step=2)
+    return losses
+
+
+@pytest.mark.multirank
+def test_a_folded_checkpoint_resumes_with_experts_over_dp(rank_pool: RankPool,
+                                                         tmp_path) -> None:
+    """The folded experts are checkpointed whole: saved under ep 4 over dp2 x tp2 (one
+    exchange), loaded under ep 2 over dp4, the three AdamW steps' losses are one
+    process's."""
+    got = rank_pool.run(4, _save_then_resume, str(tmp_path / "ckpt"), timeout_s=600)[0]
+    x, y = batch()
+    model = mixtral()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step, ref = reference_step(model, x, y), []
+    for _ in range(3):
+        ref.append(float(step()))
+        opt.step()
+        opt.zero_grad()
+    assert got == pytest.approx(ref, abs=1e-5)
 
 
 def test_folded_plan_holds_whole_experts_and_exchanges_over_ep_x_tp() -> None:
