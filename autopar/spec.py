@@ -53,8 +53,8 @@ class Spec:
             parallelism: ``tp`` (the experts split like the rest of the model, the
             solver choosing how) or 1 (each rank holds whole experts, the ep group
             drawn from dp x tp, ``tp`` divides ``ep``: Megatron-Core's MoE parallel
-            folding; routed experts under sequence parallelism only). None: the
-            solver's choice.
+            folding; routed experts only, each tp rank routing its own rows of the
+            tokens). None: the solver's choice.
         cp: context-parallel degree: every sequence split over ``cp`` ranks (head-tail
             chunks, so 2·cp divides the sequence), attention bringing the keys by
             ``cp_variant``; the parameters are replicated (or ZeRO-sharded) over dp × cp.
