@@ -28,7 +28,7 @@ from autopar.loader import load_callable
 from autopar.plans import SELECTIVE_SAVE_OPS, ModulePlan, Plan
 from autopar.runtime import codegen_pipeline_templates as PT
 from autopar.runtime import codegen_templates as T
-from autopar.runtime.codegen_facts import ModelFacts, model_facts
+from autopar.runtime.codegen_facts import ModelFacts, model_facts, sample_shape
 from autopar.runtime.codegen_imports import import_block
 from autopar.runtime.codegen_pipeline import pipeline_text
 from autopar.units_text import fmt_bytes
@@ -537,7 +537,7 @@ def emit_program(plan: Plan, model_spec: str, *, model_file: str | None = None,
     constants = T.CONSTANTS.substitute(
         model_file=model_file if model_file is not None else path, factory=factory,
         global_batch=plan.global_batch, microbatch_size=plan.microbatch_size,
-        num_microbatches=plan.num_microbatches, input_shape=facts.input_shape,
+        num_microbatches=plan.num_microbatches, input_shape=sample_shape(plan, facts),
         input_is_tokens=facts.input_is_tokens, num_classes=facts.num_classes,
         step_s=repr(float(plan.step_time_s)), extra=extra)
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())

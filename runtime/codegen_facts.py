@@ -12,7 +12,7 @@ from autopar.errors import ConfigError, FactoryError
 from autopar.loader import load
 from autopar.runtime.tensor_parallel import tied_parameter_groups
 
-__all__ = ["ModelFacts", "model_facts"]
+__all__ = ["ModelFacts", "model_facts", "sample_shape"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,12 @@ def model_facts(model_spec: str) -> ModelFacts:
     return ModelFacts(model=model, tied=tied_parameter_groups(model),
                       input_shape=tuple(x.shape[1:]), input_is_tokens=tokens,
                       num_classes=int(classes), note=note)
+
+
+def sample_shape(plan, facts: ModelFacts) -> tuple[int, ...]:
+    """One sample's shape the program exports its stages for and makes synthetic data
+    of: that of the plan's first input where the plan records it (a pipeline's stages
+    are cut for the shapes it was planned for), else the factory's example's."""
+    if plan.inputs and plan.inputs[0].get("shape"):
+        return tuple(int(d) for d in plan.inputs[0]["shape"][1:])
+    return facts.input_shape

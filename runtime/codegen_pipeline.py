@@ -19,6 +19,7 @@ import torch
 from autopar.plans import Plan
 from autopar.runtime import codegen_pipeline_templates as PT
 from autopar.runtime import codegen_templates as T
+from autopar.runtime.codegen_facts import sample_shape
 from autopar.runtime.pipeline import (SCHEDULE_CLASSES, SINGLE_STAGE_SCHEDULES,
                                       check_pipeline, split_for_plan, stage_blocks)
 from autopar.solvers.schedule_sim import ZERO_BUBBLE
@@ -110,7 +111,8 @@ def pipeline_text(plan: Plan, facts: ModelFacts, layout: list[str], partial_grad
     loss over dp. Checks the pipeline against the model (LoweringError)."""
     check_pipeline(facts.model, plan)
     dtype = torch.long if facts.input_is_tokens else torch.float32
-    example = torch.zeros((plan.global_batch, *facts.input_shape), dtype=dtype, device="meta")
+    example = torch.zeros((plan.global_batch, *sample_shape(plan, facts)), dtype=dtype,
+                          device="meta")
     _, copies = split_for_plan(facts.model, plan, example)
     tied = [list(group.names) for group in copies]
     tp = plan.degree("tp") > 1

@@ -189,3 +189,25 @@ def test_emitted_program_runs_folded_experts(tmp_path) -> None:
     model = mixtral()
     ref = sgd_losses(model.parameters(), reference_step(model, x, y), 2, LR)
     assert printed_losses(out) == pytest.approx(ref, abs=1e-5)
+
+
+def test_a_pipelined_program_is_cut_for_the_plans_inputs(tmp_path) -> None:
+    """A pipelined folded plan made for sequences of 16 tokens, of a factory whose own
+    example holds 1,024: the program exports its stages for the plan's 16 (it cut
+    them for the factory's 1,024 and failed in the rotary embedding on 8 gloo ranks)."""
+    import autopar
+    from autopar.runtime.codegen import emit_program
+    from tests.test_codegen import pyflakes
+
+    factory = tmp_path / "models.py"
+    factory.write_text("import torch\n\n\n" + inspect.getsource(mixtral))
+    x, y = batch()
+    plan = autopar.plan(mixtral(), (x,), example_targets=y, precision="fp32",
+                        cluster=autopar.Cluster("cpu", 1, 8), pp=2, dp=2, ep=4, **FOLD)
+    assert plan.fold_experts and plan.inputs[0]["shape"] == [8, 16]
+    program = tmp_path / "pipelined.py"
+    program.write_text(emit_program(plan, f"{factory}:mixtral"))
+    text = program.read_text()
+    assert "\nINPUT_SHAPE = (16,)  #" in text
+    assert 'shard_experts(stage, build_expert_mesh(device_type), None)' in text
+    assert pyflakes(program) == ""
