@@ -23,7 +23,7 @@ from functools import lru_cache
 from autopar.errors import ConfigError, PlanFormatError
 
 __all__ = ["DATA_AXES", "data_parallel_degree", "replica_degree", "Mesh", "layout_name", "check_placement", "shard_dim", "shard_pieces",
-           "shard_placement"]
+           "shard_placement", "folded_ep_axis"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,16 @@ def replica_degree(mesh: Mesh) -> int:
     """How many ranks hold a replica of a (non-expert) parameter: the data axes' and
     the context-parallel axis's (``cp`` runs the same parameters on other tokens)."""
     return data_parallel_degree(mesh) * mesh.degree("cp")
+
+
+def folded_ep_axis(ep: int, tp: int, dp: int | None = None) -> int | None:
+    """The ``ep`` mesh axis when ``ep`` expert ranks fold over ``tp`` (Megatron-Core's
+    expert tensor parallelism 1): ``ep / tp`` ranks of dp, where tp > 1 divides ep and
+    the quotient is above 1 and divides ``dp`` (None: any); else None."""
+    if tp <= 1 or ep % tp or ep <= tp:
+        return None
+    axis = ep // tp
+    return axis if dp is None or dp % axis == 0 else None
 
 
 def shard_placement(dim: int, pieces: int = 1) -> str:

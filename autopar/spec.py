@@ -18,6 +18,7 @@ from autopar.cost_models.context_parallel import VARIANTS as CP_VARIANTS
 from autopar.errors import ConfigError
 from autopar.memory_choices import RECOMPUTE
 from autopar.plans import SCHEDULES
+from autopar.sharding import folded_ep_axis
 
 __all__ = ["Spec", "SEARCH_OPTIONS", "split_space", "check_choice", "default_microbatch"]
 
@@ -132,7 +133,7 @@ class Spec:
                               f"split like the rest of the model (expert_tp={self.tp}) or held "
                               f"whole by each rank (expert_tp=1, ep drawn from dp x tp)")
         if self.expert_tp == 1 and self.tp is not None and self.tp > 1 and \
-                self.ep is not None and (self.ep % self.tp or self.ep == self.tp):
+                self.ep is not None and folded_ep_axis(self.ep, self.tp) is None:
             raise ConfigError(f"ep={self.ep} with expert_tp=1 and tp={self.tp}: folded experts "
                               f"take their ep ranks from dp x tp, so tp divides ep and ep / tp, "
                               f"the ep ranks of dp, is above 1; choose ep = k x {self.tp} with "
@@ -181,7 +182,7 @@ class Spec:
             raise ConfigError(f"the global batch {global_batch} is not divisible by dp={dp}")
         ep = self.ep or 1
         whole = dp % ep == 0
-        folded = tp > 1 and ep % tp == 0 and ep > tp and dp % (ep // tp) == 0
+        folded = folded_ep_axis(ep, tp, dp) is not None
         if self.expert_tp == 1 and tp > 1 and not folded:
             raise ConfigError(f"ep={ep} with expert_tp=1 needs ep / tp={tp} ranks of dp, a "
                               f"divisor of dp={dp} above 1; choose an ep of tp x such a divisor")

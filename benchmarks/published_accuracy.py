@@ -115,7 +115,9 @@ def why_not_scored(row: dict[str, Any], sources: dict[str, Any]) -> str | None:
         return (f"autopar's Llama/MoE attention needs an even head width hidden/heads for "
                 f"its rotary embedding: {a['hidden']}/{a['heads']} = {a['hidden'] // a['heads']}")
     if folds_experts(row):
-        if p["ep"] % p["tp"] or p["dp"] % (p["ep"] // p["tp"]) or p["ep"] == p["tp"]:
+        from autopar.sharding import folded_ep_axis
+
+        if folded_ep_axis(p["ep"], p["tp"], p["dp"]) is None:
             return (f"EP {p['ep']} folded over TP {p['tp']} x DP {p['dp']} (expert TP 1) is not "
                     f"a multiple of TP drawing a divisor of DP above 1, as autopar's folding is")
         if row["scoring_assumptions"].get("model") not in HF_MODELS:

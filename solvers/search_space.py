@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.errors import ConfigError
-from autopar.sharding import Mesh
+from autopar.sharding import Mesh, folded_ep_axis
 from autopar.memory_choices import RECOMPUTE
 from autopar.solvers.schedule_sim import needs_a_microbatch_per_stage, validate
 from autopar.strategies.settings import Settings
@@ -175,9 +175,12 @@ def _expert_degrees(dp: int, tp: int, ep: int | None, experts: int,
             out += [(e, False) for e in divisors(dp) if experts and experts % e == 0] or \
                 [(1, False)]
     if fold is not False and tp > 1:
-        axes = [ep // tp] if ep is not None and ep % tp == 0 else [] if ep is not None else \
-            [e for e in divisors(dp) if experts and experts % (e * tp) == 0]
-        out += [(e, True) for e in axes if e > 1 and dp % e == 0]
+        if ep is not None:
+            axis = folded_ep_axis(ep, tp, dp)
+            out += [(axis, True)] if axis is not None else []
+        else:
+            out += [(e, True) for e in divisors(dp)
+                    if e > 1 and experts and experts % (e * tp) == 0]
     return out
 
 
