@@ -218,10 +218,15 @@ def shard_expert_weights(model: nn.Module, table: Mapping[str, tuple],
         module.register_forward_hook(drop)
 
 
-def shard_plan_experts(model: nn.Module, plan: Plan, expert_mesh: DeviceMesh,
-                       tp_mesh: DeviceMesh | None) -> None:
-    """:func:`shard_expert_weights` for the expert modules of ``plan.experts``."""
-    shard_expert_weights(model, expert_table(plan), expert_mesh, tp_mesh)
+def shard_plan_experts(model: nn.Module, plan: Plan, meshes: PlanMeshes,
+                       before_tp: bool) -> None:
+    """:func:`shard_expert_weights` for the expert modules of ``plan.experts``, at the
+    step of the lowering that lays them out: before tensor parallelism (``before_tp``)
+    for experts folded over tp, which tensor parallelism then leaves alone; after it,
+    on the tp mesh, for the others. Nothing at the other step, or without ep."""
+    if meshes.experts is not None and plan.fold_experts == before_tp:
+        shard_expert_weights(model, expert_table(plan), meshes.experts,
+                             None if before_tp else meshes.tp)
 
 
 def expert_table(plan: Plan) -> dict[str, tuple[int, int, int, dict[str, int], int, bool]]:
@@ -233,9 +238,7 @@ def expert_table(plan: Plan) -> dict[str, tuple[int, int, int, dict[str, int], i
 def apply_expert_parallel(model: nn.Module, plan: Plan, meshes: PlanMeshes) -> None:
     """Split the experts of ``plan.experts`` over ``meshes.ep`` and move their tokens by
     all-to-all, a routed module's in two legs over ``meshes.ep_legs`` where the plan
-    says so (module docstring; :func:`split_experts`). Experts folded over tp are made
-    DTensors over the expert mesh here, before tensor parallelism
-    (:func:`shard_plan_experts` runs after it for the others)."""
+    says so (module docstring; :func:`split_experts`); experts folded over tp are made
+    DTensors over the expert mesh here (:func:`shard_plan_experts`)."""
     split_experts(model, expert_table(plan), meshes.ep, meshes.ep_legs, meshes.tp)
-    if plan.fold_experts and meshes.experts is not None:
-        shard_plan_experts(model, plan, meshes.experts, None)
+    shard_plan_experts(model, plan, meshes, before_tp=True)

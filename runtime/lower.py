@@ -199,8 +199,7 @@ def lower(model: nn.Module, plan: Plan, device: torch.device,
         apply_expert_parallel(model, plan, meshes)
     if plan.degree("tp") > 1:
         apply_tensor_parallel(model, plan, meshes.tp, local=not compile)
-    if meshes.experts is not None and not plan.fold_experts:
-        shard_plan_experts(model, plan, meshes.experts, meshes.tp)
+    shard_plan_experts(model, plan, meshes, before_tp=False)
     apply_ac(model, plan)
     if compile:
         compile_blocks(model, plan)

@@ -344,8 +344,7 @@ def parallelize_stage(module: nn.Module, plan: Plan, meshes: PlanMeshes,
         apply_tensor_parallel(module, sub, meshes.tp)
         if plan.pipeline.schedule in ZERO_BUBBLE:
             module.register_forward_hook(_own_outputs)
-    if meshes.experts is not None and not plan.fold_experts:
-        shard_plan_experts(module, sub, meshes.experts, meshes.tp)
+    shard_plan_experts(module, sub, meshes, before_tp=False)
     apply_ac(module, sub)
     if meshes.fsdp is not None:
         apply_data_parallel(module, sub, meshes.fsdp, meshes.expert_fsdp)
